@@ -1,0 +1,74 @@
+# Two entry points: `make demo` runs the evaluation on the local default, `make test` runs every suite.
+SHELL := /bin/bash
+.DEFAULT_GOAL := help
+
+# ansible-core 2.21 needs Python >= 3.12 on the control node; the ML environment uses Python 3.11,
+# for which a CPU torch wheel is available offline on this kind of machine.
+PYTHON_CONTROL ?= $(shell command -v python3.12 2>/dev/null || ls $$HOME/.pyenv/versions/3.12*/bin/python3.12 2>/dev/null | head -n1)
+PYTHON_ML ?= $(shell command -v python3.11 2>/dev/null || ls $$HOME/.pyenv/versions/3.11*/bin/python3.11 2>/dev/null | head -n1)
+VENV := .venv
+ML_VENV := .venv-ml
+ANSIBLE_PLAYBOOK := $(VENV)/bin/ansible-playbook
+export ANSIBLE_CONFIG := $(CURDIR)/ansible.cfg
+export PYTHONDONTWRITEBYTECODE := 1
+
+.PHONY: help demo demo-stop test test-python test-ansible test-lint test-sanity test-units \
+        test-integration test-systemd system-deps ml-env venv clean
+
+help:
+	@echo "make demo   - set up, then run playbooks/eval.yml on the local default and print the report path"
+	@echo "make test   - run every test suite (lint, sanity, units, package, playbooks, systemd)"
+
+$(VENV)/.stamp: requirements/control.txt
+	@test -n "$(PYTHON_CONTROL)" || { echo "Python 3.12 is required for ansible-core 2.21 (set PYTHON_CONTROL)"; exit 1; }
+	$(PYTHON_CONTROL) -m venv $(VENV)
+	$(VENV)/bin/pip install -q -r requirements/control.txt
+	touch $@
+
+venv: $(VENV)/.stamp
+
+# The ML environment is built by the fla_env role, the same code that builds it on GPU hosts.
+$(ML_VENV)/.stamp: $(VENV)/.stamp pyproject.toml
+	$(ANSIBLE_PLAYBOOK) playbooks/ml_env.yml -e fla_env_python=$(PYTHON_ML)
+	$(ML_VENV)/bin/pip install -q -e '.[ml,dev]'
+	touch $@
+
+ml-env: $(ML_VENV)/.stamp
+
+demo: $(VENV)/.stamp
+	$(ANSIBLE_PLAYBOOK) playbooks/eval.yml -e fla_env_python=$(PYTHON_ML)
+	@echo "Report: $(CURDIR)/.work/demo/run/score/report.md"
+
+demo-stop: $(VENV)/.stamp
+	$(ANSIBLE_PLAYBOOK) playbooks/service.yml -e sglang_service_state=stopped
+
+system-deps:
+	@command -v debootstrap >/dev/null && command -v systemd-nspawn >/dev/null || \
+	  { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq debootstrap systemd-container; }
+
+test: test-python test-ansible test-lint test-sanity test-units test-integration test-systemd
+
+test-python: $(ML_VENV)/.stamp
+	$(ML_VENV)/bin/ruff check src tests/unit benchmarks
+	$(ML_VENV)/bin/pytest -q tests/unit
+
+test-ansible: $(VENV)/.stamp $(ML_VENV)/.stamp
+	$(VENV)/bin/pytest -q tests/ansible
+
+test-lint: $(VENV)/.stamp
+	$(VENV)/bin/ansible-lint --profile production playbooks roles
+
+test-sanity: $(VENV)/.stamp
+	./tests/run-ansible-test.sh sanity
+
+test-units: $(VENV)/.stamp
+	./tests/run-ansible-test.sh units
+
+test-integration: $(VENV)/.stamp $(ML_VENV)/.stamp
+	$(VENV)/bin/pytest -q tests/integration
+
+test-systemd: system-deps $(VENV)/.stamp $(ML_VENV)/.stamp
+	$(VENV)/bin/pytest -q tests/systemd
+
+clean:
+	rm -rf .work

@@ -1,0 +1,115 @@
+"""Atomic writes, checksums and stage manifests: how a rerun knows it has nothing to do."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+MANIFEST_NAME = "manifest.json"
+
+
+def atomic_write_bytes(path: str | os.PathLike[str], data: bytes) -> None:
+    """Write to a temporary file beside `path`, fsync, then rename: readers never see half a file."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as handle:
+            handle.write(data)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def atomic_write_text(path: str | os.PathLike[str], text: str) -> None:
+    atomic_write_bytes(path, text.encode("utf-8"))
+
+
+def atomic_write_json(path: str | os.PathLike[str], obj: Any) -> None:
+    atomic_write_text(path, json.dumps(obj, indent=2, sort_keys=True) + "\n")
+
+
+def remove_stale_temporaries(directory: str | os.PathLike[str]) -> list[str]:
+    """Delete leftovers of writes that a crash interrupted (`.name.XXXX.tmp`)."""
+    removed = []
+    directory = Path(directory)
+    if directory.is_dir():
+        for tmp in directory.glob(".*.tmp"):
+            tmp.unlink(missing_ok=True)
+            removed.append(tmp.name)
+    return removed
+
+
+def sha256_file(path: str | os.PathLike[str], chunk: int = 1 << 20) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        while block := handle.read(chunk):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def fingerprint(obj: Any) -> str:
+    """A stable digest of JSON-able inputs (key order does not matter)."""
+    canonical = json.dumps(obj, sort_keys=True, separators=(",", ":"), default=str)
+    return hashlib.sha256(canonical.encode("utf-8")).hexdigest()
+
+
+def file_identity(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """Cheap identity of a file for input fingerprints: size and content hash."""
+    path = Path(path)
+    return {"path": str(path.resolve()), "size": path.stat().st_size, "sha256": sha256_file(path)}
+
+
+def load_manifest(directory: str | os.PathLike[str]) -> dict[str, Any] | None:
+    path = Path(directory) / MANIFEST_NAME
+    try:
+        return json.loads(path.read_text())
+    except (FileNotFoundError, json.JSONDecodeError):
+        return None
+
+
+def is_up_to_date(directory: str | os.PathLike[str], inputs_fingerprint: str) -> bool:
+    """True when the directory holds a complete output made from exactly these inputs."""
+    manifest = load_manifest(directory)
+    if not manifest or manifest.get("inputs_fingerprint") != inputs_fingerprint:
+        return False
+    for name, digest in manifest.get("files", {}).items():
+        path = Path(directory) / name
+        if not path.is_file() or path.stat().st_size != digest.get("size"):
+            return False
+    return True
+
+
+def write_manifest(
+    directory: str | os.PathLike[str],
+    stage: str,
+    inputs: dict[str, Any],
+    files: list[str],
+    **extra: Any,
+) -> dict[str, Any]:
+    """Record what a stage made and from what; written last, so its presence means complete."""
+    from specops import __version__
+
+    directory = Path(directory)
+    manifest = {
+        "stage": stage,
+        "specops_version": __version__,
+        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "inputs": inputs,
+        "inputs_fingerprint": fingerprint(inputs),
+        "files": {
+            name: {"size": (directory / name).stat().st_size, "sha256": sha256_file(directory / name)}
+            for name in files
+        },
+        **extra,
+    }
+    atomic_write_json(directory / MANIFEST_NAME, manifest)
+    return manifest
