@@ -1,0 +1,88 @@
+"""Run the real playbooks against the local default, in a work directory and port of the test's own."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import socket
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+ANSIBLE_PLAYBOOK = Path(sys.executable).parent / "ansible-playbook"
+RECAP = re.compile(r"^(?P<host>\S+)\s*:\s*ok=(?P<ok>\d+)\s+changed=(?P<changed>\d+)\s+unreachable=(?P<unreachable>\d+)\s+failed=(?P<failed>\d+)", re.M)
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@dataclass
+class PlayResult:
+    rc: int
+    output: str
+    recap: dict[str, dict[str, int]] = field(default_factory=dict)
+
+
+@dataclass
+class LocalDefault:
+    work_dir: Path
+    port: int
+
+    def extra_vars(self, **overrides) -> dict:
+        models = Path(os.environ.get("SPECOPS_TEST_MODELS", REPO / ".work" / "test-models"))
+        values = {
+            "specops_work_dir": str(self.work_dir),
+            "specops_models_dir": str(models),
+            "sglang_service_port": self.port,
+            "sglang_service_pid_file": str(self.work_dir / "sglang.pid"),
+            "sglang_service_log_file": str(self.work_dir / "sglang.log"),
+        }
+        values.update(overrides)
+        return values
+
+    def play(self, playbook: str, timeout: int = 900, **overrides) -> PlayResult:
+        cmd = [str(ANSIBLE_PLAYBOOK), str(REPO / "playbooks" / playbook),
+               "-e", json.dumps(self.extra_vars(**overrides))]
+        proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout,
+                              env={**os.environ, "ANSIBLE_CONFIG": str(REPO / "ansible.cfg"),
+                                   "ANSIBLE_NOCOLOR": "1", "ANSIBLE_FORCE_COLOR": "0"})
+        output = proc.stdout + proc.stderr
+        recap = {m["host"]: {k: int(m[k]) for k in ("ok", "changed", "unreachable", "failed")}
+                 for m in RECAP.finditer(output)}
+        return PlayResult(proc.returncode, output, recap)
+
+    @property
+    def run_dir(self) -> Path:
+        return self.work_dir / "run"
+
+    def health_generate_status(self) -> int:
+        import urllib.error
+        import urllib.request
+
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health_generate", timeout=30) as response:
+                return response.status
+        except urllib.error.HTTPError as error:
+            return error.code
+        except OSError:
+            return -1
+
+    def server_pid(self) -> int | None:
+        pid_file = self.work_dir / "sglang.pid"
+        return int(pid_file.read_text().split()[0]) if pid_file.is_file() else None
+
+
+@pytest.fixture(scope="session")
+def local_default(tmp_path_factory):
+    site = LocalDefault(work_dir=tmp_path_factory.mktemp("eval"), port=free_port())
+    yield site
+    # The play leaves the service running, as production would: stop what the test started.
+    site.play("service.yml", sglang_service_state="stopped", timeout=120)

@@ -1,0 +1,51 @@
+"""eval.yml end to end on the local default: the report, idempotence, and the service surviving failure."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+
+@pytest.fixture(scope="module")
+def first_run(local_default):
+    result = local_default.play("eval.yml")
+    assert result.rc == 0, result.output[-6000:]
+    return result
+
+
+def test_eval_writes_a_report_with_tau_per_prompt_and_overall(first_run, local_default):
+    report = json.loads((local_default.run_dir / "score" / "report.json").read_text())
+    prompts = [json.loads(line)["id"] for line in
+               (local_default.run_dir / "completions" / "completions.jsonl").read_text().splitlines()]
+    assert [row["id"] for row in report["per_prompt"]] == prompts
+    assert all(row["tau"] >= 1.0 for row in report["per_prompt"])
+    assert report["overall"]["tau"] >= 1.0
+    markdown = (local_default.run_dir / "score" / "report.md").read_text()
+    assert "tau" in markdown.lower() and ".png" in markdown
+
+
+def test_eval_leaves_the_service_ready(first_run, local_default):
+    assert local_default.health_generate_status() == 200
+
+
+def test_second_run_changes_nothing_and_keeps_the_server_up(first_run, local_default):
+    pid_before = local_default.server_pid()
+    result = local_default.play("eval.yml")
+    assert result.rc == 0, result.output[-6000:]
+    assert result.recap and all(counts["changed"] == 0 for counts in result.recap.values()), result.output[-4000:]
+    assert local_default.server_pid() == pid_before
+    assert local_default.health_generate_status() == 200
+
+
+def test_failed_extraction_names_the_stage_and_the_service_comes_back(first_run, local_default):
+    # A layer id past the target's last layer makes the extraction stage fail on its own input checks.
+    result = local_default.play(
+        "eval.yml",
+        specops_run_dir=str(local_default.work_dir / "run-broken"),
+        extract_hidden_states_layer_ids=[99],
+    )
+    assert result.rc != 0
+    assert "stage 'extract' failed" in result.output
+    assert "layer" in result.output and "99" in result.output
+    assert local_default.health_generate_status() == 200
