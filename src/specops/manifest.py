@@ -93,9 +93,14 @@ def write_manifest(
     stage: str,
     inputs: dict[str, Any],
     files: list[str],
+    digests: dict[str, dict[str, Any]] | None = None,
     **extra: Any,
 ) -> dict[str, Any]:
-    """Record what a stage made and from what; written last, so its presence means complete."""
+    """Record what a stage made and from what; written last, so its presence means complete.
+
+    `digests` gives {"size", "sha256"} for files the stage hashed while writing them (no second read).
+    """
+    digests = digests or {}
     from specops import __version__
 
     directory = Path(directory)
@@ -106,7 +111,8 @@ def write_manifest(
         "inputs": inputs,
         "inputs_fingerprint": fingerprint(inputs),
         "files": {
-            name: {"size": (directory / name).stat().st_size, "sha256": sha256_file(directory / name)}
+            name: digests.get(name)
+            or {"size": (directory / name).stat().st_size, "sha256": sha256_file(directory / name)}
             for name in files
         },
         **extra,

@@ -1,0 +1,87 @@
+# -*- coding: utf-8 -*-
+# GNU General Public License v3.0+ (see https://www.gnu.org/licenses/gpl-3.0.txt)
+"""run_stage: the module side of the stage protocol, against a stand-in package (conftest.FAKE_STAGE)."""
+
+from __future__ import absolute_import, division, print_function
+
+__metaclass__ = type
+
+import pytest
+
+from ansible.module_utils.basic import AnsibleModule
+from ansible.module_utils.testing import patch_module_args
+from ansible_collections.specops.drafter.plugins.module_utils.stage_runner import run_stage
+from ansible_collections.specops.drafter.tests.unit.helpers import AnsibleFailJson
+
+
+@pytest.fixture
+def make_module(module_exits):
+    def make(check_mode=False):
+        args = {"_ansible_check_mode": True} if check_mode else {}
+        with patch_module_args(args):
+            return AnsibleModule(argument_spec={}, supports_check_mode=True)
+
+    return make
+
+
+def test_run_mode_invokes_the_stage_module_with_run(make_module, fake_python):
+    result = run_stage(make_module(), fake_python, "score", {"x": 1})
+    assert result["seen"]["argv"] == ["-m", "specops.score", "--run"]
+    assert result["changed"] is True
+
+
+def test_the_request_reaches_the_package_as_json_on_stdin(make_module, fake_python):
+    request = {"out_dir": "/tmp/run/score", "layers": [1, 9, 17], "force": False}
+    result = run_stage(make_module(), fake_python, "score", request)
+    assert result["seen"]["request"] == request
+
+
+def test_check_mode_asks_the_package_for_a_plan(make_module, fake_python):
+    result = run_stage(make_module(check_mode=True), fake_python, "extract", {})
+    assert result["seen"]["argv"] == ["-m", "specops.extract", "--plan"]
+    assert result["changed"] is False
+
+
+def test_an_explicit_plan_overrides_check_mode(make_module, fake_python):
+    result = run_stage(make_module(check_mode=False), fake_python, "extract", {}, plan=True)
+    assert result["seen"]["argv"][-1] == "--plan"
+
+
+def test_only_the_last_stdout_line_is_the_result(make_module, fake_python):
+    # The stand-in prints a progress line on stdout before its JSON result.
+    result = run_stage(make_module(), fake_python, "score", {"result": {"tau": 3.02}})
+    assert result["tau"] == 3.02
+
+
+def test_extra_env_reaches_the_package(make_module, fake_python):
+    result = run_stage(make_module(), fake_python, "score", {}, extra_env={"SPECOPS_TEST_ENV": "yes"})
+    assert result["seen"]["env"] == "yes"
+
+
+def test_a_user_error_fails_with_the_package_message(make_module, fake_python):
+    with pytest.raises(AnsibleFailJson) as failure:
+        run_stage(make_module(), fake_python, "score", {"behave": "user_error"})
+    assert failure.value.result["msg"] == "score: target layer 64 out of range"
+    assert "progress: score --run" in failure.value.result["stderr_tail"]
+
+
+def test_a_crash_fails_naming_the_stage_and_exit_code_with_the_traceback(make_module, fake_python):
+    with pytest.raises(AnsibleFailJson) as failure:
+        run_stage(make_module(), fake_python, "extract", {"behave": "crash"})
+    assert failure.value.result["msg"].startswith("specops.extract crashed (exit 1)")
+    assert "ZeroDivisionError" in failure.value.result["stderr_tail"]
+
+
+def test_success_without_a_json_result_counts_as_a_crash(make_module, fake_python):
+    with pytest.raises(AnsibleFailJson) as failure:
+        run_stage(make_module(), fake_python, "score", {"behave": "no_json"})
+    assert "crashed (exit 0)" in failure.value.result["msg"]
+    assert "not a JSON object" in failure.value.result["stdout_tail"]
+
+
+def test_a_missing_interpreter_fails_and_names_the_fix(make_module, tmp_path):
+    missing = str(tmp_path / "nowhere" / "bin" / "python")
+    with pytest.raises(AnsibleFailJson) as failure:
+        run_stage(make_module(), missing, "score", {})
+    assert missing in failure.value.result["msg"]
+    assert "fla_env" in failure.value.result["msg"]

@@ -1,0 +1,89 @@
+# -*- coding: utf-8 -*-
+# GNU General Public License v3.0+ (see https://www.gnu.org/licenses/gpl-3.0.txt)
+"""score_drafter: argument spec, check mode and result shape, against a stand-in package."""
+
+from __future__ import absolute_import, division, print_function
+
+__metaclass__ = type
+
+import pytest
+
+from ansible_collections.specops.drafter.plugins.modules import score_drafter
+from ansible_collections.specops.drafter.tests.unit.helpers import AnsibleExitJson, AnsibleFailJson
+
+
+def args_for(python, tmp_path, **extra):
+    args = {
+        "python": python,
+        "hidden_states": str(tmp_path / "run" / "hidden_states"),
+        "target": str(tmp_path / "models" / "target"),
+        "drafter": str(tmp_path / "models" / "drafter"),
+        "out_dir": str(tmp_path / "run" / "score"),
+    }
+    args.update(extra)
+    return args
+
+
+def test_missing_required_options_are_named(run_module):
+    with pytest.raises(AnsibleFailJson) as failure:
+        run_module(score_drafter.main, {"python": "/usr/bin/python3"})
+    for option in ("hidden_states", "target", "drafter", "out_dir"):
+        assert option in failure.value.result["msg"]
+
+
+def test_an_unknown_device_is_rejected_with_the_choices(run_module, fake_python, tmp_path):
+    with pytest.raises(AnsibleFailJson) as failure:
+        run_module(score_drafter.main, args_for(fake_python, tmp_path, device="tpu"))
+    assert "auto, cpu, cuda" in failure.value.result["msg"]
+
+
+def test_check_mode_asks_the_package_for_a_plan(run_module, fake_python, fake_stage, tmp_path):
+    fake_stage(result={"changed": True, "msg": "the report would be written"})
+    with pytest.raises(AnsibleExitJson) as done:
+        run_module(score_drafter.main, args_for(fake_python, tmp_path), check_mode=True)
+    assert fake_stage.received()["argv"] == ["-m", "specops.score", "--plan"]
+    assert done.value.result["changed"] is True
+    assert done.value.result["tau"] is None
+    assert done.value.result["msg"] == "the report would be written"
+
+
+def test_check_mode_writes_nothing(run_module, fake_python, fake_stage, tmp_path):
+    fake_stage(result={"changed": True})
+    with pytest.raises(AnsibleExitJson):
+        run_module(score_drafter.main, args_for(fake_python, tmp_path), check_mode=True)
+    assert not (tmp_path / "run").exists()
+
+
+def test_the_request_carries_the_options_and_leaves_out_unset_ones(run_module, fake_python, fake_stage, tmp_path):
+    fake_stage()
+    with pytest.raises(AnsibleExitJson):
+        run_module(score_drafter.main, args_for(fake_python, tmp_path, dtype="float32"))
+    received = fake_stage.received()
+    assert received["argv"][-1] == "--run"
+    assert received["request"]["dtype"] == "float32"
+    assert received["request"]["out_dir"] == str(tmp_path / "run" / "score")
+    assert "reference_drafter" not in received["request"]
+
+
+def test_the_key_figures_come_from_the_package(run_module, fake_python, fake_stage, tmp_path):
+    figures = {"changed": True, "tau": 3.02, "reference_tau": 12.41, "ratio": 0.243, "n_prompts": 10,
+               "verdict": "the drafter accepts 3.02 tokens per step, 24% of the reference"}
+    fake_stage(result=figures)
+    with pytest.raises(AnsibleExitJson) as done:
+        run_module(score_drafter.main, args_for(fake_python, tmp_path))
+    for key, value in figures.items():
+        assert done.value.result[key] == value
+
+
+def test_an_up_to_date_report_is_not_a_change(run_module, fake_python, fake_stage, tmp_path):
+    fake_stage(result={"changed": False, "tau": 3.02})
+    with pytest.raises(AnsibleExitJson) as done:
+        run_module(score_drafter.main, args_for(fake_python, tmp_path))
+    assert done.value.result["changed"] is False
+
+
+def test_a_package_error_fails_the_module_with_its_message(run_module, fake_python, fake_stage, tmp_path):
+    fake_stage(behave="user_error")
+    with pytest.raises(AnsibleFailJson) as failure:
+        run_module(score_drafter.main, args_for(fake_python, tmp_path))
+    assert "target layer 64 out of range" in failure.value.result["msg"]
