@@ -1,0 +1,296 @@
+#!/usr/bin/python
+# -*- coding: utf-8 -*-
+# GNU General Public License v3.0+ (see https://www.gnu.org/licenses/gpl-3.0.txt)
+
+from __future__ import absolute_import, division, print_function
+
+__metaclass__ = type
+
+DOCUMENTATION = r"""
+---
+module: score_drafter
+short_description: Score a DFlash drafter's acceptance length offline and write a report with plots
+version_added: "0.1.0"
+description:
+  - Runs C(python -m specops.score) in the ML environment O(python). It replays greedy decoding
+    offline. For every completion in the extracted hidden states, the drafter drafts a block from
+    the target's hidden states at each verify step, and the step accepts the leading draft tokens
+    equal to the target's own tokens plus one bonus token. tau is accepted tokens per verify step,
+    the same ratio as SGLang's C(spec_accept_length).
+  - Reports tau per prompt and overall, the acceptance-length histogram and the acceptance rate by
+    position in the block; with O(reference_drafter), the same for the reference and the tau
+    ratio; with O(completions) from a server that ran speculative decoding, SGLang's online tau.
+  - Runs diagnostics (O(diagnostics)) that explain a low tau before the drafter is blamed.
+    C(layer_offset) scores the drafter with every target layer id shifted by -1 and +1 and warns
+    when a shift scores clearly higher (more than O(layer_offset_tolerance)); it needs the
+    hidden states captured with C(capture_offsets=[-1, 0, 1]) and is reported as skipped
+    otherwise. C(backend) warns loudly when the hidden states came from the torch fallback of
+    C(gated_delta_rule) rather than fla's kernels. C(vocabulary) compares the drafter's
+    vocabulary with the target's config, C(lm_head) and embedding rows, and checks that
+    C(mask_token_id) is a special or added token of the target's tokenizer.
+  - Writes C(report.json), C(report.md) (the plots embedded with relative links),
+    C(tau_per_prompt.png), C(acceptance_by_position.png), C(acceptance_histogram.png) and, last,
+    C(manifest.json) into O(out_dir). A rerun with the same inputs (the hidden-state and
+    completions manifests, the drafters' files, the target's config and tokenizer, the options)
+    loads nothing and reports C(changed=false).
+author:
+  - specops maintainers (@specops)
+options:
+  python:
+    description:
+      - The ML environment's interpreter, with torch, transformers and specops (built by
+        M(specops.drafter.fla_env)).
+    type: path
+    required: true
+  hidden_states:
+    description:
+      - The output directory of M(specops.drafter.extract_hidden_states) (C(manifest.json) and shards).
+    type: path
+    required: true
+  target:
+    description:
+      - The target model directory; its C(embed_tokens), C(lm_head) and tokenizer are used.
+    type: path
+    required: true
+  drafter:
+    description:
+      - The drafter checkpoint directory (C(config.json) with C(dflash_config), safetensors).
+    type: path
+    required: true
+  reference_drafter:
+    description:
+      - A drafter to compare with, scored on the same hidden states. Its target layers must be in
+        the hidden states too.
+    type: path
+  completions:
+    description:
+      - The output directory of M(specops.drafter.sglang_completions). When the server ran
+        speculative decoding, each completion's C(spec_accept_length) is shown beside the offline tau.
+    type: path
+  out_dir:
+    description:
+      - Directory the report is written to (created if needed).
+    type: path
+    required: true
+  device:
+    description:
+      - Where to score. V(auto) uses a CUDA GPU when torch sees one, else the CPU.
+    type: str
+    choices: [auto, cpu, cuda]
+    default: auto
+  dtype:
+    description:
+      - Precision of the drafter and the target head while scoring.
+    type: str
+    choices: [bfloat16, float16, float32]
+    default: bfloat16
+  diagnostics:
+    description:
+      - Which diagnostics to run. C(layer_offset) scores the drafter twice more.
+    type: list
+    elements: str
+    choices: [layer_offset, backend, vocabulary]
+    default: [layer_offset, backend, vocabulary]
+  layer_offset_tolerance:
+    description:
+      - The layer-offset check warns when the drafter's tau with its target layers shifted by -1
+        or +1 exceeds its tau at the configured layers by more than this fraction (0.1 = 10%).
+        Scoring is deterministic, so a real off-by-one shows as a large gap, not a few percent.
+    type: float
+    default: 0.1
+  force:
+    description:
+      - Score again even when the report in O(out_dir) is up to date.
+    type: bool
+    default: false
+attributes:
+  check_mode:
+    support: full
+    description: Says whether the report is up to date (with its figures) or would be written; loads no model.
+  diff_mode:
+    support: none
+    description: The report is rewritten as a whole; no diff is shown.
+  platform:
+    support: full
+    platforms: posix
+    description: Runs wherever the ML environment runs; the module itself needs only the standard library.
+notes:
+  - The module needs no third-party Python library on the host; the work runs in O(python).
+  - Scoring a large target's completions can take long; run the task with C(async) and C(poll) to outlive
+    a connection timeout.
+  - Publish the figures to AWX/Tower with M(ansible.builtin.set_stats), as the C(specops.drafter.score_drafter)
+    role does.
+seealso:
+  - module: specops.drafter.extract_hidden_states
+  - module: specops.drafter.sglang_completions
+"""
+
+EXAMPLES = r"""
+- name: Score the drafter against the reference on the extracted hidden states
+  specops.drafter.score_drafter:
+    python: /opt/specops/ml/bin/python
+    hidden_states: /srv/eval/run-1/hidden_states
+    completions: /srv/eval/run-1/completions
+    target: /models/Qwen3.6-27B
+    drafter: /models/qwen3.6-dflash-v4
+    reference_drafter: /models/z-lab-qwen3.6-dflash
+    out_dir: /srv/eval/run-1/score
+  register: score
+
+- name: Show the verdict
+  ansible.builtin.debug:
+    msg: "{{ score.verdict }}"
+
+- name: Score on the CPU without the layer-offset check (it scores the drafter twice more)
+  specops.drafter.score_drafter:
+    python: /opt/specops/ml/bin/python
+    hidden_states: /srv/eval/run-1/hidden_states
+    target: /models/Qwen3.6-27B
+    drafter: /models/qwen3.6-dflash-v4
+    out_dir: /srv/eval/run-1/score-cpu
+    device: cpu
+    dtype: float32
+    diagnostics: [backend, vocabulary]
+"""
+
+RETURN = r"""
+tau:
+  description: The drafter's mean acceptance length (accepted tokens per verify step, bonus included). Null in
+    check mode when the report would be written.
+  returned: always
+  type: float
+  sample: 3.02
+reference_tau:
+  description: The reference drafter's tau, null without O(reference_drafter).
+  returned: always
+  type: float
+  sample: 12.41
+ratio:
+  description: tau / reference_tau, null without a reference.
+  returned: always
+  type: float
+  sample: 0.24
+online_tau:
+  description: SGLang's online tau (completion tokens / verify steps) over the completions that carry it, else null.
+  returned: always
+  type: float
+n_prompts:
+  description: How many completions were scored.
+  returned: always
+  type: int
+  sample: 10
+steps:
+  description: Verify steps the drafter was scored on.
+  returned: always
+  type: int
+verdict:
+  description: The report's first line.
+  returned: always
+  type: str
+  sample: "drafter tau 3.02 vs reference 12.41 (0.24x)"
+diagnostic_warnings:
+  description: The diagnostics that warned, each as the diagnostic's name, a colon and its finding. Each is
+    also shown as an Ansible warning.
+  returned: always
+  type: list
+  elements: str
+  sample: ["layer_offset: the drafter scores clearly higher with its target layers shifted by +1 ..."]
+out_dir:
+  description: The report directory.
+  returned: always
+  type: str
+report_json:
+  description: Path of report.json.
+  returned: always
+  type: str
+report_md:
+  description: Path of report.md.
+  returned: always
+  type: str
+plots:
+  description: Paths of the PNG plots.
+  returned: always
+  type: list
+  elements: str
+"""
+
+from ansible.module_utils.basic import AnsibleModule
+from ansible_collections.specops.drafter.plugins.module_utils.stage_runner import run_stage
+
+REQUEST_KEYS = (
+    "hidden_states",
+    "completions",
+    "target",
+    "drafter",
+    "reference_drafter",
+    "out_dir",
+    "device",
+    "dtype",
+    "diagnostics",
+    "layer_offset_tolerance",
+    "force",
+)
+
+FIGURES = {
+    "tau": None,
+    "reference_tau": None,
+    "ratio": None,
+    "online_tau": None,
+    "n_prompts": None,
+    "steps": None,
+    "verdict": "",
+    "diagnostic_warnings": [],
+    "out_dir": None,
+    "report_json": None,
+    "report_md": None,
+    "plots": [],
+}
+
+
+class ScoreDrafter(object):
+    """Holds the module; turns the package's stage result into the module's result."""
+
+    def __init__(self, module):
+        self.module = module
+        self.params = module.params
+
+    def run(self):
+        request = dict((key, self.params[key]) for key in REQUEST_KEYS if self.params[key] is not None)
+        outcome = run_stage(self.module, self.params["python"], "score", request)
+        result = dict(FIGURES)
+        result.update((key, outcome[key]) for key in FIGURES if key in outcome)
+        # Ansible reserves 'warnings' in a module result for its own display.
+        result["diagnostic_warnings"] = list(outcome.get("warnings") or [])
+        for warning in result["diagnostic_warnings"]:
+            self.module.warn(warning)
+        result["out_dir"] = result["out_dir"] or self.params["out_dir"]
+        result["changed"] = bool(outcome.get("changed"))
+        if outcome.get("msg"):
+            result["msg"] = outcome["msg"]
+        self.module.exit_json(**result)
+
+
+def main():
+    module = AnsibleModule(
+        argument_spec=dict(
+            python=dict(type="path", required=True),
+            hidden_states=dict(type="path", required=True),
+            target=dict(type="path", required=True),
+            drafter=dict(type="path", required=True),
+            reference_drafter=dict(type="path"),
+            completions=dict(type="path"),
+            out_dir=dict(type="path", required=True),
+            device=dict(type="str", choices=["auto", "cpu", "cuda"], default="auto"),
+            dtype=dict(type="str", choices=["bfloat16", "float16", "float32"], default="bfloat16"),
+            diagnostics=dict(type="list", elements="str", choices=["layer_offset", "backend", "vocabulary"],
+                             default=["layer_offset", "backend", "vocabulary"]),
+            layer_offset_tolerance=dict(type="float", default=0.1),
+            force=dict(type="bool", default=False),
+        ),
+        supports_check_mode=True,
+    )
+    ScoreDrafter(module).run()
+
+
+if __name__ == "__main__":
+    main()

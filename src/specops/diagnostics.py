@@ -1,0 +1,220 @@
+"""Checks that explain a low tau before anyone blames the drafter's training.
+
+Each check returns one report entry {"name", "status": ok|warning|skipped, "message", "details"}.
+The config and tokenizer checks read JSON and safetensors headers only: no model is loaded.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+DIAGNOSTICS = ("layer_offset", "backend", "vocabulary")
+LAYER_OFFSETS = (-1, 1)
+# A shifted layer choice must beat the configured one by this fraction of tau to count as "clearly
+# higher": scoring is deterministic, so what separates the choices is the drafter, not sampling noise.
+DEFAULT_LAYER_OFFSET_TOLERANCE = 0.10
+
+
+def finding(name: str, status: str, message: str, **details: Any) -> dict[str, Any]:
+    return {"name": name, "status": status, "message": message, "details": details}
+
+
+def text_config(config: Mapping[str, Any]) -> Mapping[str, Any]:
+    """The language model's config: multimodal wrappers (model_type qwen3_5) nest it in text_config."""
+    return config.get("text_config") or config
+
+
+def read_json(path: Path) -> dict[str, Any] | None:
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        return None
+
+
+def safetensors_shapes(model_dir: str | Path) -> dict[str, list[int]]:
+    """Tensor name -> shape for every safetensors file of a checkpoint, read from the headers only."""
+    shapes: dict[str, list[int]] = {}
+    for path in sorted(Path(model_dir).glob("*.safetensors")):
+        with open(path, "rb") as handle:
+            (length,) = struct.unpack("<Q", handle.read(8))
+            header = json.loads(handle.read(length))
+        shapes.update({name: meta["shape"] for name, meta in header.items() if name != "__metadata__"})
+    return shapes
+
+
+def _rows(shapes: Mapping[str, list[int]], suffix: str) -> int | None:
+    for name, shape in shapes.items():
+        if name.endswith(suffix):
+            return shape[0]
+    return None
+
+
+def backend_check(hidden_manifest: Mapping[str, Any], target_config: Mapping[str, Any]) -> dict[str, Any]:
+    """Warn when the hidden states came from the torch fallback of gated_delta_rule (silent bug class:
+    drafters are trained on fla-kernel features, and older transformers' fallback did not match)."""
+    backend = dict(hidden_manifest.get("backend") or {})
+    layer_types = text_config(target_config).get("layer_types") or []
+    hybrid = any(kind == "linear_attention" for kind in layer_types)
+    versions = hidden_manifest.get("versions") or {}
+    details = {"backend": backend, "target_has_linear_attention": hybrid,
+               "transformers": versions.get("transformers")}
+    kernel = backend.get("gated_delta_rule")
+    if not hybrid:
+        return finding("backend", "ok", "the target has no Gated DeltaNet layers: the kernel backend does "
+                       f"not apply (extraction ran on {backend.get('device', 'an unrecorded device')})",
+                       **details)
+    if kernel == "fla":
+        return finding("backend", "ok", "hidden states were extracted with fla's gated_delta_rule kernels "
+                       f"on {backend.get('device', 'an unrecorded device')}, as drafters are trained",
+                       **details)
+    if kernel == "torch":
+        return finding(
+            "backend", "warning",
+            "HIDDEN STATES CAME FROM THE TORCH FALLBACK of gated_delta_rule "
+            f"(device {backend.get('device', 'unrecorded')}, transformers "
+            f"{details['transformers'] or 'unrecorded'}), not fla's kernels that GPU-trained drafters "
+            "saw. Older transformers' fallback differs enough to make a good drafter look broken; "
+            "re-extract on a GPU with fla installed (extract_hidden_states after fla_env) before "
+            "trusting this tau.", **details)
+    return finding("backend", "warning", "the extraction manifest does not record which gated_delta_rule "
+                   "backend ran (fla or the torch fallback); re-extract with the current "
+                   "extract_hidden_states so the report can tell", **details)
+
+
+def vocabulary_check(drafter_config: Mapping[str, Any], target_dir: str | Path) -> dict[str, Any]:
+    """Drafter vocab_size against the target's, lm_head and embedding rows; the mask token's identity."""
+    target_dir = Path(target_dir)
+    target_config = text_config(read_json(target_dir / "config.json") or {})
+    shapes = safetensors_shapes(target_dir)
+    dflash = drafter_config.get("dflash_config") or {}
+    mask_id = dflash.get("mask_token_id", drafter_config.get("mask_token_id"))
+    details: dict[str, Any] = {
+        "drafter_vocab_size": drafter_config.get("vocab_size"),
+        "target_vocab_size": target_config.get("vocab_size"),
+        "lm_head_rows": _rows(shapes, "lm_head.weight"),
+        "embed_rows": _rows(shapes, "embed_tokens.weight"),
+        "mask_token_id": mask_id,
+    }
+    if details["lm_head_rows"] is None and target_config.get("tie_word_embeddings"):
+        details["lm_head_rows"] = details["embed_rows"]
+    problems = []
+    sizes = {k: details[k] for k in ("drafter_vocab_size", "target_vocab_size", "lm_head_rows", "embed_rows")
+             if details[k] is not None}
+    if len(set(sizes.values())) > 1:
+        problems.append("vocabulary sizes disagree (" + ", ".join(f"{k} {v}" for k, v in sizes.items())
+                        + "): the drafter was built for another target or tokenizer")
+    target_sizes = [v for k, v in sizes.items() if k != "drafter_vocab_size"]
+    rows = min(target_sizes) if target_sizes else None
+    if mask_id is None:
+        problems.append("the drafter's config has no dflash_config.mask_token_id")
+    elif rows is not None and not 0 <= mask_id < rows:
+        problems.append(f"mask_token_id {mask_id} is outside the target's vocabulary (0-{rows - 1})")
+    else:
+        token = tokenizer_entry(target_dir, mask_id)
+        details["mask_token"] = token
+        if token is None:
+            details["tokenizer"] = "not found"
+        elif token["kind"] == "ordinary":
+            problems.append(f"mask_token_id {mask_id} is the ordinary token {token['content']!r} in the "
+                            "target's tokenizer, not a special or added token: the drafter's mask "
+                            "embedding is a real word's (check dflash_config.mask_token_id)")
+    if problems:
+        return finding("vocabulary", "warning", "; ".join(problems), **details)
+    mask_desc = {None: "no tokenizer to check its token", "special": "a special token",
+                 "added": "an added token", "unused": "an embedding row no tokenizer token uses"}
+    kind = (details.get("mask_token") or {}).get("kind")
+    return finding("vocabulary", "ok", f"drafter and target agree on {sizes.get('target_vocab_size', '?')} "
+                   f"tokens; mask_token_id {mask_id} is {mask_desc[kind]}", **details)
+
+
+def tokenizer_entry(target_dir: Path, token_id: int) -> dict[str, Any] | None:
+    """What a token id is in the target's tokenizer: special, added, ordinary or unused; None if no
+    tokenizer.json is there."""
+    data = read_json(target_dir / "tokenizer.json")
+    if data is None:
+        return None
+    for added in data.get("added_tokens", []):
+        if added.get("id") == token_id:
+            return {"content": added.get("content"), "kind": "special" if added.get("special") else "added"}
+    decoder = (read_json(target_dir / "tokenizer_config.json") or {}).get("added_tokens_decoder") or {}
+    if str(token_id) in decoder:
+        entry = decoder[str(token_id)]
+        return {"content": entry.get("content"), "kind": "special" if entry.get("special") else "added"}
+    vocab = (data.get("model") or {}).get("vocab") or {}
+    if isinstance(vocab, dict):
+        for content, index in vocab.items():
+            if index == token_id:
+                return {"content": content, "kind": "ordinary"}
+    elif isinstance(vocab, list):  # Unigram: [[piece, score], ...] indexed by id
+        if token_id < len(vocab):
+            return {"content": vocab[token_id][0], "kind": "ordinary"}
+    return {"content": None, "kind": "unused"}
+
+
+def mask_token_error(check: Mapping[str, Any]) -> str | None:
+    """The vocabulary problems that make scoring impossible (the engine would index out of range)."""
+    details = check["details"]
+    mask_id = details.get("mask_token_id")
+    rows = [details[k] for k in ("lm_head_rows", "embed_rows", "target_vocab_size") if details.get(k)]
+    if mask_id is None:
+        return "the drafter's config.json has no dflash_config.mask_token_id: set it to the mask token " \
+               "the drafter was trained with"
+    if rows and not 0 <= mask_id < min(rows):
+        return f"the drafter's mask_token_id {mask_id} is out of range: the target's embedding has " \
+               f"{min(rows)} rows (0-{min(rows) - 1}); the drafter was built for another target"
+    return None
+
+
+def shifted_layer_ids(target_layer_ids: Sequence[int], offset: int) -> list[int]:
+    return [layer + offset for layer in target_layer_ids]
+
+
+def layer_offset_check(
+    score: Callable[[list[int]], float | None],
+    captured_layer_ids: Sequence[int],
+    target_layer_ids: Sequence[int],
+    base_tau: float | None,
+    tolerance: float = DEFAULT_LAYER_OFFSET_TOLERANCE,
+    offsets: Sequence[int] = LAYER_OFFSETS,
+) -> dict[str, Any]:
+    """Score the drafter with every target layer id shifted by each offset; warn when a shift scores
+    more than `tolerance` (a fraction of tau) above the configured ids: an off-by-one in how the
+    drafter's training read the layers (HF hidden_states[k + 1] is layer k)."""
+    captured = set(captured_layer_ids)
+    taus: dict[str, float | None] = {"0": base_tau}
+    missing: dict[str, list[int]] = {}
+    for offset in offsets:
+        ids = shifted_layer_ids(target_layer_ids, offset)
+        absent = [layer for layer in ids if layer not in captured]
+        if absent:
+            missing[f"{offset:+d}"] = absent
+            continue
+        taus[f"{offset:+d}"] = score(ids)
+    details = {"tau_by_offset": taus, "target_layer_ids": list(target_layer_ids),
+               "captured_layer_ids": sorted(captured), "missing_layers": missing, "tolerance": tolerance}
+    if len(taus) == 1:
+        return finding(
+            "layer_offset", "skipped",
+            f"the hidden states hold layers {sorted(captured)} only, not the drafter's target layers "
+            f"{list(target_layer_ids)} shifted by -1 and +1; extract with capture_offsets: [-1, 0, 1] "
+            "(extract_hidden_states) to run this check", **details)
+    if base_tau is None:
+        return finding("layer_offset", "skipped", "no verify step was scored, nothing to compare", **details)
+    best_key = max((k for k in taus if k != "0" and taus[k] is not None), key=lambda k: taus[k], default=None)
+    scores = ", ".join(f"{k}: {v:.2f}" for k, v in taus.items() if v is not None)
+    if best_key is not None and taus[best_key] > base_tau * (1 + tolerance):
+        offset = int(best_key)
+        return finding(
+            "layer_offset", "warning",
+            f"the drafter scores clearly higher with its target layers shifted by {best_key} "
+            f"(tau {taus[best_key]:.2f} vs {base_tau:.2f} at {list(target_layer_ids)}; {scores}): its "
+            f"training most likely read layer ids {shifted_layer_ids(target_layer_ids, offset)}, an "
+            "off-by-one between a layer id and HF's hidden_states index (layer k is hidden_states[k + 1]); "
+            "fix dflash_config.target_layer_ids or how the trainer indexes the hidden states", **details)
+    skipped = f"; offsets {', '.join(missing)} not captured" if missing else ""
+    return finding("layer_offset", "ok", f"the configured target layers score best within a tolerance of "
+                   f"{tolerance:.0%} (tau by offset {scores}){skipped}", **details)
