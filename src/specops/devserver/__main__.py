@@ -1,0 +1,5 @@
+import sys
+
+from specops.devserver.cli import main
+
+sys.exit(main())

@@ -1,0 +1,151 @@
+"""`python -m specops.devserver`: SGLang's launch flags, listening at once, ready after warmup."""
+
+from __future__ import annotations
+
+import argparse
+import errno
+import logging
+import os
+import signal
+import sys
+import threading
+from pathlib import Path
+
+from specops.devserver.engine import Engine
+from specops.devserver.memory import MemorySaver
+from specops.devserver.routes import App, DevHTTPServer
+
+logger = logging.getLogger("specops.devserver")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m specops.devserver",
+        description="Serve a causal LM from a directory behind SGLang's HTTP API (development stand-in).",
+    )
+    parser.add_argument(
+        "--model-path", required=True, help="directory with config.json, weights and tokenizer"
+    )
+    parser.add_argument(
+        "--tokenizer-path", default=None, help="reported by /get_model_info (default: model path)"
+    )
+    parser.add_argument("--served-model-name", default=None, help="name listed by /v1/models")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=30000)
+    parser.add_argument(
+        "--startup-delay",
+        type=float,
+        default=0.0,
+        help="seconds to stay 'starting' after loading, to mimic a large model's startup",
+    )
+    parser.add_argument("--device", default="cpu", help="torch device for the model (cpu, cuda, cuda:1 ...)")
+    parser.add_argument(
+        "--num-threads",
+        type=int,
+        default=1,
+        help="torch CPU threads (default 1: small models gain little from more; contended cores lose a lot)",
+    )
+    parser.add_argument("--weight-version", default="default", help="reported by /get_model_info")
+    parser.add_argument(
+        "--tp-size", type=int, default=1, help="recorded in server info; the model runs on one device"
+    )
+    parser.add_argument(
+        "--enable-memory-saver",
+        action="store_true",
+        help="allow /release_memory_occupation and /resume_memory_occupation",
+    )
+    parser.add_argument(
+        "--enable-weights-cpu-backup",
+        action="store_true",
+        help="keep a CPU copy of released weights so resume needs no disk read",
+    )
+    parser.add_argument("--speculative-algorithm", default=None, help="recorded in server info only")
+    parser.add_argument("--speculative-draft-model-path", default=None, help="recorded in server info only")
+    parser.add_argument(
+        "--speculative-num-draft-tokens", type=int, default=None, help="recorded in server info only"
+    )
+    parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    return parser
+
+
+def _bind(host: str, port: int) -> DevHTTPServer | str:
+    """The listening server, or the message to exit with."""
+    try:
+        return DevHTTPServer((host, port))
+    except OSError as error:
+        if error.errno == errno.EADDRINUSE:
+            return (
+                f"port {port} on {host} is already in use by another process: stop it "
+                f"(`ss -ltnp 'sport = :{port}'` shows which) or pass another --port"
+            )
+        return f"cannot listen on {host}:{port}: {error.strerror or error}"
+
+
+def _start(engine: Engine, delay: float, stop: threading.Event, failure: list[str]) -> None:
+    """Load, wait out the startup delay, warm up; only then does /health_generate answer 200."""
+    try:
+        engine.load()
+        if delay > 0:
+            logger.info("startup delay: %.1f s", delay)
+            if stop.wait(delay):
+                return
+        engine.warmup()
+        engine.mark_up()
+    except Exception as error:  # any load failure ends the server: it can never become ready
+        logger.exception("startup failed")
+        failure.append(f"cannot start serving {engine.model_path}: {error}")
+        stop.set()
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="[%(asctime)s] %(message)s", stream=sys.stderr)
+    model_dir = Path(args.model_path)
+    if not (model_dir / "config.json").is_file():
+        print(
+            f"devserver: --model-path {model_dir} has no config.json: point it at a model directory "
+            "saved with save_pretrained",
+            file=sys.stderr,
+        )
+        return 2
+
+    server = _bind(args.host, args.port)
+    if isinstance(server, str):
+        print(f"devserver: {server}", file=sys.stderr)
+        return 1
+    # Before torch is imported, so its thread pool starts at this size.
+    os.environ["OMP_NUM_THREADS"] = str(args.num_threads)
+    engine = Engine(
+        str(model_dir), device=args.device, weight_version=args.weight_version, num_threads=args.num_threads
+    )
+    server.app = App(
+        engine=engine,
+        memory=MemorySaver(engine, args.enable_memory_saver, args.enable_weights_cpu_backup),
+        server_args=dict(vars(args)),
+    )
+    stop = threading.Event()
+    failure: list[str] = []
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, lambda *_: stop.set())
+
+    serving = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.2}, name="http")
+    serving.start()
+    logger.info("listening on http://%s:%d (starting)", args.host, args.port)
+    threading.Thread(
+        target=_start, args=(engine, args.startup_delay, stop, failure), name="startup", daemon=True
+    ).start()
+
+    # A timed wait keeps the main thread responsive to signals.
+    while not stop.wait(0.5):
+        pass
+    engine.begin_shutdown()
+    logger.info("shutting down: health answers 503, waiting for %d in-flight request(s)", engine.pending)
+    engine.wait_idle()
+    server.shutdown()
+    serving.join()
+    server.server_close()
+    if failure:
+        print(f"devserver: {failure[0]}", file=sys.stderr)
+        return 1
+    logger.info("stopped")
+    return 0

@@ -1,0 +1,108 @@
+"""sglang_completions through Ansible, against the development server: check mode, run, no-op rerun.
+
+The ML environment (.venv-ml) builds the fixture model and runs the development server; the module runs
+`python -m specops.completions` there with the checkout's package first on PYTHONPATH.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import uuid
+from pathlib import Path
+
+import pytest
+
+from specops.devserver.launch import DevServerProcess
+
+ROOT = Path(__file__).resolve().parents[2]
+ANSIBLE = ROOT / ".venv/bin/ansible"
+ML_PYTHON = ROOT / ".venv-ml/bin/python"
+
+pytestmark = pytest.mark.skipif(not ML_PYTHON.exists(), reason="needs the ML environment (.venv-ml)")
+
+
+def ml_env() -> dict:
+    return dict(
+        os.environ,
+        PYTHONPATH=str(ROOT / "src"),
+        ANSIBLE_LOCALHOST_WARNING="false",
+        ANSIBLE_INVENTORY_UNPARSED_WARNING="false",
+        ANSIBLE_CONFIG=str(ROOT / "ansible.cfg"),
+    )
+
+
+@pytest.fixture(scope="module")
+def fixtures(tmp_path_factory) -> Path:
+    root = Path(
+        os.environ.get("SPECOPS_FIXTURES") or tmp_path_factory.mktemp("completions_module") / "fixtures"
+    )
+    subprocess.run(
+        [
+            str(ML_PYTHON),
+            "-c",
+            "import sys; from specops.fixtures import build_fixtures; "
+            "build_fixtures(sys.argv[1], train_reference=False)",
+            str(root),
+        ],
+        check=True,
+        env=ml_env(),
+        capture_output=True,
+        timeout=900,
+    )
+    return root
+
+
+def run_module(args: dict, tmp_path: Path, check: bool = False) -> dict:
+    tree = tmp_path / f"tree-{uuid.uuid4().hex[:6]}"
+    cmd = [
+        str(ANSIBLE),
+        "localhost",
+        "-m",
+        "specops.drafter.sglang_completions",
+        "-a",
+        json.dumps(args),
+        "--tree",
+        str(tree),
+    ] + (["--check"] if check else [])
+    proc = subprocess.run(cmd, cwd=ROOT, env=ml_env(), capture_output=True, text=True, timeout=600)
+    result_file = tree / "localhost"
+    assert result_file.exists(), proc.stdout + proc.stderr
+    result = json.loads(result_file.read_text())
+    result["failed"] = proc.returncode != 0
+    return result
+
+
+def test_check_mode_run_and_rerun(fixtures, tmp_path):
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("\n".join((fixtures / "prompts.jsonl").read_text().splitlines()[:2]) + "\n")
+    with DevServerProcess(
+        fixtures / "target", python=str(ML_PYTHON), log_path=tmp_path / "server.log"
+    ) as server:
+        server.wait_ready()
+        args = {
+            "python": str(ML_PYTHON),
+            "server_url": server.url,
+            "prompts": str(prompts),
+            "tokenizer": str(fixtures / "target"),
+            "out_dir": str(tmp_path / "completions"),
+            "max_new_tokens": 8,
+            "concurrency": 2,
+            "timeout": 120,
+            "retries": 2,
+            "backoff": 0.2,
+        }
+
+        planned = run_module(args, tmp_path, check=True)
+        assert planned["changed"] is True and not planned["failed"], planned.get("msg")
+        assert not (tmp_path / "completions").exists()
+
+        first = run_module(args, tmp_path)
+        assert first["changed"] is True and not first["failed"], first.get("msg")
+        assert first["count"] == first["generated"] == 2 and first["model_path"] == str(fixtures / "target")
+        ids = [json.loads(line)["id"] for line in prompts.read_text().splitlines()]
+        assert [json.loads(line)["id"] for line in Path(first["path"]).read_text().splitlines()] == ids
+
+        again = run_module(args, tmp_path)
+        assert again["changed"] is False and again["sha256"] == first["sha256"]

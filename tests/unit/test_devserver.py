@@ -1,0 +1,370 @@
+"""The development server behaves like SGLang where the project depends on it."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+
+import pytest
+
+from specops.devserver.engine import Engine
+from specops.devserver.launch import SRC_DIR, DevServerProcess, free_port, http_status
+from specops.devserver.memory import MemorySaver
+from specops.devserver.protocol import RequestError, parse_generate
+
+pytestmark = pytest.mark.slow
+
+PROMPT_IDS = [[318, 293, 342, 11, 311], [1, 88, 86, 269, 202, 75, 76, 2, 202, 1, 68]]
+
+
+def call(
+    url: str, path: str, body: object = None, method: str | None = None, timeout: float = 120
+) -> tuple[int, object]:
+    data = None if body is None else json.dumps(body).encode()
+    request = urllib.request.Request(
+        url + path,
+        data=data,
+        method=method or ("POST" if data else "GET"),
+        headers={"Content-Type": "application/json"},
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as response:
+            raw = response.read()
+            return response.status, json.loads(raw) if raw else None
+    except urllib.error.HTTPError as error:
+        raw = error.read()
+        return error.code, json.loads(raw) if raw else None
+
+
+def cli_env() -> dict[str, str]:
+    return {**os.environ, "PYTHONPATH": str(SRC_DIR)}
+
+
+def greedy(ids: list[int], max_new_tokens: int = 16) -> dict:
+    return {"input_ids": ids, "sampling_params": {"temperature": 0, "max_new_tokens": max_new_tokens}}
+
+
+@pytest.fixture(scope="module")
+def server(fixture_models, tmp_path_factory):
+    log = tmp_path_factory.mktemp("devserver") / "server.log"
+    process = DevServerProcess(
+        fixture_models.target,
+        "--startup-delay",
+        "2",
+        "--enable-memory-saver",
+        "--enable-weights-cpu-backup",
+        "--served-model-name",
+        "tiny-target",
+        "--speculative-algorithm",
+        "DFLASH",
+        "--speculative-draft-model-path",
+        str(fixture_models.drafter),
+        "--speculative-num-draft-tokens",
+        "16",
+        log_path=log,
+    )
+    try:
+        process.statuses = process.wait_ready()
+        yield process
+    finally:
+        process.stop()
+
+
+@pytest.fixture(scope="module")
+def reference(fixture_models):
+    """The same model loaded in the test, to compare the server's tokens with transformers' own."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    torch.set_num_threads(1)  # as the server runs: reduction order, hence greedy ties, cannot differ
+    model = AutoModelForCausalLM.from_pretrained(fixture_models.target).eval()
+    return model, AutoTokenizer.from_pretrained(fixture_models.target)
+
+
+def reference_greedy(model, ids: list[int], max_new_tokens: int) -> list[int]:
+    import torch
+
+    inputs = torch.tensor([ids])
+    out = model.generate(
+        inputs, attention_mask=torch.ones_like(inputs), do_sample=False, max_new_tokens=max_new_tokens
+    )
+    return out[0, len(ids) :].tolist()
+
+
+# -- readiness -------------------------------------------------------------------------------
+def test_health_answers_503_while_starting_then_200(server):
+    # -1 (nothing listening) only while the interpreter boots; from the first answer on it is 503 then 200.
+    answered = [status for status in server.statuses if status != -1]
+    assert server.statuses[server.statuses.index(answered[0]) :] == answered
+    assert answered[0] == 503 and set(answered[:-1]) == {503}
+    assert answered[-1] == 200
+    assert http_status(server.url + "/health") == 200
+
+
+def test_generate_is_refused_with_503_while_starting(fixture_models):
+    with DevServerProcess(fixture_models.target, "--startup-delay", "30") as starting:
+        deadline = time.monotonic() + 60
+        while http_status(starting.url + "/get_model_info") != 200 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        status, body = call(starting.url, "/generate", greedy(PROMPT_IDS[0]))
+        assert status == 503 and "starting" in body["message"]
+        assert http_status(starting.url + "/health_generate") == 503
+
+
+# -- /generate -------------------------------------------------------------------------------
+@pytest.mark.parametrize("ids", PROMPT_IDS)
+def test_greedy_output_ids_equal_transformers_generate(server, reference, ids):
+    status, body = call(server.url, "/generate", greedy(ids, 24))
+    assert status == 200
+    assert body["output_ids"] == reference_greedy(reference[0], ids, 24)
+    meta = body["meta_info"]
+    assert meta["prompt_tokens"] == len(ids) and meta["completion_tokens"] == len(body["output_ids"])
+    assert meta["finish_reason"] == {"type": "length", "length": 24}
+
+
+def test_text_prompt_is_tokenized_like_its_input_ids(server, reference):
+    text = "def main():"
+    ids = reference[1].encode(text)
+    _, by_text = call(server.url, "/generate", {"text": text, "sampling_params": {"temperature": 0}})
+    _, by_ids = call(server.url, "/generate", {"input_ids": ids, "sampling_params": {"temperature": 0}})
+    assert by_text["output_ids"] == by_ids["output_ids"]
+    assert by_text["meta_info"]["prompt_tokens"] == len(ids)
+    assert by_text["text"] == reference[1].decode(by_text["output_ids"], skip_special_tokens=True)
+
+
+def test_generation_stops_at_a_stop_token_and_says_so(server):
+    _, first = call(server.url, "/generate", greedy(PROMPT_IDS[0], 4))
+    stop_at = first["output_ids"][1]
+    body = greedy(PROMPT_IDS[0], 4)
+    body["sampling_params"]["stop_token_ids"] = [stop_at]
+    _, stopped = call(server.url, "/generate", body)
+    cut = first["output_ids"].index(stop_at) + 1
+    assert stopped["output_ids"] == first["output_ids"][:cut]
+    assert stopped["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop_at}
+
+
+def test_batched_input_ids_answer_one_result_per_prompt(server):
+    status, body = call(
+        server.url,
+        "/generate",
+        {
+            "input_ids": PROMPT_IDS,
+            "rid": ["a", "b"],
+            "sampling_params": {"temperature": 0, "max_new_tokens": 8},
+        },
+    )
+    assert status == 200
+    singles = [call(server.url, "/generate", greedy(ids, 8))[1]["output_ids"] for ids in PROMPT_IDS]
+    assert [item["output_ids"] for item in body] == singles
+    assert [item["meta_info"]["id"] for item in body] == ["a", "b"]
+
+
+@pytest.mark.parametrize(
+    ("body", "problem"),
+    [
+        ({"text": "x", "input_ids": [1]}, "exactly one of"),
+        ({"input_ids": [1], "return_logprob": True}, "return_logprob"),
+        ({"input_ids": [1], "return_hidden_states": True}, "return_hidden_states"),
+        ({"input_ids": [1], "sampling_params": {"temperature": 0, "stop": ["\n"]}}, "stop_token_ids"),
+        ({"input_ids": [1], "sampling_params": {"temperature": -1}}, "temperature"),
+        ({"input_ids": [100000], "sampling_params": {"temperature": 0}}, "outside the vocabulary"),
+    ],
+)
+def test_bad_generate_requests_get_400_naming_the_problem(server, body, problem):
+    status, answer = call(server.url, "/generate", body)
+    assert status == 400
+    assert problem in answer["message"]
+
+
+# -- info endpoints --------------------------------------------------------------------------
+@pytest.mark.parametrize("path", ["/get_model_info", "/model_info"])
+def test_model_info_names_the_model_and_weight_version(server, fixture_models, path):
+    status, info = call(server.url, path)
+    assert status == 200
+    assert info["model_path"] == str(fixture_models.target)
+    assert info["weight_version"] == "default" and info["is_generation"] is True
+
+
+def test_v1_models_lists_the_served_model_name(server):
+    _, models = call(server.url, "/v1/models")
+    assert [m["id"] for m in models["data"]] == ["tiny-target"]
+
+
+@pytest.mark.parametrize("path", ["/get_server_info", "/server_info"])
+def test_server_info_records_the_launch_flags(server, fixture_models, path):
+    _, info = call(server.url, path)
+    assert info["speculative_algorithm"] == "DFLASH"
+    assert info["speculative_draft_model_path"] == str(fixture_models.drafter)
+    assert info["speculative_num_draft_tokens"] == 16 and info["tp_size"] == 1
+    assert info["status"] == "Up"
+
+
+def test_health_answers_200_while_a_long_generation_holds_the_model(server):
+    answer: dict = {}
+    worker = threading.Thread(
+        target=lambda: answer.update(result=call(server.url, "/generate", greedy(PROMPT_IDS[0], 300)))
+    )
+    worker.start()
+    try:
+        deadline = time.monotonic() + 30
+        while call(server.url, "/get_server_info")[1]["internal_states"][0]["pending_requests"] == 0:
+            assert time.monotonic() < deadline, "the long request never started"
+            time.sleep(0.02)
+        assert http_status(server.url + "/health_generate") == 200
+        still_running = call(server.url, "/get_server_info")[1]["internal_states"][0]["pending_requests"]
+    finally:
+        worker.join(180)
+    assert still_running == 1, "health must not wait for the running request to finish"
+    assert answer["result"][0] == 200
+
+
+def test_flush_cache_is_refused_while_a_request_is_pending(server):
+    worker = threading.Thread(target=call, args=(server.url, "/generate", greedy(PROMPT_IDS[0], 300)))
+    worker.start()
+    try:
+        deadline = time.monotonic() + 30
+        while call(server.url, "/get_server_info")[1]["internal_states"][0]["pending_requests"] == 0:
+            assert time.monotonic() < deadline, "the long request never started"
+            time.sleep(0.02)
+        status, body = call(server.url, "/flush_cache", {}, method="POST")
+    finally:
+        worker.join(180)
+    assert status == 400 and "pending" in body["message"]
+
+
+def test_flush_cache_succeeds_when_idle(server):
+    assert call(server.url, "/flush_cache", {}, method="POST")[0] == 200
+
+
+# -- memory release --------------------------------------------------------------------------
+def test_release_makes_generation_unavailable_until_resume(server):
+    before = call(server.url, "/generate", greedy(PROMPT_IDS[0]))[1]["output_ids"]
+    status, released = call(server.url, "/release_memory_occupation", {"tags": []})
+    try:
+        assert status == 200 and "weights" in released["released_tags"]
+        assert call(server.url, "/generate", greedy(PROMPT_IDS[0]))[0] == 503
+        assert http_status(server.url + "/health_generate") == 503
+    finally:
+        status, resumed = call(server.url, "/resume_memory_occupation", {"tags": []})
+    assert status == 200 and resumed["released_tags"] == []
+    assert call(server.url, "/generate", greedy(PROMPT_IDS[0]))[1]["output_ids"] == before
+    assert http_status(server.url + "/health_generate") == 200
+
+
+def test_release_drops_the_live_model_and_resume_brings_back_the_same_tensors():
+    engine = Engine("unused")
+    engine.status = engine.status.UP
+    sentinel = type("Model", (), {"to": lambda self, device: self})()
+    engine.model = sentinel
+    saver = MemorySaver(engine, enabled=True, cpu_backup=True)
+    saver.release({"weights"})
+    assert engine.model is None and engine.released_tags == {"weights"}
+    saver.resume({"weights"})
+    assert engine.model is sentinel and not engine.released_tags
+
+
+def test_memory_release_needs_enable_memory_saver():
+    saver = MemorySaver(Engine("unused"), enabled=False, cpu_backup=False)
+    with pytest.raises(RequestError, match="--enable-memory-saver") as error:
+        saver.release({"weights"})
+    assert error.value.status == 400
+
+
+def test_releasing_weights_without_cpu_backup_is_refused():
+    engine = Engine("unused")
+    engine.status = engine.status.UP
+    with pytest.raises(RequestError, match="--enable-weights-cpu-backup"):
+        MemorySaver(engine, enabled=True, cpu_backup=False).release({"weights"})
+
+
+def test_release_is_refused_while_requests_are_pending():
+    engine = Engine("unused")
+    engine.status = engine.status.UP
+    engine.model = object()
+    with engine.track(), pytest.raises(RequestError, match="pending") as error:
+        MemorySaver(engine, enabled=True, cpu_backup=True).release({"kv_cache"})
+    assert error.value.status == 400
+
+
+def test_generate_body_with_one_text_is_not_batched():
+    request = parse_generate({"text": "hi", "sampling_params": {"temperature": 0, "max_new_tokens": 3}})
+    assert (
+        not request.batched and request.items[0].params.greedy and request.items[0].params.max_new_tokens == 3
+    )
+
+
+# -- process lifecycle -----------------------------------------------------------------------
+def test_sigterm_lets_the_in_flight_request_finish_then_exits_0(fixture_models):
+    process = DevServerProcess(fixture_models.target)
+    try:
+        process.wait_ready()
+        answer: dict = {}
+        worker = threading.Thread(
+            target=lambda: answer.update(result=call(process.url, "/generate", greedy(PROMPT_IDS[0], 200)))
+        )
+        worker.start()
+        deadline = time.monotonic() + 30
+        while call(process.url, "/get_server_info")[1]["internal_states"][0]["pending_requests"] == 0:
+            assert time.monotonic() < deadline, "the long request never started"
+            time.sleep(0.02)
+        process.process.terminate()
+        time.sleep(0.2)
+        health_while_stopping = http_status(process.url + "/health_generate")
+        worker.join(180)
+        rc = process.process.wait(180)
+    finally:
+        process.stop()
+    assert health_while_stopping == 503
+    assert answer["result"][0] == 200 and len(answer["result"][1]["output_ids"]) == 200
+    assert rc == 0
+
+
+def test_a_port_in_use_exits_at_once_naming_the_port(fixture_models):
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        port = holder.getsockname()[1]
+        done = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "specops.devserver",
+                "--model-path",
+                str(fixture_models.target),
+                "--port",
+                str(port),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            env=cli_env(),
+        )
+    assert done.returncode != 0
+    assert f"port {port}" in done.stderr and "already in use" in done.stderr
+    assert "Traceback" not in done.stderr
+
+
+def test_a_model_path_without_config_exits_2(tmp_path):
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "specops.devserver",
+            "--model-path",
+            str(tmp_path),
+            "--port",
+            str(free_port()),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=cli_env(),
+    )
+    assert done.returncode == 2 and "config.json" in done.stderr
