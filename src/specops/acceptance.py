@@ -1,0 +1,420 @@
+"""Offline acceptance length (tau) of a DFlash drafter under greedy decoding.
+
+Under temperature 0 the target's continuation is fixed, so speculative decoding can be replayed
+offline from the target's tokens and hidden states. For one sequence:
+
+- input_ids [L]: prompt (positions 0..P-1) then the target's output (positions P..L-1). The token at
+  P is the target's first output, produced by the prefill, before any drafting.
+- features [L, n, hidden]: the target's hidden states at the drafter's target_layer_ids (layer k is
+  HF `hidden_states[k + 1]`), the caller selecting the columns.
+
+The walk (what z-lab's generate loop does, with the target's tokens in place of its verify pass):
+
+    s = P                                # the last verified token
+    while s < L - 1:                     # a target token remains after s
+        r = L - 1 - s                    # target tokens remaining after s
+        drafts d_1..d_{bs-1} for s+1..s+bs-1, from the block [ids[s], MASK x (bs-1)] at positions
+            s..s+bs-1 with context = features at positions 0..s-1
+        k = number of leading j (1 <= j <= min(bs-1, r)) with d_j == ids[s+j]
+        a = min(k + 1, r)                # accepted drafts + the bonus token, never past the end
+        record (s, a); s += a
+
+The sum of a over the steps is L - 1 - P (every output token after the prefill's). At the last step
+the bonus token would lie past the completion (it ended at EOS or at its length limit), so the
+length is capped at what remains, as z-lab's loop does. The blocks always have full size (SGLang's
+behaviour; z-lab's loop shortens the very last block of a length-limited completion instead).
+
+tau of a sequence = mean of its acceptance lengths = (L - 1 - P) / steps. tau over many sequences
+(`overall_tau`) = total accepted tokens / total steps, i.e. weighted by steps, which is what
+SGLang's aggregate counters give; the mean of per-sequence taus weights every sequence equally
+and is a different number.
+
+Two ways to get the drafts, same walk:
+- `mode="frontier"` (default): one block per sequence per batched forward, for all sequences of a
+  group at once, drafting only the blocks the walk visits (about (L - P) / tau per sequence).
+- `mode="all-anchors"`: the drafts at every position, many anchors per sequence per forward, then
+  the walk on the CPU. tau times more drafting, in far fewer, larger forwards.
+Both batch across sequences in groups sized by a memory budget. `sequential_acceptance` is the
+oracle: one sequence, one block at a time, the context K/V cached and grown as tokens are accepted.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from specops.drafter import DFlashDrafter, apply_rope
+from specops.target_head import TargetHead
+
+MODES = ("frontier", "all-anchors")
+DEFAULT_MODE = "frontier"
+CPU_MEMORY_BUDGET = 2 << 30
+MAX_ANCHORS_PER_FORWARD = 128
+
+
+# ----------------------------------------------------------------------------------------------
+# Inputs and results
+# ----------------------------------------------------------------------------------------------
+
+@dataclass
+class SequenceInput:
+    """One completion: ids [L] (prompt + output), features [L, n, hidden], prompt length P."""
+
+    id: str
+    input_ids: torch.Tensor
+    features: torch.Tensor
+    prompt_len: int
+
+    def validate(self, drafter: DFlashDrafter) -> None:
+        L = self.input_ids.shape[0]
+        n, hidden = len(drafter.target_layer_ids), drafter.hidden_size
+        if self.input_ids.dim() != 1:
+            raise ValueError(f"sequence {self.id}: input_ids must be 1-D [L], "
+                             f"got {tuple(self.input_ids.shape)}")
+        if tuple(self.features.shape) != (L, n, hidden):
+            raise ValueError(f"sequence {self.id}: features are {tuple(self.features.shape)}, expected "
+                             f"[{L}, {n}, {hidden}] (tokens, the drafter's {n} target layers, hidden size)")
+        if not 1 <= self.prompt_len <= L:
+            raise ValueError(f"sequence {self.id}: prompt_len {self.prompt_len} outside 1..{L} "
+                             "(the sequence length)")
+
+
+def as_input(item: Any) -> SequenceInput:
+    """A SequenceInput from itself, a mapping or any object with id/input_ids/features/prompt_len."""
+    if isinstance(item, SequenceInput):
+        return item
+    get = item.__getitem__ if isinstance(item, Mapping) else lambda key: getattr(item, key)
+    ids = torch.as_tensor(get("input_ids"), dtype=torch.long)
+    return SequenceInput(str(get("id")), ids, torch.as_tensor(get("features")), int(get("prompt_len")))
+
+
+@dataclass
+class SequenceAcceptance:
+    """The walk of one sequence: the acceptance length and the block start of every step."""
+
+    id: str
+    block_size: int
+    accept_lengths: list[int] = field(default_factory=list)
+    block_starts: list[int] = field(default_factory=list)
+
+    @property
+    def steps(self) -> int:
+        return len(self.accept_lengths)
+
+    @property
+    def accepted_tokens(self) -> int:
+        return sum(self.accept_lengths)
+
+    @property
+    def tau(self) -> float | None:
+        """Mean acceptance length over the steps; None for a sequence with no step."""
+        return self.accepted_tokens / self.steps if self.steps else None
+
+    def histogram(self) -> list[int]:
+        """counts[i] = number of steps of acceptance length i + 1, for lengths 1..block_size."""
+        counts = [0] * self.block_size
+        for n in self.accept_lengths:
+            counts[n - 1] += 1
+        return counts
+
+    def acceptance_by_position(self) -> list[float]:
+        """[j - 1] = fraction of steps whose length exceeded j, i.e. draft j was accepted (j = 1..bs-1)."""
+        if not self.steps:
+            return [0.0] * (self.block_size - 1)
+        return [sum(n > j for n in self.accept_lengths) / self.steps for j in range(1, self.block_size)]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"id": self.id, "block_size": self.block_size, "accept_lengths": list(self.accept_lengths),
+                "block_starts": list(self.block_starts), "tau": self.tau}
+
+
+def overall_tau(results: Iterable[SequenceAcceptance]) -> float | None:
+    """Total accepted tokens / total steps over all sequences (step-weighted); None without steps."""
+    results = list(results)
+    steps = sum(r.steps for r in results)
+    return sum(r.accepted_tokens for r in results) / steps if steps else None
+
+
+def walk(prompt_len: int, length: int, block_size: int,
+         match_run: Callable[[int], int]) -> tuple[list[int], list[int]]:
+    """The speculative walk (see the module docstring); match_run(s) = leading matches of block s.
+
+    Returns (accept_lengths, block_starts).
+    """
+    lengths, starts = [], []
+    s = prompt_len
+    while s < length - 1:
+        remaining = length - 1 - s
+        k = min(match_run(s), block_size - 1, remaining)
+        a = min(k + 1, remaining)
+        lengths.append(a)
+        starts.append(s)
+        s += a
+    return lengths, starts
+
+
+# ----------------------------------------------------------------------------------------------
+# The batched engine
+# ----------------------------------------------------------------------------------------------
+
+def _elem(dtype: torch.dtype) -> int:
+    return torch.finfo(dtype).bits // 8
+
+
+def _sequence_bytes(drafter: DFlashDrafter, length: int) -> int:
+    """Resident memory of one sequence in a group: features, context and its K/V in every layer."""
+    cfg = drafter.config
+    kv = 2 * cfg.num_key_value_heads * cfg.head_dim * cfg.num_hidden_layers
+    per_token = kv + (len(drafter.target_layer_ids) + 1) * cfg.hidden_size
+    return length * per_token * _elem(drafter.fc.weight.dtype)
+
+
+def _block_bytes(drafter: DFlashDrafter, context_len: int) -> int:
+    """Working memory of drafting one block: fp32 attention scores and their copies, activations."""
+    cfg = drafter.config
+    bs = drafter.block_size
+    scores = cfg.num_attention_heads * bs * (context_len + bs) * (12 + _elem(drafter.fc.weight.dtype))
+    activations = bs * (3 * cfg.intermediate_size + 8 * cfg.hidden_size) * _elem(drafter.fc.weight.dtype)
+    return scores + activations
+
+
+def default_memory_budget(device: torch.device) -> int:
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(free * 0.7)
+    return CPU_MEMORY_BUDGET
+
+
+class _Group:
+    """Sequences drafted together: padded ids, lengths and the context K/V of every layer."""
+
+    def __init__(self, drafter: DFlashDrafter, head: TargetHead, items: list[SequenceInput]):
+        self.drafter, self.head = drafter, head
+        device, dtype = head.device, drafter.fc.weight.dtype
+        bs = drafter.block_size
+        self.lengths = torch.tensor([it.input_ids.shape[0] for it in items], device=device)
+        self.prompts = torch.tensor([it.prompt_len for it in items], device=device)
+        longest = int(self.lengths.max())
+        # -1 past the end never equals a draft, so a block reaching past the completion stops matching.
+        self.ids = torch.full((len(items), longest + bs), -1, dtype=torch.long, device=device)
+        features = torch.zeros(len(items), longest, *items[0].features.shape[1:], dtype=dtype, device=device)
+        for b, it in enumerate(items):
+            self.ids[b, :it.input_ids.shape[0]] = it.input_ids.to(device)
+            features[b, :it.features.shape[0]] = it.features.to(device=device, dtype=dtype)
+        self.context = drafter.context_kv(features)
+        del features
+        self.offsets = torch.arange(1, bs, device=device)
+
+    def select(self, index: torch.Tensor) -> None:
+        self.lengths, self.prompts, self.ids = self.lengths[index], self.prompts[index], self.ids[index]
+        self.context = [(k[index], v[index]) for k, v in self.context]
+
+    def match_runs(self, starts: torch.Tensor) -> torch.Tensor:
+        """Leading matches (0..bs-1) of the drafts of the blocks at starts [B, m] against the target."""
+        drafter, head = self.drafter, self.head
+        B, m = starts.shape
+        anchors = self.ids.gather(1, starts)
+        embeds = drafter.block_embeddings(head.embed, anchors.clamp_min(0))
+        hidden = drafter(embeds, starts, self.context)[:, :, 1:]
+        drafts = head.argmax(hidden, drafter.output_multiplier, drafter.logit_softcap)
+        targets = self.ids.gather(1, (starts[..., None] + self.offsets).view(B, -1)).view(B, m, -1)
+        return (drafts == targets).long().cumprod(dim=-1).sum(dim=-1)
+
+
+def _groups(drafter: DFlashDrafter, items: list[SequenceInput], budget: int) -> list[list[int]]:
+    """Indices of sequences per group, longest first, each group's resident memory within budget / 2."""
+    order = sorted(range(len(items)), key=lambda i: -items[i].input_ids.shape[0])
+    groups: list[list[int]] = []
+    current: list[int] = []
+    for i in order:
+        longest = items[current[0]].input_ids.shape[0] if current else items[i].input_ids.shape[0]
+        need = (len(current) + 1) * (_sequence_bytes(drafter, longest) + _block_bytes(drafter, longest))
+        if current and need > budget // 2:
+            groups.append(current)
+            current = []
+        current.append(i)
+    if current:
+        groups.append(current)
+    return groups
+
+
+def _frontier(group: _Group, ids_of: list[int], results: dict[int, SequenceAcceptance]) -> None:
+    """Walk all sequences of the group in lockstep: one block per sequence per forward."""
+    device = group.lengths.device
+    owner = torch.tensor(ids_of, device=device)
+    starts = group.prompts.clone()
+    records = []
+    while True:
+        active = starts < group.lengths - 1
+        n_active = int(active.sum())
+        if n_active == 0:
+            break
+        # Finished sequences leave the batch once they are half of it: less work, few gathers.
+        if n_active <= starts.shape[0] // 2:
+            keep = active.nonzero().squeeze(1)
+            group.select(keep)
+            owner, starts, active = owner[keep], starts[keep], active[keep]
+        remaining = group.lengths - 1 - starts
+        runs = group.match_runs(starts[:, None])[:, 0]
+        k = torch.minimum(runs, remaining)
+        a = torch.where(active, torch.minimum(k + 1, remaining), torch.zeros_like(k))
+        records.append(torch.stack([owner, starts, a]))
+        starts = starts + a
+    for owner_, s, a in torch.cat(records, dim=1).T.tolist() if records else []:
+        if a > 0:
+            results[owner_].accept_lengths.append(a)
+            results[owner_].block_starts.append(s)
+
+
+def _all_anchors(group: _Group, ids_of: list[int], results: dict[int, SequenceAcceptance],
+                 budget: int) -> None:
+    """Drafts at every anchor P..L-2 of every sequence, m anchors per sequence per forward, then walk."""
+    drafter = group.drafter
+    device = group.lengths.device
+    B = len(ids_of)
+    span = int((group.lengths - 1 - group.prompts).clamp_min(0).max())
+    longest = group.ids.shape[1]
+    resident = B * _sequence_bytes(drafter, longest)
+    per_slot = B * _block_bytes(drafter, longest)
+    # Half the budget for the working set (attention scores have transient copies); beyond ~128
+    # anchors per sequence the matmuls are saturated and larger chunks only cost memory.
+    m = int(max(1, min(span, MAX_ANCHORS_PER_FORWARD, (budget // 2 - resident) // max(1, per_slot))))
+    runs = torch.zeros(B, max(span, 1), dtype=torch.long)
+    last = (group.lengths - 2).clamp_min(0)
+    for first in range(0, span, m):
+        slots = torch.arange(first, min(first + m, span), device=device)
+        # Slots past a sequence's last anchor draft a harmless block at its last anchor instead.
+        starts = torch.minimum(group.prompts[:, None] + slots, last[:, None])
+        runs[:, first:first + slots.shape[0]] = group.match_runs(starts).cpu()
+    lengths, prompts = group.lengths.tolist(), group.prompts.tolist()
+    for b, owner in enumerate(ids_of):
+        row = runs[b].tolist()
+        accept, starts_ = walk(prompts[b], lengths[b], drafter.block_size,
+                               lambda s, row=row, p=prompts[b]: row[s - p])
+        results[owner].accept_lengths, results[owner].block_starts = accept, starts_
+
+
+@torch.inference_mode()
+def offline_acceptance(drafter: DFlashDrafter, head: TargetHead, sequences: Iterable[Any],
+                       mode: str = DEFAULT_MODE, memory_budget_bytes: int | None = None,
+                       progress: Callable[[int, int], None] | None = None) -> list[SequenceAcceptance]:
+    """Acceptance lengths of the drafter along every sequence (the walk in the module docstring).
+
+    sequences: SequenceInput, or mappings / objects with id, input_ids [L], features [L, n, hidden],
+    prompt_len. Runs on head.device (the drafter must be there too). memory_budget_bytes bounds what
+    a group of sequences and its working set take (default: 70% of free GPU memory, or 2 GiB on
+    CPU). progress(done, total) is called after each group. Results come back in input order.
+    """
+    if mode not in MODES:
+        raise ValueError(f"mode {mode!r} is not one of {list(MODES)}")
+    items = [as_input(s) for s in sequences]
+    for it in items:
+        it.validate(drafter)
+    budget = memory_budget_bytes or default_memory_budget(head.device)
+    results = {i: SequenceAcceptance(it.id, drafter.block_size) for i, it in enumerate(items)}
+    done = 0
+    for indices in _groups(drafter, items, budget):
+        group = _Group(drafter, head, [items[i] for i in indices])
+        if mode == "frontier":
+            _frontier(group, indices, results)
+        else:
+            _all_anchors(group, indices, results, budget)
+        del group
+        done += len(indices)
+        if progress is not None:
+            progress(done, len(items))
+    return [results[i] for i in range(len(items))]
+
+
+# ----------------------------------------------------------------------------------------------
+# The oracle
+# ----------------------------------------------------------------------------------------------
+
+def _oracle_mask(attn, start: int, block_size: int, device: torch.device) -> torch.Tensor | None:
+    """Visibility [bs, start + bs] of keys 0..start+bs-1 to queries start..start+bs-1 (z-lab's rule)."""
+    if not attn.is_causal and attn.sliding_window is None:
+        return None
+    query = torch.arange(start, start + block_size, device=device)[:, None]
+    key = torch.arange(start + block_size, device=device)[None, :]
+    visible = torch.ones(block_size, start + block_size, dtype=torch.bool, device=device)
+    if attn.is_causal:
+        visible &= key <= query
+    if attn.sliding_window is not None:
+        visible &= query - key < attn.sliding_window
+        if not attn.is_causal:
+            visible &= key - query < attn.sliding_window
+    return visible
+
+
+class SequentialDrafter:
+    """Drafting for one sequence the way z-lab's generate loop does: one block per forward, the
+    context K/V in per-layer tensors that grow by the features of the accepted tokens before each
+    block; the block's own K/V are concatenated for its forward and then dropped.
+    """
+
+    def __init__(self, drafter: DFlashDrafter, head: TargetHead, features: torch.Tensor):
+        self.drafter, self.head = drafter, head
+        self.device, dtype = head.device, drafter.fc.weight.dtype
+        self.features = features.to(device=self.device, dtype=dtype)
+        cfg = drafter.config
+        empty = torch.empty(1, cfg.num_key_value_heads, 0, cfg.head_dim, dtype=dtype, device=self.device)
+        self.cache = [(empty, empty) for _ in drafter.layers]
+        self.cached = 0
+
+    def block_hidden(self, token: int, start: int) -> torch.Tensor:
+        """Drafter outputs [bs - 1, hidden] for the block [token, MASK...] at start (never decreasing)."""
+        drafter, device, bs = self.drafter, self.device, self.drafter.block_size
+        if start < self.cached:
+            raise ValueError(f"block at {start} behind the cached context ({self.cached} positions)")
+        if self.cached < start:
+            new = drafter.context_kv(self.features[None, self.cached:start], first_position=self.cached)
+            self.cache = [(torch.cat([k, nk], dim=-2), torch.cat([v, nv], dim=-2))
+                          for (k, v), (nk, nv) in zip(self.cache, new, strict=True)]
+            self.cached = start
+        x = drafter.block_embeddings(self.head.embed, torch.tensor([token], device=device))  # [1, bs, hidden]
+        cos, sin = drafter.rope(torch.arange(start, start + bs, device=device), x)
+        for layer, (k_ctx, v_ctx) in zip(drafter.layers, self.cache, strict=True):
+            attn = layer.self_attn
+            y = layer.input_layernorm(x)
+            q = attn.q_norm(attn.q_proj(y).view(1, bs, attn.num_heads, attn.head_dim)).transpose(1, 2)
+            q = apply_rope(q, cos, sin)
+            k_blk, v_blk = attn.kv(y, cos, sin)
+            out = F.scaled_dot_product_attention(
+                q, torch.cat([k_ctx, k_blk], dim=-2), torch.cat([v_ctx, v_blk], dim=-2),
+                attn_mask=_oracle_mask(attn, start, bs, device), scale=attn.scaling, enable_gqa=True)
+            x = x + attn.o_proj(out.transpose(1, 2).reshape(1, bs, -1))
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        return drafter.norm(x)[0, 1:]
+
+    def drafts(self, token: int, start: int) -> list[int]:
+        hidden = self.block_hidden(token, start)
+        return self.head.argmax(hidden, self.drafter.output_multiplier, self.drafter.logit_softcap).tolist()
+
+
+@torch.inference_mode()
+def sequential_acceptance(drafter: DFlashDrafter, head: TargetHead, sequence: Any) -> SequenceAcceptance:
+    """The oracle: a straightforward loop, one block at a time, as z-lab's generate loop drafts,
+    with the target's tokens standing in for its verify pass (see `SequentialDrafter`).
+    """
+    seq = as_input(sequence)
+    seq.validate(drafter)
+    ids = seq.input_ids.tolist()
+    L, bs = len(ids), drafter.block_size
+    state = SequentialDrafter(drafter, head, seq.features)
+    result = SequenceAcceptance(seq.id, bs)
+    s = seq.prompt_len
+    while s < L - 1:
+        drafts = state.drafts(ids[s], s)
+        remaining = L - 1 - s
+        k = 0
+        while k < min(bs - 1, remaining) and drafts[k] == ids[s + 1 + k]:
+            k += 1
+        a = min(k + 1, remaining)
+        result.accept_lengths.append(a)
+        result.block_starts.append(s)
+        s += a
+    return result

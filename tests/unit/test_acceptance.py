@@ -1,0 +1,207 @@
+"""Offline acceptance length: the walk, the batched engine, and the sequential oracle agree exactly."""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from specops.acceptance import (  # noqa: E402
+    SequenceAcceptance,
+    SequenceInput,
+    SequentialDrafter,
+    offline_acceptance,
+    overall_tau,
+    sequential_acceptance,
+    walk,
+)
+from specops.drafter import load_drafter  # noqa: E402
+from specops.fixtures.train_drafter import greedy_completions, train_reference_drafter  # noqa: E402
+from specops.target_head import load_target_head  # noqa: E402
+
+MODES = ("frontier", "all-anchors")
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    # Tiny models: extra threads only contend on a shared machine.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="session")
+def greedy_sequences(fixture_models):
+    """The tiny target's greedy completions of the shipped prompts, with features at layers [1, 3, 5]."""
+    layer_ids = load_drafter(fixture_models.drafter).target_layer_ids
+    torch.set_num_threads(1)
+    found = greedy_completions(fixture_models.target, fixture_models.prompts, layer_ids, 128)
+    return [SequenceInput(f"p{i}", ids, features, prompt) for i, (ids, features, prompt) in enumerate(found)]
+
+
+@pytest.fixture(scope="session")
+def trained_drafter(fixture_models, tmp_path_factory):
+    """The reference drafter trained on those completions, once per session."""
+    out = tmp_path_factory.mktemp("trained") / "reference_drafter"
+    train_reference_drafter(fixture_models.target, fixture_models.drafter, out, fixture_models.prompts,
+                            steps=300, seed=2)
+    return out
+
+
+@pytest.fixture(scope="session")
+def head(fixture_models):
+    return load_target_head(fixture_models.target)
+
+
+# ---- the walk --------------------------------------------------------------------------------------
+
+def test_walk_accepts_the_leading_matches_plus_the_bonus_token():
+    lengths, starts = walk(prompt_len=2, length=12, block_size=4, match_run=lambda s: 2)
+    assert lengths == [3, 3, 3] and starts == [2, 5, 8]
+
+
+def test_walk_caps_the_last_step_at_the_tokens_that_remain():
+    lengths, starts = walk(prompt_len=2, length=10, block_size=8, match_run=lambda s: 7)
+    assert lengths == [7] and starts == [2]
+
+
+def test_walk_accepts_every_output_token_after_the_first_exactly_once():
+    runs = {s: (s * 7) % 5 for s in range(100)}
+    lengths, starts = walk(prompt_len=9, length=80, block_size=5, match_run=runs.__getitem__)
+    assert sum(lengths) == 80 - 1 - 9
+    assert [s + n for s, n in zip(starts, lengths, strict=True)] == starts[1:] + [79]
+
+
+def test_walk_has_no_step_when_the_prefill_token_is_the_last():
+    assert walk(prompt_len=5, length=6, block_size=4, match_run=lambda s: 3) == ([], [])
+
+
+# ---- results ---------------------------------------------------------------------------------------
+
+def test_histogram_and_acceptance_by_position_describe_the_steps():
+    result = SequenceAcceptance("x", block_size=4, accept_lengths=[1, 4, 2, 4], block_starts=[0, 1, 5, 7])
+    assert result.tau == 11 / 4
+    assert result.histogram() == [1, 1, 0, 2]
+    assert result.acceptance_by_position() == [3 / 4, 2 / 4, 2 / 4]
+    assert result.to_dict()["accept_lengths"] == [1, 4, 2, 4]
+
+
+def test_overall_tau_weights_sequences_by_their_steps():
+    a = SequenceAcceptance("a", 4, [4, 4], [0, 4])
+    b = SequenceAcceptance("b", 4, [1, 1, 1, 1, 1, 1], [0, 1, 2, 3, 4, 5])
+    assert overall_tau([a, b]) == 14 / 8
+    assert SequenceAcceptance("empty", 4).tau is None
+
+
+# ---- drafts known by construction ------------------------------------------------------------------
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("run", [0, 3, 7])
+def test_drafts_that_match_run_tokens_give_tau_run_plus_one(fixture_models, head, monkeypatch, mode, run):
+    # Every draft is token 7; the completion repeats [other, 7 x run], so every block accepts run + 1.
+    drafter = load_drafter(fixture_models.drafter)
+    monkeypatch.setattr(type(head), "argmax", lambda self, hidden, *a: torch.full(hidden.shape[:-1], 7))
+    P, L = 5, 5 + 10 * (run + 1) + 1
+    ids = torch.full((L,), 7)
+    ids[P::run + 1] = 9
+    sequence = SequenceInput("c", ids, torch.randn(L, 3, drafter.hidden_size), P)
+    result = offline_acceptance(drafter, head, [sequence], mode=mode)[0]
+    assert result.accept_lengths == [run + 1] * 10
+    assert result.block_starts == list(range(P, L - 1, run + 1))
+
+
+def plant(drafter, head, sequence, run):
+    """Overwrite the output so the drafter's own drafts match for `run` positions per block."""
+    ids = sequence.input_ids.clone()
+    loop = SequentialDrafter(drafter, head, sequence.features)
+    s = sequence.prompt_len
+    with torch.inference_mode():
+        while s < len(ids) - 1:
+            drafts = loop.drafts(int(ids[s]), s)
+            for j in range(1, run + 2):
+                if s + j < len(ids):
+                    ids[s + j] = drafts[j - 1] if j <= run else (drafts[j - 1] + 1) % head.vocab_size
+            s += run + 1
+    return SequenceInput(sequence.id, ids, sequence.features, sequence.prompt_len)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_tokens_planted_from_the_drafters_own_drafts_give_tau_run_plus_one(
+        fixture_models, head, greedy_sequences, mode):
+    drafter = load_drafter(fixture_models.drafter)
+    sequence = plant(drafter, head, greedy_sequences[0], run=4)
+    result = offline_acceptance(drafter, head, [sequence], mode=mode)[0]
+    remaining = len(sequence.input_ids) - 1 - sequence.prompt_len
+    assert result.accept_lengths[:-1] == [5] * (result.steps - 1)
+    assert sum(result.accept_lengths) == remaining
+
+
+# ---- engine against the oracle -----------------------------------------------------------------------
+
+@pytest.mark.parametrize("mode", MODES)
+def test_random_drafter_accepts_about_one_token_and_equals_the_oracle(
+        fixture_models, head, greedy_sequences, mode):
+    drafter = load_drafter(fixture_models.drafter)
+    fast = offline_acceptance(drafter, head, greedy_sequences, mode=mode)
+    oracle = [sequential_acceptance(drafter, head, s) for s in greedy_sequences]
+    assert [r.accept_lengths for r in fast] == [r.accept_lengths for r in oracle]
+    assert [r.block_starts for r in fast] == [r.block_starts for r in oracle]
+    assert 1.0 <= overall_tau(fast) < 1.3
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", MODES)
+def test_trained_drafter_accepts_many_tokens_and_equals_the_oracle(
+        trained_drafter, head, greedy_sequences, mode):
+    drafter = load_drafter(trained_drafter)
+    fast = offline_acceptance(drafter, head, greedy_sequences, mode=mode)
+    oracle = [sequential_acceptance(drafter, head, s) for s in greedy_sequences]
+    assert [r.accept_lengths for r in fast] == [r.accept_lengths for r in oracle]
+    assert overall_tau(fast) >= 3.0
+    # Not all full blocks: the comparison exercises short acceptances too.
+    assert len({n for r in fast for n in r.accept_lengths}) >= 3
+
+
+def test_a_small_memory_budget_splits_groups_and_chunks_without_changing_results(
+        fixture_models, head, greedy_sequences):
+    drafter = load_drafter(fixture_models.drafter)
+    sequences = greedy_sequences[:4]
+    roomy = offline_acceptance(drafter, head, sequences, mode="all-anchors")
+    seen = []
+    tight = offline_acceptance(drafter, head, sequences, mode="all-anchors", memory_budget_bytes=1 << 20,
+                               progress=lambda done, total: seen.append(done))
+    assert [r.accept_lengths for r in tight] == [r.accept_lengths for r in roomy]
+    assert len(seen) > 1 and seen[-1] == 4
+
+
+def test_results_come_back_in_input_order_with_their_ids(fixture_models, head, greedy_sequences):
+    drafter = load_drafter(fixture_models.drafter)
+    s = greedy_sequences[1]
+    end = s.prompt_len + 10
+    short = SequenceInput("short", s.input_ids[:end], s.features[:end], s.prompt_len)
+    results = offline_acceptance(drafter, head, [greedy_sequences[0], short, greedy_sequences[2]])
+    assert [r.id for r in results] == ["p0", "short", "p2"]
+    assert sum(results[1].accept_lengths) == 9
+
+
+def test_mappings_are_accepted_as_sequences(fixture_models, head, greedy_sequences):
+    drafter = load_drafter(fixture_models.drafter)
+    s = greedy_sequences[0]
+    record = {"id": s.id, "input_ids": s.input_ids.tolist(), "features": s.features,
+              "prompt_len": s.prompt_len}
+    assert offline_acceptance(drafter, head, [record])[0].accept_lengths == \
+        offline_acceptance(drafter, head, [s])[0].accept_lengths
+
+
+def test_features_of_the_wrong_shape_are_named(fixture_models, head, greedy_sequences):
+    drafter = load_drafter(fixture_models.drafter)
+    s = greedy_sequences[0]
+    bad = SequenceInput("bad", s.input_ids, s.features[:, :2], s.prompt_len)
+    with pytest.raises(ValueError, match=r"sequence bad: features are .* expected \[\d+, 3, 64\]"):
+        offline_acceptance(drafter, head, [bad])
+
+
+def test_an_unknown_mode_is_refused(fixture_models, head):
+    with pytest.raises(ValueError, match="mode 'lazy' is not one of"):
+        offline_acceptance(load_drafter(fixture_models.drafter), head, [], mode="lazy")
