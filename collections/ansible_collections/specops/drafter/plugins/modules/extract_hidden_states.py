@@ -1,0 +1,232 @@
+#!/usr/bin/python
+# -*- coding: utf-8 -*-
+# GNU General Public License v3.0+ (see https://www.gnu.org/licenses/gpl-3.0.txt)
+
+from __future__ import absolute_import, division, print_function
+
+__metaclass__ = type
+
+DOCUMENTATION = r"""
+---
+module: extract_hidden_states
+short_description: Extract a target model's hidden states at a DFlash drafter's layers
+description:
+  - Runs C(python -m specops.extract) in the ML environment built by the C(fla_env) module.
+  - Reads the completions written by C(sglang_completions) and writes safetensors shards plus a
+    C(manifest.json) into O(out_dir); only the captured layers run (no later layers, no lm_head).
+  - An output whose manifest matches the current inputs is left alone (C(changed=false)) without
+    loading the model; an interrupted run resumes from its finished shards.
+  - Long extractions should run as an async task; progress goes to O(progress_log).
+version_added: "0.1.0"
+author:
+  - specops maintainers
+options:
+  python:
+    description: Python interpreter of the ML environment (torch, transformers, fla, specops).
+    type: path
+    required: true
+  target:
+    description: Directory of the target model (C(config.json) and C(*.safetensors)).
+    type: path
+    required: true
+  completions:
+    description: Output directory of C(sglang_completions) (holds C(completions.jsonl)).
+    type: path
+    required: true
+  out_dir:
+    description: Directory for the shards, C(manifest.json) and C(progress.log).
+    type: path
+    required: true
+  drafter:
+    description:
+      - DFlash drafter directory; its C(dflash_config.target_layer_ids) are the layers to capture.
+      - Required unless O(layer_ids) is given.
+    type: path
+  layer_ids:
+    description:
+      - Target layer ids to capture, overriding the drafter's. Layer V(k) is C(hidden_states[k + 1]) of
+        transformers' C(output_hidden_states).
+    type: list
+    elements: int
+  capture_offsets:
+    description:
+      - Also capture layers V(k + offset) for each target layer V(k); neighbours outside the model are
+        skipped and recorded. V([-1, 0, 1]) serves the scorer's layer-offset diagnostic.
+    type: list
+    elements: int
+    default: [0]
+  dtype:
+    description: Compute and storage dtype; V(auto) is bfloat16 on CUDA and float32 on the CPU.
+    type: str
+    choices: [auto, bfloat16, float16, float32]
+    default: auto
+  device:
+    description: V(auto), V(cpu), V(cuda) or V(cuda:N).
+    type: str
+    default: auto
+  require_backend:
+    description:
+      - Gated-delta-rule implementation the run must use. V(auto) is V(fla) when the device is CUDA,
+        else V(any). V(torch) forces the PyTorch reference implementation.
+      - With V(fla) the run fails if transformers falls back to the torch implementation.
+    type: str
+    choices: [auto, fla, torch, any]
+    default: auto
+  parity_samples:
+    description: Records on which to compare the running backend with the fp32 torch reference; V(0) is off.
+    type: int
+    default: 0
+  parity_tolerance:
+    description:
+      - Relative error per layer above which the parity probe fails (the limit is the larger of this and
+        twice the bf16 noise floor measured in the same run).
+    type: float
+    default: 0.05
+  batch_tokens:
+    description: Most tokens (padding included) in one forward.
+    type: int
+    default: 16384
+  shard_tokens:
+    description: Tokens per shard file.
+    type: int
+    default: 32768
+  writer_threads:
+    description: Threads that write shards while the next batches compute.
+    type: int
+    default: 4
+  fsync:
+    description:
+      - Flush each shard to the device while it is written, so a power loss cannot damage shards the
+        manifest lists. V(false) leaves flushing to the OS, for a disk slower than the extraction.
+    type: bool
+    default: true
+  progress_log:
+    description: Progress log (tokens done / total, tokens per second); default O(out_dir)/progress.log.
+    type: path
+attributes:
+  check_mode:
+    support: full
+    details: Validates the inputs and reports whether the output is out of date; loads no model.
+  diff_mode:
+    support: none
+notes:
+  - The ML environment must import C(specops); the C(fla_env) module installs it.
+"""
+
+EXAMPLES = r"""
+- name: Extract the target's hidden states at the drafter's layers
+  specops.drafter.extract_hidden_states:
+    python: /opt/specops/ml/bin/python
+    target: /models/Qwen3.6-27B
+    drafter: /models/Qwen3.6-27B-DFlash
+    completions: /srv/eval/run1/completions
+    out_dir: /srv/eval/run1/hidden_states
+    parity_samples: 4
+  async: 7200
+  poll: 0
+  register: extraction
+
+- name: Capture the neighbours of each layer too, for the layer-offset diagnostic
+  specops.drafter.extract_hidden_states:
+    python: /opt/specops/ml/bin/python
+    target: /models/Qwen3.6-27B
+    drafter: /models/Qwen3.6-27B-DFlash
+    completions: /srv/eval/run1/completions
+    out_dir: /srv/eval/run1/hidden_states_offsets
+    capture_offsets: [-1, 0, 1]
+"""
+
+RETURN = r"""
+out_dir:
+  description: Directory holding the shards and the manifest.
+  returned: always
+  type: str
+manifest:
+  description: Path of C(manifest.json).
+  returned: always
+  type: str
+layer_ids:
+  description: Captured layer ids, in the order of the shards' layer axis.
+  returned: always
+  type: list
+  elements: int
+records:
+  description: Number of completions extracted.
+  returned: always
+  type: int
+tokens:
+  description: Number of tokens extracted (prompt and output).
+  returned: always
+  type: int
+shards:
+  description: Shard file names.
+  returned: always
+  type: list
+  elements: str
+backend:
+  description: Implementations that ran (C(gated_delta_rule), C(causal_conv1d)), device and dtype.
+  returned: when the extraction ran or had run
+  type: dict
+parity:
+  description: Per-layer cosine similarity and relative error against the fp32 torch reference.
+  returned: when O(parity_samples) > 0
+  type: dict
+progress:
+  description: Timings and throughput of the run (tokens per second, shards resumed).
+  returned: when the extraction ran or had run
+  type: dict
+"""
+
+from ansible.module_utils.basic import AnsibleModule
+from ansible_collections.specops.drafter.plugins.module_utils.stage_runner import run_stage
+
+REQUEST_KEYS = (
+    "target", "completions", "out_dir", "drafter", "layer_ids", "capture_offsets", "dtype", "device",
+    "require_backend", "parity_samples", "parity_tolerance", "batch_tokens", "shard_tokens",
+    "writer_threads", "fsync", "progress_log",
+)
+
+
+class HiddenStateExtraction(object):
+    """Build the stage request from the module's options and run it in the ML environment."""
+
+    def __init__(self, module):
+        self.module = module
+        self.params = module.params
+
+    def run(self):
+        request = dict((key, self.params[key]) for key in REQUEST_KEYS if self.params[key] is not None)
+        result = run_stage(self.module, self.params["python"], "extract", request)
+        result.setdefault("changed", False)
+        return result
+
+
+def main():
+    module = AnsibleModule(
+        argument_spec=dict(
+            python=dict(type="path", required=True),
+            target=dict(type="path", required=True),
+            completions=dict(type="path", required=True),
+            out_dir=dict(type="path", required=True),
+            drafter=dict(type="path"),
+            layer_ids=dict(type="list", elements="int"),
+            capture_offsets=dict(type="list", elements="int", default=[0]),
+            dtype=dict(type="str", default="auto", choices=["auto", "bfloat16", "float16", "float32"]),
+            device=dict(type="str", default="auto"),
+            require_backend=dict(type="str", default="auto", choices=["auto", "fla", "torch", "any"]),
+            parity_samples=dict(type="int", default=0),
+            parity_tolerance=dict(type="float", default=0.05),
+            batch_tokens=dict(type="int", default=16384),
+            shard_tokens=dict(type="int", default=32768),
+            writer_threads=dict(type="int", default=4),
+            fsync=dict(type="bool", default=True),
+            progress_log=dict(type="path"),
+        ),
+        required_one_of=[("drafter", "layer_ids")],
+        supports_check_mode=True,
+    )
+    module.exit_json(**HiddenStateExtraction(module).run())
+
+
+if __name__ == "__main__":
+    main()
