@@ -1,0 +1,373 @@
+"""The fla_env module builds the ML environment, changes it only when needed, and says what it can run.
+
+Run from the checkout: .venv/bin/pytest tests/ansible/test_fla_env.py
+One environment (CPU torch 2.13, transformers 5.23, specops) is built per session, through the real
+module run by `ansible`; it takes a few minutes. This machine has no GPU, so the GPU-only decisions
+(a CUDA torch without a driver, fla proven on the GPU, fla importable without a GPU) are tested on
+specops.envcheck.decide() with injected facts; the GPU itself is exercised by
+benchmarks/fla_env_h200.sh.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from specops import envcheck
+
+ROOT = Path(__file__).resolve().parents[2]
+ANSIBLE = ROOT / ".venv" / "bin" / "ansible"
+CONTROL_PYTHON = ROOT / ".venv" / "bin" / "python"
+# The CPU torch 2.13.0 wheel on this machine is built for Python 3.11.
+PYTHON311 = "/root/.pyenv/versions/3.11.7/bin/python"
+if not os.path.exists(PYTHON311):
+    PYTHON311 = shutil.which("python3.11") or "python3"
+TORCH = "torch==2.13.0"
+
+
+def run_module(args: dict, check: bool = False) -> tuple[str, dict]:
+    """Run specops.drafter.fla_env on localhost through ansible; return (status, result)."""
+    cmd = [
+        str(ANSIBLE),
+        "localhost",
+        "-i",
+        "localhost,",
+        "-c",
+        "local",
+        "-e",
+        f"ansible_python_interpreter={CONTROL_PYTHON}",
+        "-m",
+        "specops.drafter.fla_env",
+        "-a",
+        json.dumps(args),
+    ]
+    if check:
+        cmd.append("--check")
+    env = dict(
+        os.environ,
+        ANSIBLE_CONFIG=str(ROOT / "ansible.cfg"),
+        ANSIBLE_CALLBACK_RESULT_FORMAT="json",
+        ANSIBLE_NOCOLOR="1",
+        ANSIBLE_FORCE_COLOR="0",
+    )
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1200)
+    match = re.search(r"^localhost \| (\S+) => (\{.*)", proc.stdout, re.MULTILINE | re.DOTALL)
+    assert match, f"no result from ansible (exit {proc.returncode}):\n{proc.stdout}\n{proc.stderr}"
+    return match.group(1).rstrip("!"), json.loads(match.group(2))
+
+
+def snapshot_sources(dest: Path) -> Path:
+    """What the module installs from a checkout, copied so edits elsewhere do not move the fingerprint."""
+    dest.mkdir(parents=True)
+    shutil.copytree(ROOT / "src", dest / "src", ignore=shutil.ignore_patterns("__pycache__", "*.egg-info"))
+    for name in ("pyproject.toml", "README.md"):
+        if (ROOT / name).exists():
+            shutil.copy2(ROOT / name, dest / name)
+    return dest
+
+
+@pytest.fixture(scope="session")
+def source(tmp_path_factory) -> Path:
+    return snapshot_sources(tmp_path_factory.mktemp("fla_env_source") / "checkout")
+
+
+@pytest.fixture(scope="session")
+def session_venv(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("fla_env") / "venv"
+
+
+def base_args(venv: Path, source: Path, **overrides) -> dict:
+    args = {"venv": str(venv), "python": PYTHON311, "torch": TORCH, "specops_source": str(source)}
+    args.update(overrides)
+    return args
+
+
+@pytest.fixture(scope="session")
+def first_run(session_venv, source) -> dict:
+    status, result = run_module(base_args(session_venv, source))
+    assert status == "CHANGED", result
+    return result
+
+
+# -- building the environment ---------------------------------------------------------------------
+
+
+def test_first_run_creates_the_environment_and_reports_versions(first_run, session_venv):
+    assert first_run["changed"] is True
+    assert first_run["created"] is True
+    assert first_run["python"] == str(session_venv / "bin" / "python")
+    assert (session_venv / "bin" / "python").exists()
+    assert first_run["versions"]["torch"].startswith("2.13.0")
+    assert first_run["versions"]["transformers"] == "5.23.0"
+    assert first_run["versions"]["specops"] == "0.1.0"
+    assert TORCH in first_run["installed"] and "specops (source)" in first_run["installed"]
+
+
+def test_second_run_changes_nothing(first_run, session_venv, source):
+    status, result = run_module(base_args(session_venv, source))
+    assert status == "SUCCESS", result
+    assert result["changed"] is False
+    assert result["installed"] == [] and result["removed"] == []
+    assert result["versions"] == first_run["versions"]
+
+
+def test_cpu_host_reports_torch_cpu_and_says_fla_is_not_usable(first_run):
+    report = first_run["verification"]
+    assert first_run["backend"] == "torch-cpu" == report["backend"]
+    assert report["cuda_available"] is False and report["devices"] == []
+    assert any("fla is not usable here" in note for note in report["notes"])
+    assert report["gdr"]["ran"] is False and report["gdr_max_abs_error"] is None
+    assert report["transformers_gdr_impl"] == "torch"
+
+
+def test_fla_auto_without_gpu_leaves_fla_out(first_run):
+    assert first_run["gpu_visible"]["visible"] is False
+    assert not any(
+        req.startswith(("fla-core", "flash-linear-attention")) for req in first_run["requirements"]
+    )
+    assert first_run["versions"]["fla-core"] is None
+
+
+def test_require_fla_cuda_on_a_cpu_host_fails_with_the_reason(first_run, session_venv, source):
+    status, result = run_module(base_args(session_venv, source, require_backend="fla-cuda"))
+    assert status == "FAILED"
+    assert "require_backend is fla-cuda" in result["msg"]
+    assert "backend is torch-cpu" in result["msg"] and "no CUDA GPU is visible" in result["msg"]
+
+
+def test_fla_found_in_the_environment_without_gpu_is_removed(first_run, session_venv, source):
+    site = Path(next((session_venv / "lib").glob("python3*/site-packages")))
+    fake_dist(site, "fla_core", "0.6.0", package="fla")
+    status, result = run_module(base_args(session_venv, source, verify=False))
+    assert status == "CHANGED", result
+    assert result["removed"] == ["fla-core"]
+    assert not (site / "fla").exists()
+    assert result["versions"]["fla-core"] is None
+
+
+def fake_dist(site: Path, dist: str, version: str, package: str) -> None:
+    """A minimal installed distribution pip can uninstall, without network or triton."""
+    (site / package).mkdir()
+    (site / package / "__init__.py").write_text(f"__version__ = {version!r}\n")
+    info = site / f"{dist}-{version}.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text(
+        f"Metadata-Version: 2.1\nName: {dist.replace('_', '-')}\nVersion: {version}\n"
+    )
+    (info / "INSTALLER").write_text("pip\n")
+    (info / "RECORD").write_text(
+        "".join(
+            f"{name},,\n"
+            for name in (
+                f"{package}/__init__.py",
+                f"{info.name}/METADATA",
+                f"{info.name}/INSTALLER",
+                f"{info.name}/RECORD",
+            )
+        )
+    )
+
+
+def test_specops_is_reinstalled_only_when_its_sources_change(first_run, session_venv, source, tmp_path):
+    copy = tmp_path / "checkout"
+    shutil.copytree(source, copy)
+
+    status, same = run_module(base_args(session_venv, source, specops_source=str(copy), verify=False))
+    assert status == "SUCCESS" and same["installed"] == [], same
+
+    marker = "# changed by the fingerprint test\n"
+    with open(copy / "src" / "specops" / "__init__.py", "a") as handle:
+        handle.write(marker)
+    status, edited = run_module(base_args(session_venv, source, specops_source=str(copy), verify=False))
+    assert status == "CHANGED" and edited["installed"] == ["specops (source)"], edited
+    installed = next((session_venv / "lib").glob("python3*/site-packages/specops/__init__.py"))
+    assert installed.read_text().endswith(marker)
+
+    # Leave the session environment as the other tests expect it.
+    status, restored = run_module(base_args(session_venv, source, verify=False))
+    assert status == "CHANGED" and not installed.read_text().endswith(marker)
+
+
+# -- check mode -----------------------------------------------------------------------------------
+
+
+def test_check_mode_on_a_fresh_path_installs_nothing(tmp_path, source):
+    venv = tmp_path / "not-yet"
+    status, result = run_module(base_args(venv, source), check=True)
+    assert status == "CHANGED"
+    assert result["created"] is True
+    assert "does not exist yet" in result["msg"]
+    assert TORCH in result["installed"]
+    assert result["verification"] is None
+    assert not venv.exists()
+
+
+def test_check_mode_on_the_built_environment_reports_nothing_to_do(first_run, session_venv, source):
+    status, result = run_module(base_args(session_venv, source), check=True)
+    assert status == "SUCCESS", result
+    assert result["changed"] is False
+    assert result["verification"]["backend_expected"] == "torch-cpu"
+    assert result["verification"]["gdr"]["ran"] is False
+
+
+# -- errors ---------------------------------------------------------------------------------------
+
+
+def test_missing_python_fails_naming_the_interpreter(tmp_path, source):
+    status, result = run_module(base_args(tmp_path / "venv", source, python="python3.99-nowhere"))
+    assert status == "FAILED"
+    assert "'python3.99-nowhere' not found" in result["msg"]
+    assert not (tmp_path / "venv").exists()
+
+
+def test_requirement_no_source_provides_fails_naming_it_and_the_sources(tmp_path, source):
+    wheelhouse = tmp_path / "empty-wheelhouse"
+    wheelhouse.mkdir()
+    # pip_isolated: this host's own pip configuration would otherwise add its wheel directory.
+    args = base_args(
+        tmp_path / "venv",
+        source,
+        index_url="file:///nonexistent",
+        find_links=[str(wheelhouse)],
+        no_index=True,
+        pip_isolated=True,
+    )
+    status, result = run_module(args)
+    assert status == "FAILED"
+    assert f"pip cannot provide {TORCH}" in result["msg"]
+    assert str(wheelhouse) in result["msg"] and "no index" in result["msg"]
+
+
+# -- decisions that need a GPU host, on injected facts ---------------------------------------------
+
+
+def facts(**overrides) -> dict:
+    base = {
+        "versions": {"torch": "2.13.0+cpu", "torch_cuda": None},
+        "cuda_available": False,
+        "driver": {"present": False, "version": None},
+        "fla_importable": False,
+        "fla_import_error": "ModuleNotFoundError: No module named 'fla'",
+        "triton_importable": False,
+        "transformers_gdr_impl": "torch",
+    }
+    base.update(overrides)
+    return base
+
+
+GPU = {
+    "cuda_available": True,
+    "driver": {"present": True, "version": "580"},
+    "versions": {"torch": "2.11.0+cu130", "torch_cuda": "13.0"},
+}
+
+
+def test_cuda_torch_on_a_host_without_driver_is_an_error():
+    verdict = envcheck.decide(facts(versions={"torch": "2.11.0+cu130", "torch_cuda": "13.0"}), None)
+    assert "CUDA 13.0 build" in verdict["error"] and "no NVIDIA driver" in verdict["error"]
+    assert "install a CPU build of torch" in verdict["error"]
+
+
+def test_cuda_torch_with_a_driver_it_cannot_use_is_a_warning():
+    verdict = envcheck.decide(
+        facts(
+            versions={"torch": "2.11.0+cu130", "torch_cuda": "13.0"},
+            driver={"present": True, "version": "470"},
+        ),
+        None,
+    )
+    assert verdict["error"] is None and verdict["backend"] == "torch-cpu"
+    assert any("cannot use it" in w for w in verdict["warnings"])
+
+
+def test_fla_and_triton_importable_without_gpu_warn_of_the_crash():
+    verdict = envcheck.decide(
+        facts(
+            fla_importable=True,
+            triton_importable=True,
+            transformers_gdr_impl="fla.ops.gated_delta_rule.chunk.chunk_gated_delta_rule",
+        ),
+        None,
+    )
+    assert verdict["backend"] == "torch-cpu"
+    assert envcheck.FLA_CRASH_WARNING in verdict["warnings"]
+
+
+def test_cpu_host_without_fla_has_no_crash_warning():
+    verdict = envcheck.decide(facts(), None)
+    assert verdict["backend"] == "torch-cpu" and verdict["warnings"] == []
+    assert envcheck.FLA_NOT_USABLE_NOTE in verdict["notes"]
+
+
+def test_fla_cuda_only_when_the_kernel_matched_the_reference():
+    gpu_fla = facts(**GPU, fla_importable=True, triton_importable=True)
+    assert (
+        envcheck.decide(gpu_fla, {"ran": True, "ok": True, "error": None, "rel_error": 1e-3})["backend"]
+        == "fla-cuda"
+    )
+    mismatch = envcheck.decide(gpu_fla, {"ran": True, "ok": False, "error": None, "rel_error": 0.4})
+    assert (
+        mismatch["backend"] == "torch-cuda" and "differs from the torch reference" in mismatch["warnings"][0]
+    )
+    crashed = envcheck.decide(
+        gpu_fla, {"ran": True, "ok": False, "error": "CompilationError: x", "checks": []}
+    )
+    assert crashed["backend"] == "torch-cuda" and "failed on the GPU" in crashed["warnings"][0]
+
+
+def test_gpu_without_fla_is_torch_cuda_and_fails_a_fla_cuda_requirement():
+    verdict = envcheck.decide(facts(**GPU), None, require_backend="fla-cuda")
+    assert verdict["backend"] == "torch-cuda"
+    assert verdict["error"].startswith(
+        "require_backend is fla-cuda but this environment's backend is torch-cuda"
+    )
+
+
+def test_check_mode_on_a_gpu_with_fla_expects_fla_cuda_without_claiming_it():
+    verdict = envcheck.decide(
+        facts(**GPU, fla_importable=True), None, require_backend="fla-cuda", planning=True
+    )
+    assert verdict["backend"] is None and verdict["backend_expected"] == "fla-cuda"
+    assert verdict["error"] is None
+
+
+def test_gdr_sizes_are_validated_with_the_fix_in_the_message():
+    with pytest.raises(envcheck.StageError, match="v_heads 5 must be a multiple of k_heads 2"):
+        envcheck.normalize_sizes([{"k_heads": 2, "v_heads": 5}])
+    with pytest.raises(envcheck.StageError, match="dtype 'float16' is not one of"):
+        envcheck.normalize_sizes([{"dtype": "float16"}])
+    assert envcheck.normalize_sizes([{"seq_len": 77}])[0]["seq_len"] == 77
+
+
+# -- the comparison harness, on the CPU with transformers' torch implementations -------------------
+
+HARNESS = textwrap.dedent("""
+    import inspect, json
+    from specops import envcheck
+    from transformers.models.qwen3_5 import modeling_qwen3_5 as modeling
+    reference, _ = envcheck.torch_reference()
+    recurrent = inspect.unwrap(modeling.torch_recurrent_gated_delta_rule)
+    def without_l2norm(q, k, v, **kw):
+        return reference(q, k, v, **{**kw, "use_qk_l2norm_in_kernel": False})
+    size = envcheck.normalize_sizes([{"batch": 1, "seq_len": 130, "k_heads": 2, "v_heads": 4,
+                                      "head_k_dim": 32, "head_v_dim": 32}])[0]
+    print(json.dumps({"recurrent": envcheck.compare_gdr(recurrent, reference, size, "cpu"),
+                      "wrong": envcheck.compare_gdr(without_l2norm, reference, size, "cpu")}))
+""")
+
+
+def test_comparison_harness_accepts_an_equivalent_kernel_and_rejects_a_wrong_one(first_run, session_venv):
+    proc = subprocess.run(
+        [str(session_venv / "bin" / "python"), "-c", HARNESS], capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 0, proc.stderr
+    checks = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert checks["recurrent"]["ok"] is True and checks["recurrent"]["output_rel_error"] < 1e-4
+    assert checks["wrong"]["ok"] is False and checks["wrong"]["output_rel_error"] > 0.1
