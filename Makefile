@@ -11,6 +11,8 @@ ML_VENV := .venv-ml
 ANSIBLE_PLAYBOOK := $(VENV)/bin/ansible-playbook
 export ANSIBLE_CONFIG := $(CURDIR)/ansible.cfg
 export PYTHONDONTWRITEBYTECODE := 1
+# Tests exercise the working tree, not the copy of the package installed in the ML environment.
+test test-%: export PYTHONPATH := $(CURDIR)/src
 
 .PHONY: help demo demo-stop test test-python test-ansible test-lint test-sanity test-units \
         test-integration test-systemd system-deps ml-env venv clean
@@ -30,7 +32,7 @@ venv: $(VENV)/.stamp
 # The ML environment is built by the fla_env role, the same code that builds it on GPU hosts.
 $(ML_VENV)/.stamp: $(VENV)/.stamp pyproject.toml
 	$(ANSIBLE_PLAYBOOK) playbooks/ml_env.yml -e fla_env_python=$(PYTHON_ML)
-	$(ML_VENV)/bin/pip install -q -e '.[ml,dev]'
+	$(ML_VENV)/bin/pip install -q -r requirements/ml-dev.txt
 	touch $@
 
 ml-env: $(ML_VENV)/.stamp

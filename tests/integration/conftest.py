@@ -36,11 +36,15 @@ class LocalDefault:
     work_dir: Path
     port: int
 
+    @property
+    def models_dir(self) -> Path:
+        # Shared between runs: building the models (and training the reference) takes a while.
+        return Path(os.environ.get("SPECOPS_TEST_MODELS", REPO / ".work" / "test-models"))
+
     def extra_vars(self, **overrides) -> dict:
-        models = Path(os.environ.get("SPECOPS_TEST_MODELS", REPO / ".work" / "test-models"))
         values = {
             "specops_work_dir": str(self.work_dir),
-            "specops_models_dir": str(models),
+            "specops_models_dir": str(self.models_dir),
             "sglang_service_port": self.port,
             "sglang_service_pid_file": str(self.work_dir / "sglang.pid"),
             "sglang_service_log_file": str(self.work_dir / "sglang.log"),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 
@@ -38,14 +39,38 @@ def test_second_run_changes_nothing_and_keeps_the_server_up(first_run, local_def
     assert local_default.health_generate_status() == 200
 
 
-def test_failed_extraction_names_the_stage_and_the_service_comes_back(first_run, local_default):
-    # A layer id past the target's last layer makes the extraction stage fail on its own input checks.
+def test_failed_extraction_names_the_stage_and_the_service_comes_back(first_run, local_default, tmp_path):
+    # Truncated weights pass the input checks (config and tensor index are intact) and fail only when
+    # the extraction loads the model: inside the GPU window, with the service down.
+    good = local_default.models_dir / "target"
+    broken = tmp_path / "truncated-target"
+    shutil.copytree(good, broken)
+    weights = broken / "model.safetensors"
+    with open(weights, "r+b") as handle:
+        handle.truncate(weights.stat().st_size // 2)
+    pid_before = local_default.server_pid()
     result = local_default.play(
         "eval.yml",
         specops_run_dir=str(local_default.work_dir / "run-broken"),
+        specops_target_model=str(broken),
+        sglang_service_model_path=str(good),
+    )
+    assert result.rc != 0
+    assert "specops stage 'extract' failed" in result.output, result.output[-4000:]
+    assert "the service was brought back" in result.output
+    assert local_default.server_pid() != pid_before, "the window should have stopped the server"
+    assert local_default.health_generate_status() == 200
+
+
+def test_bad_layer_id_fails_before_the_service_is_touched(first_run, local_default):
+    pid_before = local_default.server_pid()
+    result = local_default.play(
+        "eval.yml",
+        specops_run_dir=str(local_default.work_dir / "run-bad-layer"),
         extract_hidden_states_layer_ids=[99],
     )
     assert result.rc != 0
-    assert "stage 'extract' failed" in result.output
-    assert "layer" in result.output and "99" in result.output
+    assert "specops stage 'extract' failed" in result.output
+    assert "99" in result.output and "the service was not taken down" in result.output
+    assert local_default.server_pid() == pid_before
     assert local_default.health_generate_status() == 200
