@@ -6,7 +6,8 @@ import argparse
 import json
 import sys
 import traceback
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 Handler = Callable[[dict[str, Any]], dict[str, Any]]
 

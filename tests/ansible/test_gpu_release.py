@@ -477,9 +477,36 @@ def test_terminate_escalates_to_sigkill_only_for_the_stubborn(procs, devices, to
 def test_unit_cgroup_names_the_unit_when_systemd_is_not_pid_1():
     if gr._pid1_name() == "systemd":
         pytest.skip("this host runs systemd as PID 1")
+    def never(cmd):
+        raise AssertionError("systemctl must not run without systemd")
+
     with pytest.raises(gr.GpuReleaseError) as err:
-        gr.unit_cgroup("sglang-qwen")
+        gr.unit_cgroup("sglang-qwen", never)
     assert "'sglang-qwen.service'" in err.value.msg and "PID 1 is" in err.value.msg
+
+
+def _proc_root_with_systemd(tmp_path):
+    (tmp_path / "1").mkdir()
+    (tmp_path / "1" / "comm").write_text("systemd\n")
+    return str(tmp_path)
+
+
+def test_unit_cgroup_names_a_unit_that_does_not_exist(tmp_path):
+    def systemctl(cmd):
+        return 0, "LoadState=not-found\nControlGroup=\nSlice=\n", ""
+
+    with pytest.raises(gr.GpuReleaseError) as err:
+        gr.unit_cgroup("nope", systemctl, proc_root=_proc_root_with_systemd(tmp_path))
+    assert "'nope.service' does not exist" in err.value.msg
+
+
+def test_unit_cgroup_of_a_stopped_unit_is_derived_from_its_slice(tmp_path):
+    def systemctl(cmd):
+        assert cmd[-1] == "sglang-qwen.service"
+        return 0, "LoadState=loaded\nControlGroup=\nSlice=system.slice\n", ""
+
+    cgroup = gr.unit_cgroup("sglang-qwen", systemctl, proc_root=_proc_root_with_systemd(tmp_path))
+    assert cgroup == "/system.slice/sglang-qwen.service"
 
 
 def test_slice_path_nests_dashed_slices():

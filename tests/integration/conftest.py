@@ -15,7 +15,11 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 ANSIBLE_PLAYBOOK = Path(sys.executable).parent / "ansible-playbook"
-RECAP = re.compile(r"^(?P<host>\S+)\s*:\s*ok=(?P<ok>\d+)\s+changed=(?P<changed>\d+)\s+unreachable=(?P<unreachable>\d+)\s+failed=(?P<failed>\d+)", re.M)
+RECAP = re.compile(
+    r"^(?P<host>\S+)\s*:\s*ok=(?P<ok>\d+)\s+changed=(?P<changed>\d+)\s+"
+    r"unreachable=(?P<unreachable>\d+)\s+failed=(?P<failed>\d+)",
+    re.M,
+)
 
 
 def free_port() -> int:
@@ -72,7 +76,8 @@ class LocalDefault:
         import urllib.request
 
         try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health_generate", timeout=30) as response:
+            url = f"http://127.0.0.1:{self.port}/health_generate"
+            with urllib.request.urlopen(url, timeout=30) as response:
                 return response.status
         except urllib.error.HTTPError as error:
             return error.code

@@ -21,7 +21,6 @@ import os
 import pwd
 import re
 import signal
-import subprocess
 import time
 import traceback
 
@@ -280,8 +279,11 @@ def _slice_path(slice_name):
     return "".join("/" + "-".join(parts[: i + 1]) + ".slice" for i in range(len(parts)))
 
 
-def unit_cgroup(unit, proc_root="/proc", systemctl="systemctl"):
-    """The cgroup path of a systemd unit; a clear error when systemd or the unit is missing."""
+def unit_cgroup(unit, run_command, proc_root="/proc", systemctl="systemctl"):
+    """The cgroup path of a systemd unit; a clear error when systemd or the unit is missing.
+
+    `run_command` is AnsibleModule.run_command (or anything returning rc, stdout, stderr as text).
+    """
     name = unit if "." in unit else unit + ".service"
     pid1 = _pid1_name(proc_root)
     if pid1 != "systemd":
@@ -290,22 +292,16 @@ def unit_cgroup(unit, proc_root="/proc", systemctl="systemctl"):
             "has a cgroup here; drop 'unit' and select the processes with 'patterns'" % (name, pid1)
         )
     try:
-        proc = subprocess.Popen(
-            [systemctl, "show", "--property=LoadState,ControlGroup,Slice", "--", name],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-        )
-        out, err = proc.communicate()
+        rc, out, err = run_command([systemctl, "show", "--property=LoadState,ControlGroup,Slice", "--", name])
     except OSError as exc:
         raise GpuReleaseError("unit %r cannot be resolved: running systemctl failed (%s)" % (name, exc))
     props = {}
-    for line in out.decode("utf-8", "replace").splitlines():
-        key, _, value = line.partition("=")
+    for line in out.splitlines():
+        key, dummy, value = line.partition("=")
         props[key] = value
-    if proc.returncode != 0 or not props.get("LoadState"):
+    if rc != 0 or not props.get("LoadState"):
         raise GpuReleaseError(
-            "unit %r cannot be resolved: systemctl show failed (exit %s): %s"
-            % (name, proc.returncode, err.decode("utf-8", "replace").strip())
+            "unit %r cannot be resolved: systemctl show failed (exit %s): %s" % (name, rc, err.strip())
         )
     if props["LoadState"] in ("not-found", "bad-setting", "error"):
         raise GpuReleaseError(
@@ -557,7 +553,7 @@ def _holder_entry(proc, reason, fd_holders, nvml_procs):
     return entry
 
 
-def release(params, check_mode=False, proc_root="/proc", self_pid=None):
+def release(params, check_mode=False, proc_root="/proc", self_pid=None, run_command=None):
     """Find, classify and (unless check_mode) stop our GPU holders, then prove the memory is free.
 
     params: unit, patterns, device_pattern, protected, allow_foreign, grace, timeout,
@@ -566,7 +562,7 @@ def release(params, check_mode=False, proc_root="/proc", self_pid=None):
     """
     start = time.monotonic()
     patterns = validate(params)
-    cgroup = unit_cgroup(params["unit"], proc_root) if params.get("unit") else None
+    cgroup = unit_cgroup(params["unit"], run_command, proc_root) if params.get("unit") else None
     protected = list(params.get("protected") or ())
     nvml = open_nvml(params.get("nvml", "auto"))
     try:
@@ -643,7 +639,7 @@ def _release(params, check_mode, proc_root, self_pid, start, patterns, cgroup, p
                 "pid %d state %s: %s" % (t.proc.pid, t.state(), t.proc.cmdline) for t in stuck)),
             result,
         )
-    spared = set(p.pid for group in ("foreign", "protected", "own_tree") for p, _ in groups[group])
+    spared = set(p.pid for group in ("foreign", "protected", "own_tree") for p, dummy in groups[group])
     spared.update(f["pid"] for f in foreign)
     if nvml:
         ok, gpus_after, nvml_after = wait_memory(nvml, params.get("memory_threshold_mb", DEFAULT_MEMORY_THRESHOLD_MB),
@@ -651,7 +647,7 @@ def _release(params, check_mode, proc_root, self_pid, start, patterns, cgroup, p
         result["gpus_after"] = gpus_after
         timeline["memory_free_s"] = round(time.monotonic() - t0, 3) if ok else None
         if not ok:
-            holders, _ = scan_fd_holders(params["device_pattern"], proc_root)
+            holders, dummy = scan_fd_holders(params["device_pattern"], proc_root)
             result["elapsed_s"] = round(time.monotonic() - start, 3)
             raise GpuReleaseError(
                 "GPU memory is still in use %ss after our processes exited: %s; remaining holders: %s"
@@ -662,7 +658,7 @@ def _release(params, check_mode, proc_root, self_pid, start, patterns, cgroup, p
                 result,
             )
     # Something ours that still holds a device was started after the scan (a restart policy?).
-    holders, _ = scan_fd_holders(params["device_pattern"], proc_root)
+    holders, dummy = scan_fd_holders(params["device_pattern"], proc_root)
     back = []
     for pid in holders:
         proc = read_proc(pid, proc_root)
@@ -672,8 +668,8 @@ def _release(params, check_mode, proc_root, self_pid, start, patterns, cgroup, p
     if back:
         raise GpuReleaseError(
             "ours hold the GPUs again after the release: %s; a restart policy started them again, so "
-            "stop the unit (systemctl stop) before releasing" % _describe_pids(dict((p, holders[p]) for p in back),
-                                                                            {}, proc_root),
+            "stop the unit (systemctl stop) before releasing"
+            % _describe_pids(dict((p, holders[p]) for p in back), {}, proc_root),
             result,
         )
     return result

@@ -19,7 +19,7 @@ description:
   - Long extractions should run as an async task; progress goes to O(progress_log).
 version_added: "0.1.0"
 author:
-  - specops maintainers
+  - specops maintainers (@specops)
 options:
   python:
     description: Python interpreter of the ML environment (torch, transformers, fla, specops).
@@ -106,9 +106,10 @@ options:
 attributes:
   check_mode:
     support: full
-    details: Validates the inputs and reports whether the output is out of date; loads no model.
+    description: Validates the inputs and reports whether the output is out of date; loads no model.
   diff_mode:
     support: none
+    description: Outputs are tensor shards; no diff is shown.
 notes:
   - The ML environment must import C(specops); the C(fla_env) module installs it.
 """
@@ -216,8 +217,8 @@ def main():
             require_backend=dict(type="str", default="auto", choices=["auto", "fla", "torch", "any"]),
             parity_samples=dict(type="int", default=0),
             parity_tolerance=dict(type="float", default=0.05),
-            batch_tokens=dict(type="int", default=16384),
-            shard_tokens=dict(type="int", default=32768),
+            batch_tokens=dict(type="int", default=16384, no_log=False),
+            shard_tokens=dict(type="int", default=32768, no_log=False),
             writer_threads=dict(type="int", default=4),
             fsync=dict(type="bool", default=True),
             progress_log=dict(type="path"),

@@ -33,7 +33,7 @@ description:
   - Reading another user's C(/proc/<pid>/fd) needs root; run with C(become=true). Processes that
     could not be inspected are listed in RV(unreadable_pids).
 author:
-  - specops maintainers
+  - specops maintainers (@specops)
 options:
   unit:
     description:
@@ -125,8 +125,11 @@ attributes:
     description: Reports in RV(targets) what would be signalled and signals nothing.
   diff_mode:
     support: none
+    description: Nothing is written that a diff could show; processes are signalled.
   platform:
+    support: full
     platforms: linux
+    description: Reads C(/proc); Linux only.
 notes:
   - The module needs no ML environment; it runs under the host's Ansible Python. pynvml is
     optional.
@@ -256,7 +259,7 @@ class GpuRelease(object):
 
     def run(self):
         try:
-            result = release(self.params, check_mode=self.module.check_mode)
+            result = release(self.params, check_mode=self.module.check_mode, run_command=self.module.run_command)
         except GpuReleaseError as exc:
             self.module.fail_json(msg=exc.msg, **exc.result)
         self.module.exit_json(**result)
