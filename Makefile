@@ -4,8 +4,11 @@ SHELL := /bin/bash
 
 # ansible-core 2.21 needs Python >= 3.12 on the control node; the ML environment uses Python 3.11,
 # for which a CPU torch wheel is available offline on this kind of machine.
-PYTHON_CONTROL ?= $(shell command -v python3.12 2>/dev/null || ls $$HOME/.pyenv/versions/3.12*/bin/python3.12 2>/dev/null | head -n1)
-PYTHON_ML ?= $(shell command -v python3.11 2>/dev/null || ls $$HOME/.pyenv/versions/3.11*/bin/python3.11 2>/dev/null | head -n1)
+# The first candidate that really runs (a pyenv shim for an inactive version does not).
+find_python = $(shell for p in $$HOME/.pyenv/versions/$(1)*/bin/python$(1) $$(command -v python$(1)); do \
+                "$$p" -c 'import sys' 2>/dev/null && { echo "$$p"; break; }; done)
+PYTHON_CONTROL ?= $(call find_python,3.12)
+PYTHON_ML ?= $(call find_python,3.11)
 VENV := .venv
 ML_VENV := .venv-ml
 ANSIBLE_PLAYBOOK := $(VENV)/bin/ansible-playbook
