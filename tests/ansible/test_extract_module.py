@@ -116,6 +116,7 @@ def test_role_runs_the_extraction_as_an_async_job_with_progress(inputs):
                 extract_hidden_states_out_dir: {out_dir}
                 extract_hidden_states_device: cpu
                 extract_hidden_states_parity_samples: 1
+                extract_hidden_states_capture_offsets: [0]
                 extract_hidden_states_poll_interval: 1
                 extract_hidden_states_report_interval: 2
                 extract_hidden_states_environment:

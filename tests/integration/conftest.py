@@ -94,4 +94,4 @@ def local_default(tmp_path_factory):
     site = LocalDefault(work_dir=tmp_path_factory.mktemp("eval"), port=free_port())
     yield site
     # The play leaves the service running, as production would: stop what the test started.
-    site.play("service.yml", sglang_service_state="stopped", timeout=120)
+    site.play("service.yml", sglang_service_state="stopped", sglang_service_deadman=False, timeout=120)
