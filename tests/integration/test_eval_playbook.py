@@ -75,3 +75,17 @@ def test_bad_layer_id_fails_before_the_service_is_touched(first_run, local_defau
     assert "99" in result.output and "the service was not taken down" in result.output
     assert local_default.server_pid() == pid_before
     assert local_default.health_generate_status() == 200
+
+
+def test_memory_saver_window_keeps_the_server_process(own_local_default):
+    site = own_local_default
+    window = {"sglang_service_memory_saver": True, "specops_gpu_window_mode": "memory_saver"}
+    started = site.play("service.yml", sglang_service_state="started", **window)
+    assert started.rc == 0, started.output[-4000:]
+    pid_before = site.server_pid()
+    result = site.play("eval.yml", **window)
+    assert result.rc == 0, result.output[-6000:]
+    assert "Release the GPU memory" in result.output and "Resume the GPU memory" in result.output
+    assert site.server_pid() == pid_before
+    assert site.health_generate_status() == 200
+    assert (site.run_dir / "score" / "report.json").is_file()
