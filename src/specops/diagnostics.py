@@ -13,6 +13,8 @@ from pathlib import Path
 from typing import Any
 
 DIAGNOSTICS = ("layer_offset", "backend", "vocabulary")
+# Not selectable: it runs whenever the score request names the drafter the server ran.
+ONLINE_AGREEMENT = "online_agreement"
 LAYER_OFFSETS = (-1, 1)
 # A shifted layer choice must beat the configured one by this fraction of tau to count as "clearly
 # higher": scoring is deterministic, so what separates the choices is the drafter, not sampling noise.
@@ -218,3 +220,32 @@ def layer_offset_check(
     skipped = f"; offsets {', '.join(missing)} not captured" if missing else ""
     return finding("layer_offset", "ok", f"the configured target layers score best within a tolerance of "
                    f"{tolerance:.0%} (tau by offset {scores}){skipped}", **details)
+
+
+def online_agreement_check(comparison: Mapping[str, Any] | None, server_drafter: str,
+                           tolerance: float = 1e-9) -> dict[str, Any]:
+    """SGLang's online tau against the offline tau of the drafter the server ran (report.online_comparison).
+
+    Under greedy decoding they must agree exactly once the prefill's token is counted as SGLang counts
+    it (report.online_from_offline); a difference means the server ran another drafter, block size,
+    target or sampling setting than the ones scored.
+    """
+    if comparison is None:
+        return finding(ONLINE_AGREEMENT, "skipped",
+                       f"no completion carries SGLang's spec figures (spec_verify_ct) for a prompt the "
+                       f"{server_drafter} was scored on: nothing to compare", server_drafter=server_drafter)
+    details = dict(comparison)
+    online, expected = comparison["online_tau"], comparison["expected_tau"]
+    numbers = (f"SGLang online tau {online:.6f} vs {expected:.6f} from the {server_drafter}'s offline walk "
+               f"(offline tau {comparison['offline_tau']:.6f}, + the prefill token SGLang counts) "
+               f"over {comparison['n_prompts']} prompts")
+    if abs(online - expected) <= tolerance and not comparison["mismatched"]:
+        return finding(ONLINE_AGREEMENT, "ok", f"{numbers}: they agree", **details)
+    bad = comparison["mismatched"]
+    return finding(
+        ONLINE_AGREEMENT, "warning",
+        f"{numbers}: they disagree ({len(bad)} prompt{'s' if len(bad) != 1 else ''} differ, e.g. "
+        f"{bad[0]['id'] if bad else 'in the pooled figure'}); under temperature 0 they must be equal: check "
+        f"that the server ran the {server_drafter} with its block size "
+        "(--speculative-num-draft-tokens), the same target, greedy sampling, and that the hidden states "
+        "came from those completions", **details)

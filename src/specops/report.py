@@ -82,18 +82,94 @@ def online_summary(online: Mapping[str, Mapping[str, Any]]) -> dict[str, Any] | 
     return {"tau": tokens / steps, "steps": steps, "tokens": tokens, "n_prompts": len(rows)}
 
 
+SERVER_DRAFTERS = ("drafter", "reference", "")
+# Online and offline counts are integers: their taus agree exactly or the runs differed.
+ONLINE_AGREEMENT_TOLERANCE = 1e-9
+
+
+def online_from_offline(accept_lengths: Sequence[int], num_draft_tokens: int | None = None) -> dict[str, Any]:
+    """SGLang's per-request spec figures implied by the offline walk of the same greedy completion.
+
+    The prefill produces the first output token without a verify step. SGLang counts it in
+    completion_tokens but not in spec_verify_ct; the offline walk (specops.acceptance) starts after
+    it. So, with steps = len(accept_lengths) and walked = sum(accept_lengths) = completion_tokens - 1:
+
+        spec_verify_ct     = steps
+        completion_tokens  = walked + 1
+        spec_accept_length = (walked + 1) / steps = offline tau + 1 / steps
+        spec_accept_rate   = (walked - steps) / (steps * (num_draft_tokens - 1))
+
+    Every verify step appends its accepted drafts plus one target token (the bonus, or the token the
+    request ended on), hence walked - steps accepted drafts. With no step, length and rate are 0 as
+    SGLang reports them. The rate needs the server's block size (num_draft_tokens); without it the
+    rate is None. Assumes at least one output token, which every completion with spec figures has.
+    """
+    steps = len(accept_lengths)
+    walked = sum(accept_lengths)
+    if not steps:
+        rate: float | None = 0.0
+    elif num_draft_tokens:
+        rate = (walked - steps) / (steps * (num_draft_tokens - 1))
+    else:
+        rate = None
+    return {"spec_verify_ct": steps, "completion_tokens": walked + 1,
+            "spec_accept_length": (walked + 1) / steps if steps else 0, "spec_accept_rate": rate}
+
+
+def online_comparison(online: Mapping[str, Mapping[str, Any]], scores: Mapping[str, Any] | None,
+                      server_drafter: str) -> dict[str, Any] | None:
+    """SGLang's online tau next to the offline tau of the drafter the server ran, on the same prompts.
+
+    online: {id: {"tau", "verify_ct", "completion_tokens"}}; scores: that drafter's offline
+    {"block_size", "sequences"}. expected_tau is what SGLang should report for these completions,
+    from `online_from_offline` pooled (total completion tokens / total verify steps). None when the
+    server's drafter is unknown or nothing is comparable.
+    """
+    if not server_drafter or scores is None:
+        return None
+    offline = {seq["id"]: seq["accept_lengths"] for seq in scores["sequences"]}
+    ids = [i for i, row in online.items() if row.get("verify_ct") and i in offline]
+    if not ids:
+        return None
+    expected = {i: online_from_offline(offline[i]) for i in ids}
+    steps = sum(e["spec_verify_ct"] for e in expected.values())
+    tokens = sum(e["completion_tokens"] for e in expected.values())
+    online_steps = sum(online[i]["verify_ct"] for i in ids)
+    online_tokens = sum(online[i]["completion_tokens"] for i in ids)
+    mismatched = [
+        {"id": i, "online_tau": online[i]["tau"], "expected_tau": expected[i]["spec_accept_length"],
+         "online_verify_ct": online[i]["verify_ct"], "expected_verify_ct": expected[i]["spec_verify_ct"]}
+        for i in ids
+        if abs(online[i]["tau"] - expected[i]["spec_accept_length"]) > ONLINE_AGREEMENT_TOLERANCE
+        or online[i]["verify_ct"] != expected[i]["spec_verify_ct"]
+    ]
+    return {
+        "server_drafter": server_drafter,
+        "n_prompts": len(ids),
+        "online_tau": online_tokens / online_steps,
+        "offline_tau": tau([n for i in ids for n in offline[i]]),
+        "expected_tau": tokens / steps if steps else 0.0,
+        "expected_steps": steps,
+        "expected_tokens": tokens,
+        "mismatched": mismatched,
+        "not_scored": sorted(i for i, row in online.items() if row.get("verify_ct") and i not in offline),
+    }
+
+
 def build_report(
     run: Mapping[str, Any],
     drafter: Mapping[str, Any],
     reference: Mapping[str, Any] | None = None,
     online: Mapping[str, Mapping[str, Any]] | None = None,
     diagnostics: Sequence[Mapping[str, Any]] = (),
+    comparison: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
     """report.json's content.
 
     drafter / reference: {"block_size": int, "sequences": [{"id": str, "accept_lengths": [int]}]};
     online: {id: {"tau", "verify_ct", "completion_tokens"}} from SGLang's meta_info;
-    diagnostics: [{"name", "status", "message", "details"}].
+    diagnostics: [{"name", "status", "message", "details"}];
+    comparison: `online_comparison`'s result, shown with the online figures.
     """
     for diagnostic in diagnostics:
         if diagnostic["status"] not in STATUSES:
@@ -123,6 +199,7 @@ def build_report(
         "reference": reference_overall,
         "ratio": ratio(overall["tau"], reference_overall["tau"] if reference_overall else None),
         "online": online_summary(online),
+        "online_comparison": dict(comparison) if comparison else None,
         "per_prompt": per_prompt,
         "diagnostics": [dict(d) for d in diagnostics],
         "warnings": [f"{d['name']}: {d['message']}" for d in diagnostics if d["status"] == "warning"],
@@ -186,6 +263,15 @@ def render_markdown(report: Mapping[str, Any], plots: Sequence[str] = PLOT_FILES
         plural = "s" if online["n_prompts"] != 1 else ""
         lines.append(f"| SGLang online ({online['n_prompts']} prompt{plural}) | {_fmt(online['tau'])} | "
                      f"{online['steps']} | {online['tokens']} |")
+    comparison = report.get("online_comparison")
+    if comparison:
+        lines.append(f"| {comparison['server_drafter']} offline, counted as SGLang counts "
+                     f"({comparison['n_prompts']} prompts) | {_fmt(comparison['expected_tau'], 4)} | "
+                     f"{comparison['expected_steps']} | {comparison['expected_tokens']} |")
+        lines += ["", "SGLang counts the prefill's token in completion_tokens but not in spec_verify_ct, so "
+                  "it reports offline tau + 1 / steps per completion "
+                  f"(the {comparison['server_drafter']}'s offline tau on these prompts: "
+                  f"{_fmt(comparison['offline_tau'], 4)})."]
     titles = {
         PLOT_TAU_PER_PROMPT: "tau per prompt",
         PLOT_BY_POSITION: "acceptance by position in the block",

@@ -7,6 +7,10 @@ Request (JSON on stdin, docs/architecture.md):
   out_dir            where report.json, report.md, the PNGs and manifest.json go       required
   completions        completions directory; its SGLang spec_accept_length is shown     optional
   reference_drafter  a drafter to compare with (tau ratio)                             optional
+  server_drafter     which of them the SGLang server speculated with when it made the
+                     completions: drafter | reference | "" (unknown); when known, the
+                     online_agreement diagnostic compares SGLang's online tau with that
+                     drafter's offline tau (report.online_from_offline)                default ""
   device             auto | cpu | cuda (auto: cuda when available)                     default auto
   dtype              float32 | bfloat16 | float16                                      default bfloat16
   diagnostics        any of layer_offset, backend, vocabulary                          default all
@@ -62,6 +66,7 @@ class Options:
     out_dir: Path
     completions: Path | None = None
     reference_drafter: Path | None = None
+    server_drafter: str = ""
     device: str = "auto"
     dtype: str = "bfloat16"
     diagnostics: tuple[str, ...] = diag.DIAGNOSTICS
@@ -104,6 +109,13 @@ def parse_request(request: Mapping[str, Any]) -> Options:
     bad = [c for c in checks if c not in diag.DIAGNOSTICS]
     if bad:
         raise StageError(f"unknown diagnostics {bad}: choose from {', '.join(diag.DIAGNOSTICS)}")
+    server_drafter = request.get("server_drafter") or ""
+    if server_drafter not in rep.SERVER_DRAFTERS:
+        raise StageError(f"server_drafter {server_drafter!r} is not one of 'drafter', 'reference' or '' "
+                         "(unknown): name the drafter the SGLang server speculated with")
+    if server_drafter == "reference" and not request.get("reference_drafter"):
+        raise StageError("server_drafter is 'reference' but no reference_drafter is given: pass the "
+                         "reference drafter's directory, or the drafter the server really ran")
     tolerance = float(request.get("layer_offset_tolerance", diag.DEFAULT_LAYER_OFFSET_TOLERANCE))
     if tolerance < 0:
         raise StageError(f"layer_offset_tolerance {tolerance} is negative: use a fraction such as 0.1")
@@ -114,6 +126,7 @@ def parse_request(request: Mapping[str, Any]) -> Options:
         out_dir=Path(request["out_dir"]).expanduser(),
         completions=_directory(request, "completions", False, "manifest.json"),
         reference_drafter=_directory(request, "reference_drafter", False, "config.json"),
+        server_drafter=server_drafter,
         device=device,
         dtype=dtype,
         diagnostics=checks,
@@ -143,7 +156,8 @@ def inputs_of(opts: Options) -> dict[str, Any]:
         "drafter": _checkpoint_identity(opts.drafter),
         "reference_drafter": _checkpoint_identity(opts.reference_drafter) if opts.reference_drafter else None,
         "options": {"device": opts.device, "dtype": opts.dtype, "diagnostics": sorted(opts.diagnostics),
-                    "layer_offset_tolerance": opts.layer_offset_tolerance},
+                    "layer_offset_tolerance": opts.layer_offset_tolerance,
+                    "server_drafter": opts.server_drafter},
     }
 
 
@@ -400,6 +414,10 @@ def run(request: dict[str, Any]) -> dict[str, Any]:
         raise StageError(str(error)) from error
     if offset_finding:
         findings.insert(0, offset_finding)
+    server_scores = {"drafter": drafter_scores, "reference": reference_scores}.get(opts.server_drafter)
+    comparison = rep.online_comparison(online, server_scores, opts.server_drafter)
+    if opts.server_drafter:
+        findings.append(diag.online_agreement_check(comparison, opts.server_drafter))
 
     run_info = {
         "target": str(opts.target),
@@ -407,6 +425,7 @@ def run(request: dict[str, Any]) -> dict[str, Any]:
         "reference_drafter": str(opts.reference_drafter) if opts.reference_drafter else None,
         "hidden_states": str(opts.hidden_states),
         "completions": str(opts.completions) if opts.completions else None,
+        "server_drafter": opts.server_drafter or None,
         "hidden_state_backend": hidden_manifest.get("backend") or {},
         "target_layer_ids": layer_ids,
         "reference_target_layer_ids": reference_ids,
@@ -414,7 +433,7 @@ def run(request: dict[str, Any]) -> dict[str, Any]:
         "dtype": opts.dtype,
         "versions": versions(),
     }
-    report = rep.build_report(run_info, drafter_scores, reference_scores, online, findings)
+    report = rep.build_report(run_info, drafter_scores, reference_scores, online, findings, comparison)
     opts.out_dir.mkdir(parents=True, exist_ok=True)
     rep.render_plots(report, opts.out_dir)
     atomic_write_text(opts.out_dir / REPORT_MD, rep.render_markdown(report))

@@ -269,3 +269,26 @@ def test_layer_offset_check_stays_quiet_on_correctly_labelled_hidden_states(fixt
                           diagnostics=["layer_offset"])
     result = score.run(request)
     assert result["warnings"] == [] and result["tau"] == 4.0
+
+
+def test_online_agreement_warns_naming_both_taus_when_the_server_drafter_disagrees(fixture_models, run_dir,
+                                                                                   tmp_path):
+    # The fixture's online figures are made up, so they cannot match the drafter's offline walk.
+    request = request_for(fixture_models, run_dir, tmp_path / "score", server_drafter="drafter",
+                          diagnostics=["backend"])
+    score.run(request)
+    report = json.loads((tmp_path / "score" / "report.json").read_text())
+    (agreement,) = [d for d in report["diagnostics"] if d["name"] == "online_agreement"]
+    comparison = report["online_comparison"]
+    assert agreement["status"] == "warning"
+    assert f"{comparison['online_tau']:.6f}" in agreement["message"]
+    assert f"{comparison['expected_tau']:.6f}" in agreement["message"]
+    assert comparison["online_tau"] == pytest.approx(14 / 4)
+
+
+def test_server_drafter_must_name_a_scored_drafter(fixture_models, run_dir, tmp_path):
+    with pytest.raises(StageError, match="server_drafter 'target' is not one of"):
+        score.parse_request(request_for(fixture_models, run_dir, tmp_path, server_drafter="target"))
+    with pytest.raises(StageError, match="no reference_drafter is given"):
+        score.parse_request(request_for(fixture_models, run_dir, tmp_path, server_drafter="reference",
+                                        reference_drafter=None))

@@ -14,6 +14,7 @@ from pathlib import Path
 from specops.devserver.engine import Engine
 from specops.devserver.memory import MemorySaver
 from specops.devserver.routes import App, DevHTTPServer
+from specops.devserver.speculative import ALGORITHM
 
 logger = logging.getLogger("specops.devserver")
 
@@ -59,13 +60,50 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="keep a CPU copy of released weights so resume needs no disk read",
     )
-    parser.add_argument("--speculative-algorithm", default=None, help="recorded in server info only")
-    parser.add_argument("--speculative-draft-model-path", default=None, help="recorded in server info only")
     parser.add_argument(
-        "--speculative-num-draft-tokens", type=int, default=None, help="recorded in server info only"
+        "--speculative-algorithm",
+        default=None,
+        help="DFLASH: speculate on greedy requests with the drafter at --speculative-draft-model-path "
+        "and report spec_verify_ct / spec_accept_length / spec_accept_rate; any other value is only recorded",
+    )
+    parser.add_argument(
+        "--speculative-draft-model-path",
+        default=None,
+        help="DFlash drafter checkpoint (config.json + safetensors)",
+    )
+    parser.add_argument(
+        "--speculative-num-draft-tokens",
+        type=int,
+        default=None,
+        help="DFlash block size, verified token included (default: the drafter's block_size)",
     )
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     return parser
+
+
+def _draft_model_path(args: argparse.Namespace) -> tuple[str | None, str | None]:
+    """(the drafter to speculate with or None, the message to exit 2 with or None)."""
+    algorithm = (args.speculative_algorithm or "").upper()
+    if algorithm != ALGORITHM:
+        if algorithm:
+            logger.warning(
+                "--speculative-algorithm %s is recorded only: this server speculates with %s",
+                args.speculative_algorithm,
+                ALGORITHM,
+            )
+        return None, None
+    path = args.speculative_draft_model_path
+    if not path:
+        return None, (
+            f"--speculative-algorithm {ALGORITHM} needs --speculative-draft-model-path: "
+            "point it at the DFlash drafter checkpoint directory"
+        )
+    if not (Path(path) / "config.json").is_file():
+        return None, (
+            f"--speculative-draft-model-path {path} has no config.json: point it at a DFlash "
+            "drafter checkpoint directory (config.json + safetensors)"
+        )
+    return path, None
 
 
 def _bind(host: str, port: int) -> DevHTTPServer | str:
@@ -109,6 +147,11 @@ def main(argv: list[str] | None = None) -> int:
         )
         return 2
 
+    draft_path, problem = _draft_model_path(args)
+    if problem:
+        print(f"devserver: {problem}", file=sys.stderr)
+        return 2
+
     server = _bind(args.host, args.port)
     if isinstance(server, str):
         print(f"devserver: {server}", file=sys.stderr)
@@ -116,7 +159,12 @@ def main(argv: list[str] | None = None) -> int:
     # Before torch is imported, so its thread pool starts at this size.
     os.environ["OMP_NUM_THREADS"] = str(args.num_threads)
     engine = Engine(
-        str(model_dir), device=args.device, weight_version=args.weight_version, num_threads=args.num_threads
+        str(model_dir),
+        device=args.device,
+        weight_version=args.weight_version,
+        num_threads=args.num_threads,
+        draft_model_path=draft_path,
+        num_draft_tokens=args.speculative_num_draft_tokens,
     )
     server.app = App(
         engine=engine,

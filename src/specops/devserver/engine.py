@@ -12,6 +12,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from specops.devserver.protocol import Item, RequestError, SamplingParams, finish_reason
+from specops.devserver.speculative import DFlashSpeculator
 
 logger = logging.getLogger("specops.devserver")
 
@@ -33,8 +34,14 @@ class Engine:
         device: str = "cpu",
         weight_version: str = "default",
         num_threads: int | None = None,
+        draft_model_path: str | None = None,
+        num_draft_tokens: int | None = None,
     ):
         self.model_path = model_path
+        # A DFlash drafter to speculate with (greedy requests only), loaded after the target.
+        self.draft_model_path = draft_model_path
+        self.num_draft_tokens = num_draft_tokens
+        self.speculator: DFlashSpeculator | None = None
         self.device = device
         self.weight_version = weight_version
         self.num_threads = num_threads
@@ -60,6 +67,10 @@ class Engine:
         model = AutoModelForCausalLM.from_pretrained(self.model_path)
         self.model = model.to(self.device).eval()
         self.stop_ids = self._eos_ids()
+        if self.draft_model_path:
+            self.speculator = DFlashSpeculator.load(
+                self.draft_model_path, self.model_path, self.model.config, self.num_draft_tokens, self.device
+            )
         logger.info(
             "loaded %s on %s in %.1f s (eos ids %s)",
             self.model_path,
@@ -84,7 +95,8 @@ class Engine:
     def warmup(self) -> None:
         ids = self.tokenizer.encode(WARMUP_PROMPT)
         with self.lock:
-            self._generate_ids(ids, SamplingParams(temperature=0.0, max_new_tokens=8))
+            # Through the drafter too, when there is one: a drafter that cannot run fails startup.
+            self._decode(ids, SamplingParams(temperature=0.0, max_new_tokens=8))
 
     def mark_up(self) -> None:
         self.status = Status.UP
@@ -138,8 +150,8 @@ class Engine:
                     # Re-check under the lock: memory may have been released while this request queued.
                     self._require_available()
                     started = time.monotonic()
-                    output_ids = self._generate_ids(ids, item.params)
-                    results.append(self._response(item, ids, output_ids, time.monotonic() - started))
+                    output_ids, spec = self._decode(ids, item.params)
+                    results.append(self._response(item, ids, output_ids, time.monotonic() - started, spec))
             return results
 
     def _prompt_ids(self, item: Item) -> list[int]:
@@ -152,6 +164,22 @@ class Engine:
                 400, f"input_ids holds token id {max(ids)} outside the vocabulary (0-{vocab - 1})"
             )
         return ids
+
+    def _stop_set(self, params: SamplingParams) -> set[int]:
+        return set(params.stop_token_ids) | (set() if params.ignore_eos else self.stop_ids)
+
+    def _decode(self, ids: list[int], params: SamplingParams) -> tuple[list[int], dict[str, Any] | None]:
+        """Output ids, and SGLang's spec meta_info when the drafter speculated (greedy requests only)."""
+        if self.speculator is None or not params.greedy:
+            return self._generate_ids(ids, params), None
+        outcome = self.speculator.generate(
+            self.model, ids, params.max_new_tokens, self._stop_set(params), progress=self._progress
+        )
+        self._progress()
+        return outcome.output_ids, outcome.meta_info()
+
+    def _progress(self) -> None:
+        self.last_progress = time.monotonic()
 
     def _generate_ids(self, ids: list[int], params: SamplingParams) -> list[int]:
         """transformers' own generate: greedy at temperature 0, so the ids match model.generate exactly."""
@@ -169,7 +197,7 @@ class Engine:
                 engine.last_progress = time.monotonic()
                 return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
 
-        stop = set(params.stop_token_ids) | (set() if params.ignore_eos else self.stop_ids)
+        stop = self._stop_set(params)
         config = self.model.generation_config.__class__.from_dict(self.model.generation_config.to_dict())
         config.eos_token_id = sorted(stop) or None
         config.max_new_tokens = params.max_new_tokens
@@ -190,8 +218,15 @@ class Engine:
         self.last_progress = time.monotonic()
         return out[0, len(ids) :].tolist()
 
-    def _response(self, item: Item, ids: list[int], output_ids: list[int], latency: float) -> dict[str, Any]:
-        stop = set(item.params.stop_token_ids) | (set() if item.params.ignore_eos else self.stop_ids)
+    def _response(
+        self,
+        item: Item,
+        ids: list[int],
+        output_ids: list[int],
+        latency: float,
+        spec: dict[str, Any] | None = None,
+    ) -> dict[str, Any]:
+        stop = self._stop_set(item.params)
         text = self.tokenizer.decode(output_ids, skip_special_tokens=item.params.skip_special_tokens)
         return {
             "text": text,
@@ -201,6 +236,7 @@ class Engine:
                 "finish_reason": finish_reason(output_ids, item.params, stop),
                 "prompt_tokens": len(ids),
                 "completion_tokens": len(output_ids),
+                **(spec or {}),
                 "cached_tokens": 0,
                 "weight_version": self.weight_version,
                 "e2e_latency": latency,

@@ -20,6 +20,9 @@ description:
   - Reports tau per prompt and overall, the acceptance-length histogram and the acceptance rate by
     position in the block; with O(reference_drafter), the same for the reference and the tau
     ratio; with O(completions) from a server that ran speculative decoding, SGLang's online tau.
+    With O(server_drafter) naming which drafter that server ran, the C(online_agreement) diagnostic
+    checks that SGLang's online tau equals that drafter's offline tau once the prefill's token is
+    counted as SGLang counts it (in C(completion_tokens), not in C(spec_verify_ct)).
   - Runs diagnostics (O(diagnostics)) that explain a low tau before the drafter is blamed.
     C(layer_offset) scores the drafter with every target layer id shifted by -1 and +1 and warns
     when a shift scores clearly higher (more than O(layer_offset_tolerance)); it needs the
@@ -67,6 +70,16 @@ options:
       - The output directory of M(specops.drafter.sglang_completions). When the server ran
         speculative decoding, each completion's C(spec_accept_length) is shown beside the offline tau.
     type: path
+  server_drafter:
+    description:
+      - Which drafter the SGLang server speculated with when it made O(completions), V(drafter) or
+        V(reference) (then O(reference_drafter) is required); V("") when unknown.
+      - When known, the C(online_agreement) diagnostic compares SGLang's online tau with that
+        drafter's offline tau plus the prefill token SGLang counts (offline tau + 1 / verify steps
+        per completion) and warns, naming both numbers, when they differ by more than 1e-9.
+    type: str
+    choices: ["", drafter, reference]
+    default: ""
   out_dir:
     description:
       - Directory the report is written to (created if needed).
@@ -134,6 +147,8 @@ EXAMPLES = r"""
     target: /models/Qwen3.6-27B
     drafter: /models/qwen3.6-dflash-v4
     reference_drafter: /models/z-lab-qwen3.6-dflash
+    # The production server speculates with the reference drafter: check its online tau.
+    server_drafter: reference
     out_dir: /srv/eval/run-1/score
   register: score
 
@@ -223,6 +238,7 @@ REQUEST_KEYS = (
     "target",
     "drafter",
     "reference_drafter",
+    "server_drafter",
     "out_dir",
     "device",
     "dtype",
@@ -279,6 +295,7 @@ def main():
             drafter=dict(type="path", required=True),
             reference_drafter=dict(type="path"),
             completions=dict(type="path"),
+            server_drafter=dict(type="str", choices=["", "drafter", "reference"], default=""),
             out_dir=dict(type="path", required=True),
             device=dict(type="str", choices=["auto", "cpu", "cuda"], default="auto"),
             dtype=dict(type="str", choices=["bfloat16", "float16", "float32"], default="bfloat16"),
@@ -287,6 +304,7 @@ def main():
             layer_offset_tolerance=dict(type="float", default=0.1),
             force=dict(type="bool", default=False),
         ),
+        required_if=[("server_drafter", "reference", ("reference_drafter",))],
         supports_check_mode=True,
     )
     ScoreDrafter(module).run()

@@ -65,6 +65,19 @@ def test_the_request_carries_the_options_and_leaves_out_unset_ones(run_module, f
     assert "reference_drafter" not in received["request"]
 
 
+def test_server_drafter_reaches_the_package(run_module, fake_python, fake_stage, tmp_path):
+    fake_stage()
+    with pytest.raises(AnsibleExitJson):
+        run_module(score_drafter.main, args_for(fake_python, tmp_path, server_drafter="drafter"))
+    assert fake_stage.received()["request"]["server_drafter"] == "drafter"
+
+
+def test_server_drafter_reference_needs_a_reference_drafter(run_module, fake_python, tmp_path):
+    with pytest.raises(AnsibleFailJson) as failure:
+        run_module(score_drafter.main, args_for(fake_python, tmp_path, server_drafter="reference"))
+    assert "reference_drafter" in failure.value.result["msg"]
+
+
 def test_the_key_figures_come_from_the_package(run_module, fake_python, fake_stage, tmp_path):
     figures = {"changed": True, "tau": 3.02, "reference_tau": 12.41, "ratio": 0.243, "n_prompts": 10,
                "verdict": "the drafter accepts 3.02 tokens per step, 24% of the reference"}
