@@ -33,7 +33,7 @@ $(VENV)/.stamp: requirements/control.txt
 venv: $(VENV)/.stamp
 
 # The ML environment is built by the fla_env role, the same code that builds it on GPU hosts.
-$(ML_VENV)/.stamp: $(VENV)/.stamp pyproject.toml
+$(ML_VENV)/.stamp: $(VENV)/.stamp pyproject.toml requirements/ml-dev.txt
 	$(ANSIBLE_PLAYBOOK) playbooks/ml_env.yml -e fla_env_python=$(PYTHON_ML)
 	$(ML_VENV)/bin/pip install -q -r requirements/ml-dev.txt
 	touch $@
@@ -55,6 +55,7 @@ test: test-python test-ansible test-lint test-sanity test-units test-integration
 
 test-python: $(ML_VENV)/.stamp
 	$(ML_VENV)/bin/ruff check src tests/unit benchmarks
+	$(ML_VENV)/bin/mypy
 	$(ML_VENV)/bin/pytest -q tests/unit
 
 test-ansible: $(VENV)/.stamp $(ML_VENV)/.stamp
