@@ -578,3 +578,23 @@ def test_wait_memory_gives_up_at_the_deadline():
     started = time.monotonic()
     ok, _, _ = gr.wait_memory(nvml, 1024, started + 0.3, spared_pids=set())
     assert not ok and 0.3 <= time.monotonic() - started < 2
+
+
+class _Cgroups:
+    def __init__(self, *paths):
+        self.cgroups = list(paths)
+
+
+UNIT = "/system.slice/sglang-qwen.service"
+
+
+def test_in_cgroup_matches_a_container_path_seen_from_the_host_namespace():
+    # nspawn without a cgroup namespace: /proc shows the host's path, systemctl the container's.
+    assert gr.in_cgroup(_Cgroups("/payload" + UNIT), UNIT)
+    assert gr.in_cgroup(_Cgroups(UNIT + "/init.scope"), UNIT)
+
+
+def test_in_cgroup_refuses_a_sibling_whose_name_shares_a_suffix():
+    assert not gr.in_cgroup(_Cgroups("/system.slice/xsglang-qwen.service"), UNIT)
+    assert not gr.in_cgroup(_Cgroups(UNIT + "2"), UNIT)
+    assert not gr.in_cgroup(_Cgroups("/"), UNIT)

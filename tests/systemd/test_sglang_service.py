@@ -12,6 +12,7 @@ import os
 import shutil
 import signal
 import subprocess
+import tempfile
 import threading
 import time
 import urllib.error
@@ -189,3 +190,51 @@ def test_memory_saver_keeps_the_server_process_across_the_gpu_window(converged_h
     # No GPU here: the role says so instead of claiming the memory dropped.
     assert "GPU memory could not be checked: nvidia-smi is not available" in output
     assert _in_container("systemctl", "is-active", "sglang-qwen-deadman.timer") != "active"
+
+
+def _gpu_release_in_container(**args: object) -> tuple[int, dict]:
+    """Run the gpu_release module inside the container, through the scenario's nsenter inventory."""
+    with tempfile.TemporaryDirectory() as tree:
+        done = subprocess.run(
+            [str(ROOT / ".venv" / "bin" / "ansible"), "-i", str(INVENTORY), "nspawn",
+             "-m", "specops.drafter.gpu_release", "-a", json.dumps(args), "--tree", tree],
+            cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=300)
+        results = [json.loads(p.read_text()) for p in Path(tree).iterdir()]
+    assert results, done.stdout[-3000:] + done.stderr[-3000:]
+    return done.returncode, results[0]
+
+
+def test_gpu_release_kills_a_units_processes_by_cgroup_and_spares_another_tenant(converged_host):
+    # Two services hold the same stand-in device file: the unit named to gpu_release, and another
+    # tenant's. Only the named unit's process may die; the other is reported and left alone.
+    hold = "import time; handle = open('/tmp/specops-gpu/nvidia0'); time.sleep(600)"
+    _in_container("mkdir", "-p", "/tmp/specops-gpu")
+    _in_container("touch", "/tmp/specops-gpu/nvidia0")
+    for unit in ("specops-holder", "other-tenant"):
+        _in_container("systemd-run", f"--unit={unit}", "--property=KillMode=process",
+                      "/usr/bin/python3", "-c", hold)
+    try:
+        assert _wait(lambda: _in_container("systemctl", "is-active", "specops-holder") == "active", 10)
+        holder = int(_in_container("systemctl", "show", "--property=MainPID", "--value", "specops-holder"))
+        tenant = int(_in_container("systemctl", "show", "--property=MainPID", "--value", "other-tenant"))
+        assert _wait(lambda: bool(_in_container("ls", f"/proc/{holder}/fd")), 10)
+        rc, result = _gpu_release_in_container(
+            unit="specops-holder", patterns=["specops-no-such-command-line"],
+            device_pattern="/tmp/specops-gpu/nvidia*", allow_foreign=True, grace=2, nvml="false")
+        assert rc == 0, result
+        cgroup = _in_container("cat", f"/proc/{holder}/cgroup")
+        assert [k["pid"] for k in result["killed"]] == [holder], (result, cgroup)
+        assert result["unit_cgroup"].endswith("specops-holder.service")
+        assert tenant in [f["pid"] for f in result["foreign"]]
+        assert _in_container("cat", f"/proc/{tenant}/comm") == "python3", "the other tenant must survive"
+        assert _in_container("systemctl", "is-active", "specops-holder") != "active"
+    finally:
+        for unit in ("specops-holder", "other-tenant"):
+            _in_container("systemctl", "stop", unit)
+
+
+def test_gpu_release_names_a_unit_that_does_not_exist(converged_host):
+    rc, result = _gpu_release_in_container(unit="no-such-unit", device_pattern="/tmp/specops-gpu/nvidia*",
+                                           nvml="false")
+    assert rc != 0
+    assert "'no-such-unit.service' does not exist" in result["msg"]

@@ -313,7 +313,20 @@ def unit_cgroup(unit, run_command, proc_root="/proc", systemctl="systemctl"):
 
 
 def in_cgroup(proc, cgroup):
-    return any(path == cgroup or path.startswith(cgroup.rstrip("/") + "/") for path in proc.cgroups)
+    """True when the process sits in the unit's cgroup or below it.
+
+    Inside a container without its own cgroup namespace (systemd-nspawn, some Docker setups),
+    /proc/PID/cgroup shows the host's path ("/payload/system.slice/x.service") while the container's
+    systemd reports its own ("/system.slice/x.service"): match on whole path components at the end.
+    """
+    unit = "/" + cgroup.strip("/")
+    for path in proc.cgroups:
+        path = "/" + path.strip("/")
+        while path not in ("", "/"):
+            if path.endswith(unit):  # unit starts with "/", so this ends on a component boundary
+                return True
+            path = path.rsplit("/", 1)[0]
+    return False
 
 
 def own_tree(procs, pid=None):
