@@ -511,10 +511,41 @@ def decoder_body(model: Any) -> tuple[Any, Any]:
     raise StageError(f"cannot find the decoder layers of {type(model).__name__}: not a decoder-only model")
 
 
-class LayerCapture:
-    """Forward hooks on the captured layers; returns their outputs in layer_ids order."""
+# Layer types for which "no mask" is exactly what transformers builds for a batch without padding: causal
+# attention (sdpa's is_causal) and linear attention without a padding mask. Sliding windows need theirs.
+_MASK_FREE_LAYER_TYPES = frozenset({"full_attention", "linear_attention"})
 
-    def __init__(self, model: Any, layer_ids: Sequence[int]):
+
+def unpadded_mask_mapping(body: Any) -> dict[str, None] | None:
+    """The per-layer-type masks of an unpadded batch, {type: None}, when the body accepts such a mapping.
+
+    Given a 2D mask or none, transformers builds the masks itself and, looking for packed sequences in
+    the position ids, reads a device value back (`.all()` in masking_utils): the host then waits for the
+    device at every forward, and the device for the host while the next kernels are launched. For an
+    unpadded batch those masks are all None anyway; handing them over skips the read-back.
+    """
+    import inspect
+
+    layer_types = getattr(body.config, "layer_types", None)
+    if not layer_types or not set(layer_types) <= _MASK_FREE_LAYER_TYPES:
+        return None
+    try:
+        source = inspect.getsource(type(body).forward)
+    except (OSError, TypeError):
+        return None
+    if "isinstance(causal_mask_mapping := attention_mask, dict)" not in source:
+        return None
+    return {layer_type: None for layer_type in sorted(set(layer_types))}
+
+
+class LayerCapture:
+    """Forward hooks on the captured layers; returns their outputs in layer_ids order.
+
+    `skip_mask_creation` hands unpadded batches their (empty) masks directly where the model allows it
+    (`unpadded_mask_mapping`); the states are the same either way.
+    """
+
+    def __init__(self, model: Any, layer_ids: Sequence[int], skip_mask_creation: bool = True):
         self.body, layers = decoder_body(model)
         if max(layer_ids) >= len(layers):
             raise StageError(f"target layer {max(layer_ids)} out of range: the model has {len(layers)} "
@@ -526,6 +557,7 @@ class LayerCapture:
         self.dtype = self.body.get_input_embeddings().weight.dtype
         self.hidden_size = int(self.body.config.hidden_size)
         self._outputs: dict[int, Any] = {}
+        self._no_padding_masks = unpadded_mask_mapping(self.body) if skip_mask_creation else None
         self._handles = [layers[k].register_forward_hook(self._hook(k)) for k in sorted(set(layer_ids))]
 
     def _hook(self, k: int) -> Callable:
@@ -540,6 +572,8 @@ class LayerCapture:
         import torch
 
         self._outputs = {}
+        if attention_mask is None and self._no_padding_masks is not None:
+            attention_mask = dict(self._no_padding_masks)
         try:
             with torch.inference_mode():
                 self.body(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
@@ -721,6 +755,47 @@ class HostCopier:
             self.allocated -= 1  # too small for this batch: let it go and allocate a larger one
 
 
+class DeviceTimer:
+    """CUDA events around each batch's forward: device busy time against the span, i.e. the bubbles.
+
+    Recording events costs microseconds and never waits; they are read once, after the last batch.
+    """
+
+    def __init__(self, device: Any):
+        self.device = device if device.type == "cuda" else None
+        self.events: list[tuple[Any, Any]] = []
+
+    def _record(self) -> Any:
+        import torch
+
+        event = torch.cuda.Event(enable_timing=True)
+        event.record(torch.cuda.current_stream(self.device))
+        return event
+
+    def begin(self) -> None:
+        if self.device is not None:
+            self.events.append((self._record(), None))
+
+    def end(self) -> None:
+        if self.device is not None:
+            self.events[-1] = (self.events[-1][0], self._record())
+
+    def synchronize(self) -> None:
+        if self.device is not None:
+            import torch
+
+            torch.cuda.synchronize(self.device)
+
+    def summary(self) -> dict[str, float]:
+        """device_busy_s (sum of the forwards) and device_span_s (first start to last end); {} on CPU."""
+        if not self.events:
+            return {}
+        self.synchronize()
+        busy = sum(begin.elapsed_time(end) for begin, end in self.events) / 1e3
+        span = self.events[0][0].elapsed_time(self.events[-1][1]) / 1e3
+        return {"device_busy_s": busy, "device_span_s": span}
+
+
 # ----------------------------------------------------------------------------- extraction
 
 
@@ -778,6 +853,7 @@ def extract_shards(capture: LayerCapture, shards: Sequence[ShardPlan], out_dir: 
     times = {"forward_s": 0.0, "copy_issue_s": 0.0}
     checked = monitor is None
     waited_before = copier.waited_s
+    device_timer = DeviceTimer(settings.device)
     started = time.perf_counter()
     try:
         for shard in todo:
@@ -787,11 +863,13 @@ def extract_shards(capture: LayerCapture, shards: Sequence[ShardPlan], out_dir: 
                     # From pageable memory the copy would wait for the device to drain: a bubble per batch.
                     ids, mask = ids.pin_memory(), (None if mask is None else mask.pin_memory())
                 t0 = time.perf_counter()
+                device_timer.begin()
                 device_ids = ids.to(settings.device, non_blocking=True)
                 device_mask = None if mask is None else mask.to(settings.device, non_blocking=True)
                 outputs = capture(device_ids, device_mask)
                 stacked = torch.stack(outputs, dim=2).to(capture.dtype)  # [B, T, n_layers, hidden]
                 del outputs
+                device_timer.end()
                 t1 = time.perf_counter()
                 host, ready, release = copier(stacked)
                 del stacked
@@ -803,6 +881,7 @@ def extract_shards(capture: LayerCapture, shards: Sequence[ShardPlan], out_dir: 
                 writer.submit(shard, BatchResult(batch, ids, host, ready, release),
                               last=number == len(shard.batches) - 1)
                 progress.advance(sum(r.num_tokens for r in batch))
+        device_timer.synchronize()  # what is left after this is the writers' alone
         loop_done = time.perf_counter()
         writer.finish()
     except OSError as error:
@@ -818,6 +897,7 @@ def extract_shards(capture: LayerCapture, shards: Sequence[ShardPlan], out_dir: 
     return {
         **times,
         **writer.times,
+        **device_timer.summary(),
         "blocked_on_host_buffers_s": copier.waited_s - waited_before,
         "loop_s": loop_done - started,
         "drain_s": finished - loop_done,
