@@ -636,9 +636,6 @@ class ShardWriter:
                       for n in range(threads)]
         self.hashers = [ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"shard-hasher-{n}")
                         for n in range(threads)]
-        # Shared by the lanes: one lane writes a batch in parallel chunks, so the shard written last
-        # (the only one nothing else overlaps) finishes soon after its last forward.
-        self.pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="shard-write")
         self.slots = threading.BoundedSemaphore(pending or 2 * threads + 2)
         self.futures: list[Future] = []
         self.files: dict[str, ShardFile] = {}
@@ -669,7 +666,7 @@ class ShardWriter:
             for row, record in enumerate(part.records):
                 items.append((f"{record.index}.input_ids", part.ids[row, : record.num_tokens]))
                 items.append((f"{record.index}.hidden_states", part.states[row, : record.num_tokens]))
-            handle.write_many(items, hasher, self.pool)
+            handle.write_many(items, hasher)
             if not last:
                 handle.flush()
             written = time.perf_counter()
@@ -703,7 +700,6 @@ class ShardWriter:
             lane.shutdown(wait=True, cancel_futures=True)
         for hasher in self.hashers:
             hasher.shutdown(wait=True)
-        self.pool.shutdown(wait=True)
         for handle in self.files.values():  # shards a failure left half written
             handle.abort()
         self.files.clear()

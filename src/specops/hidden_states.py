@@ -13,7 +13,6 @@ import os
 import struct
 import tempfile
 from collections.abc import Iterator, Sequence
-from concurrent.futures import Executor, Future, wait
 from pathlib import Path
 from typing import Any
 
@@ -21,8 +20,6 @@ from specops.manifest import MANIFEST_NAME, sha256_file
 
 SHARD_PATTERN = "shard-{:05d}.safetensors"
 FORMAT_VERSION = 1
-# Pieces larger than this are split so that several threads can write one tensor at once.
-WRITE_CHUNK = 8 << 20
 
 _SAFETENSORS_DTYPES = {"bfloat16": "BF16", "float16": "F16", "float32": "F32", "int64": "I64"}
 _ITEMSIZE = {"bfloat16": 2, "float16": 2, "float32": 4, "int64": 8}
@@ -39,11 +36,10 @@ def shard_name(number: int) -> str:
 class ShardFile:
     """A safetensors shard written in pieces, in the order its header lists the tensors.
 
-    The header is written first from the shapes alone, so every tensor's place in the file is known
-    before its bytes exist: each piece goes from tensor memory to its offset (no serialisation copy,
-    and with a pool, in parallel chunks), hashed in layout order on the way, and optionally flushed
-    to the device (`fsync`), so finishing the shard costs only its last piece. The file appears
-    under its name only when complete (temporary name, fsync, rename).
+    The header is written first from the shapes alone, then each piece's bytes go from tensor memory
+    to the file (no serialisation copy), hashed on the way, and optionally flushed to the device
+    (`fsync`), so finishing the shard costs only its last piece. The file appears under its name
+    only when complete (temporary name, fsync, rename).
     """
 
     def __init__(self, path: str | os.PathLike[str], layout: Sequence[tuple[str, str, Sequence[int]]],
@@ -65,13 +61,11 @@ class ShardFile:
         prefix = struct.pack("<Q", len(encoded)) + encoded
         self.size = len(prefix) + offset
         self._next = 0
-        self._offset = 0  # where the next tensor's bytes go
         self._digest = hashlib.sha256(prefix)
         fd, self._tmp = tempfile.mkstemp(prefix=f".{self.path.name}.", suffix=".tmp", dir=self.path.parent)
-        self._data_start = len(prefix)
         try:
             self._handle = os.fdopen(fd, "wb", buffering=0)
-            self._write_at(prefix, 0)
+            self._write(prefix)
         except BaseException:
             self.abort()
             raise
@@ -80,15 +74,10 @@ class ShardFile:
         """Append the next tensor of the layout (torch, contiguous or not)."""
         self.write_many([(name, tensor)])
 
-    def write_many(self, items: Sequence[tuple[str, Any]], hasher: Executor | None = None,
-                   pool: Executor | None = None) -> None:
-        """Append the next tensors of the layout.
-
-        With `hasher` (a one-thread executor, so pieces are hashed in the order they are given) the
-        checksum is computed beside the write instead of before it; with `pool` the bytes go to the
-        file in WRITE_CHUNK pieces on its threads at once. Returns when every byte is written.
-        """
-        pieces = []
+    def write_many(self, items: Sequence[tuple[str, Any]], hasher: Any = None) -> None:
+        """Append the next tensors of the layout; with `hasher` (a one-thread executor) the checksum is
+        computed beside the write instead of before it, which nearly halves the time per byte."""
+        views = []
         for name, tensor in items:
             expected, nbytes = self._expected[self._next]
             got = tensor.numel() * tensor.element_size()
@@ -97,25 +86,18 @@ class ShardFile:
                                  f"({nbytes} bytes) next")
             self._next += 1
             if nbytes:
-                pieces.append((self._offset, memoryview(_byte_view(tensor))))
-                self._offset += nbytes
-        views = [view for _, view in pieces]
+                views.append(memoryview(_byte_view(tensor)))
         if hasher is None:
             for view in views:
                 self._digest.update(view)
-        else:
-            hashed = hasher.submit(lambda: [self._digest.update(view) for view in views])
-        chunks = [(self._data_start + offset + start, view[start: start + WRITE_CHUNK])
-                  for offset, view in pieces for start in range(0, len(view), WRITE_CHUNK)]
+                self._write(view)
+            return
+        hashed = hasher.submit(lambda: [self._digest.update(view) for view in views])
         try:
-            if pool is None:
-                for position, chunk in chunks:
-                    self._write_at(chunk, position)
-            else:
-                _all_done([pool.submit(self._write_at, chunk, position) for position, chunk in chunks])
+            for view in views:
+                self._write(view)
         finally:
-            if hasher is not None:
-                hashed.result()
+            hashed.result()
 
     def flush(self) -> None:
         """Push what is written so far to the device, so the final fsync has little left to do."""
@@ -143,18 +125,11 @@ class ShardFile:
             handle.close()
         Path(self._tmp).unlink(missing_ok=True)
 
-    def _write_at(self, data: Any, position: int) -> None:
+    def _write(self, data: Any) -> None:
         view = memoryview(data)
-        while view:  # a write may be short
-            written = os.pwrite(self._handle.fileno(), view, position)
-            view, position = view[written:], position + written
-
-
-def _all_done(futures: Sequence[Future]) -> None:
-    """Wait for every future (the buffers they read must outlive them all), then raise the first error."""
-    wait(futures)
-    for future in futures:
-        future.result()
+        while view:  # a raw write may be short
+            written = self._handle.write(view)
+            view = view[written:]
 
 
 def write_shard(path: str | os.PathLike[str], tensors: Sequence[tuple[str, Any]],
