@@ -687,9 +687,14 @@ class ShardWriter:
             self.times["finish_s"] += done - written
 
     def raise_failures(self) -> None:
+        """Raise the first failed write; forget the finished ones, so a long run does not rescan them."""
+        pending = []
         for future in self.futures:
-            if future.done() and future.exception() is not None:
+            if not future.done():
+                pending.append(future)
+            elif future.exception() is not None:
                 raise future.exception()  # type: ignore[misc]
+        self.futures = pending
 
     def finish(self) -> None:
         for future in self.futures:

@@ -139,6 +139,40 @@ def test_capture_stops_after_the_last_captured_layer(target):
     assert [o.shape for o in outputs] == [(1, 4, 64), (1, 4, 64)]
 
 
+def test_unpadded_batches_skip_mask_creation_and_padded_ones_do_not(target, monkeypatch):
+    from transformers.models.qwen3_5 import modeling_qwen3_5 as modeling
+
+    built = []
+    create = modeling.create_causal_mask
+    monkeypatch.setattr(modeling, "create_causal_mask", lambda **kw: built.append(1) or create(**kw))
+    ids = torch.tensor([[5, 6, 7, 8, 9], [9, 8, 7, 6, 5]])
+    mask = torch.tensor([[1, 1, 1, 1, 1], [1, 1, 1, 0, 0]])
+    with extract.LayerCapture(target, [1, 2]) as capture:
+        unpadded = capture(ids)
+        assert built == []  # transformers' own masks were not built: no read-back from the device
+        padded = capture(ids, mask)
+        assert built == [1]
+    with extract.LayerCapture(target, [1, 2], skip_mask_creation=False) as capture:
+        built_by_transformers = capture(ids)
+    assert all(torch.equal(a, b) for a, b in zip(unpadded, built_by_transformers, strict=True))
+    assert all(torch.equal(a[0], b[0]) for a, b in zip(unpadded, padded, strict=True))
+
+
+def test_mask_mapping_only_where_no_mask_is_what_transformers_would_build(target):
+    assert extract.unpadded_mask_mapping(target.model) == {"full_attention": None, "linear_attention": None}
+    sliding = types.SimpleNamespace(config=types.SimpleNamespace(layer_types=["sliding_attention",
+                                                                             "full_attention"]))
+    assert extract.unpadded_mask_mapping(sliding) is None  # a sliding window needs its mask
+
+    class SingleMaskBody(torch.nn.Module):  # a model that takes one mask, not a mapping
+        config = types.SimpleNamespace(layer_types=["full_attention"])
+
+        def forward(self, input_ids, attention_mask=None):
+            return input_ids
+
+    assert extract.unpadded_mask_mapping(SingleMaskBody()) is None
+
+
 def test_progress_log_reports_tokens_done_and_rate(extracted):
     out_dir, result = extracted
     last = (out_dir / "progress.log").read_text().splitlines()[-1]
@@ -314,6 +348,7 @@ def test_disk_full_while_writing_leaves_no_partial_shard(fixture_models, complet
     run_fails(request(fixture_models, completions, tmp_path), r"no space left on the device of .*: free "
                                                               r"space")
     assert not (tmp_path / "manifest.json").exists()
+    assert not list(tmp_path.glob("shard-*")) and not list(tmp_path.glob(".*.tmp"))
 
 
 # ------------------------------------------------------------------ backends
