@@ -19,6 +19,7 @@ import shutil
 import sys
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
@@ -763,12 +764,16 @@ class HostCopier:
 class DeviceTimer:
     """CUDA events around each batch's forward: device busy time against the span, i.e. the bubbles.
 
-    Recording events costs microseconds and never waits; they are read once, after the last batch.
+    Recording events costs microseconds and never waits; finished pairs are read as the run goes (a
+    non-blocking query), so a long run keeps only the events still in flight.
     """
 
     def __init__(self, device: Any):
         self.device = device if device.type == "cuda" else None
-        self.events: list[tuple[Any, Any]] = []
+        self.pending: deque[tuple[Any, Any]] = deque()
+        self.first: Any = None
+        self.last: Any = None
+        self.busy_ms = 0.0
 
     def _record(self) -> Any:
         import torch
@@ -779,11 +784,20 @@ class DeviceTimer:
 
     def begin(self) -> None:
         if self.device is not None:
-            self.events.append((self._record(), None))
+            self.pending.append((self._record(), None))
+            if self.first is None:
+                self.first = self.pending[-1][0]
 
     def end(self) -> None:
-        if self.device is not None:
-            self.events[-1] = (self.events[-1][0], self._record())
+        if self.device is None:
+            return
+        self.last = self._record()
+        self.pending[-1] = (self.pending[-1][0], self.last)
+        while self.pending and self.pending[0][1] is not None and self.pending[0][1].query():
+            self._count(self.pending.popleft())
+
+    def _count(self, pair: tuple[Any, Any]) -> None:
+        self.busy_ms += pair[0].elapsed_time(pair[1])
 
     def synchronize(self) -> None:
         if self.device is not None:
@@ -793,12 +807,13 @@ class DeviceTimer:
 
     def summary(self) -> dict[str, float]:
         """device_busy_s (sum of the forwards) and device_span_s (first start to last end); {} on CPU."""
-        if not self.events:
+        if self.first is None or self.last is None:
             return {}
         self.synchronize()
-        busy = sum(begin.elapsed_time(end) for begin, end in self.events) / 1e3
-        span = self.events[0][0].elapsed_time(self.events[-1][1]) / 1e3
-        return {"device_busy_s": busy, "device_span_s": span}
+        while self.pending:
+            self._count(self.pending.popleft())
+        span_ms = self.first.elapsed_time(self.last)
+        return {"device_busy_s": self.busy_ms / 1e3, "device_span_s": span_ms / 1e3}
 
 
 # ----------------------------------------------------------------------------- extraction

@@ -173,6 +173,36 @@ def test_mask_mapping_only_where_no_mask_is_what_transformers_would_build(target
     assert extract.unpadded_mask_mapping(SingleMaskBody()) is None
 
 
+def test_device_timer_counts_busy_time_and_keeps_only_events_in_flight(monkeypatch):
+    class Event:
+        """A CUDA event on a fake clock: recorded at `at` ms, finished once the clock passes it."""
+
+        clock = 0.0
+
+        def __init__(self, at):
+            self.at = at
+
+        def query(self):
+            return Event.clock >= self.at
+
+        def elapsed_time(self, other):
+            return other.at - self.at
+
+    moments = iter([0.0, 10.0, 12.0, 20.0, 25.0, 40.0])  # forwards of 10, 8 and 15 ms, gaps of 2 and 5
+    timer = extract.DeviceTimer(torch.device("cuda"))
+    monkeypatch.setattr(timer, "_record", lambda: Event(next(moments)))
+    monkeypatch.setattr(timer, "synchronize", lambda: setattr(Event, "clock", 1e9))
+    in_flight = []
+    for finished_by in (10.0, 11.0, 100.0):  # the device's clock when the host records the end
+        timer.begin()
+        Event.clock = finished_by
+        timer.end()
+        in_flight.append(len(timer.pending))
+    assert in_flight == [0, 1, 0]  # a finished pair is read and let go; one still running is kept
+    assert timer.summary() == {"device_busy_s": 0.033, "device_span_s": 0.040}
+    assert extract.DeviceTimer(torch.device("cpu")).summary() == {}
+
+
 def test_progress_log_reports_tokens_done_and_rate(extracted):
     out_dir, result = extracted
     last = (out_dir / "progress.log").read_text().splitlines()[-1]
