@@ -62,7 +62,7 @@ test-ansible: $(VENV)/.stamp $(ML_VENV)/.stamp
 	$(VENV)/bin/pytest -q tests/ansible
 
 test-lint: $(VENV)/.stamp
-	$(VENV)/bin/ansible-lint --profile production playbooks roles
+	$(VENV)/bin/ansible-lint --profile production
 
 test-sanity: $(VENV)/.stamp
 	./tests/run-ansible-test.sh sanity
