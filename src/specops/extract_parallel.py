@@ -78,6 +78,11 @@ def probe(capture: LayerCapture, prep: Prepared, device: Any, modeling: Any,
     return parity
 
 
+def device_labels(devices: list[str]) -> list[str]:
+    """Names for per-device records: the device itself, numbered where a name repeats (cpu, cpu)."""
+    return [name if devices.count(name) == 1 else f"{name}#{n}" for n, name in enumerate(devices)]
+
+
 def _modeling_of(model: Any) -> Any:
     return sys.modules[type(decoder_body(model)[1][0]).__module__]
 
@@ -341,9 +346,11 @@ def run_data_parallel(prep: Prepared, plan: DevicePlan, state: ResumeState, prog
     finished = time.perf_counter()
     progress.write(progress.line() + " done")
     tokens = sum(s.num_tokens for s in todo)
-    per_device = {plan.devices[n]: {k: round(v, 3) if isinstance(v, float) else v
+    labels = device_labels(plan.devices)
+    per_device = {labels[n]: {k: round(v, 3) if isinstance(v, float) else v
                                     for k, v in reports[n]["stats"].items()} for n in sorted(reports)}
     stats = {
+        "assignment": {labels[n]: names for n, names in enumerate(groups)},
         "total_s": finished - started,
         "load_s": max((r["stats"]["load_s"] for r in reports.values()), default=0.0),
         "tokens": tokens,
@@ -353,9 +360,9 @@ def run_data_parallel(prep: Prepared, plan: DevicePlan, state: ResumeState, prog
         "tokens_per_second": tokens / (finished - started) if todo else 0.0,
         "per_device": per_device,
     }
-    used = {plan.devices[n]: r["backend"] for n, r in reports.items()}
+    used = {labels[n]: r["backend"] for n, r in sorted(reports.items())}
     devices = [torch.device(name) for name in plan.devices]
-    parities = {plan.devices[n]: r["parity"] for n, r in reports.items() if r["parity"] is not None}
+    parities = {labels[n]: r["parity"] for n, r in sorted(reports.items()) if r["parity"] is not None}
     parity = None
     if parities:
         parity = {**next(iter(parities.values())), "passed": all(p["passed"] for p in parities.values()),
