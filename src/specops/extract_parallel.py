@@ -255,12 +255,14 @@ def data_worker(task: WorkerTask, results: Any) -> None:
         with BackendMonitor(modeling, force_torch=task.force_torch) as monitor, \
                 LayerCapture(model, prep.layer_ids) as capture:
             parity = probe(capture, prep, device, modeling, monitor)
+            span = [time.time()]  # wall clock: the parent lines the workers' spans up
             stats = extract_shards(capture, task.shards, prep.out_dir, state,  # type: ignore[arg-type]
                                    settings, monitor)
+            span.append(time.time())
             used = monitor.summary()
         check_backend(prep.require, used)
-        results.put(("done", task.number, {"stats": {**stats, "load_s": load_s}, "backend": used,
-                                           "parity": parity}))
+        results.put(("done", task.number, {"stats": {**stats, "load_s": load_s}, "span": span,
+                                           "backend": used, "parity": parity}))
     except StageError as error:
         results.put(("failed", task.number, str(error)))
     except BaseException:
@@ -349,15 +351,20 @@ def run_data_parallel(prep: Prepared, plan: DevicePlan, state: ResumeState, prog
     labels = device_labels(plan.devices)
     per_device = {labels[n]: {k: round(v, 3) if isinstance(v, float) else v
                                     for k, v in reports[n]["stats"].items()} for n in sorted(reports)}
+    spans = [r["span"] for r in reports.values()]
+    # From the first worker's first batch to the last worker's last write: the extraction proper,
+    # without the workers' start and model load (those are in total_s).
+    span_s = max(s[1] for s in spans) - min(s[0] for s in spans) if spans else 0.0
     stats = {
         "assignment": {labels[n]: names for n, names in enumerate(groups)},
+        "extract_span_s": span_s,
         "total_s": finished - started,
         "load_s": max((r["stats"]["load_s"] for r in reports.values()), default=0.0),
         "tokens": tokens,
         "tokens_resumed": progress.resumed,
         "shards_written": len(todo),
         "shards_resumed": len(prep.shards) - len(todo),
-        "tokens_per_second": tokens / (finished - started) if todo else 0.0,
+        "tokens_per_second": tokens / span_s if todo and span_s > 0 else 0.0,
         "per_device": per_device,
     }
     used = {labels[n]: r["backend"] for n, r in sorted(reports.items())}

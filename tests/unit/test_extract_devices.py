@@ -17,7 +17,7 @@ from specops.extract_devices import (
 )
 from specops.stage import StageError
 
-# A model of 1 GiB embeddings, four 2 GiB layers (up to the last captured one) and a 1 GiB head: 10 GiB a copy.
+# 1 GiB of embeddings, four 2 GiB layers (up to the last captured one), a 1 GiB head: 10 GiB a copy.
 MODEL = Footprint(embed_bytes=1 * GIB, layer_bytes=[2 * GIB] * 4, lm_head_bytes=1 * GIB)
 RESERVE = 2 * GIB
 
