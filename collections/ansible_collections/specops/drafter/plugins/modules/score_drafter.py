@@ -98,7 +98,7 @@ options:
       - On a GPU, the most memory scoring may allocate; the run fails at start when the GPU has less
         than this free. V(0) sets no limit.
     type: float
-    default: 0
+    default: 0.0
   dtype:
     description:
       - Precision of the drafter and the target head while scoring.
@@ -307,7 +307,7 @@ def main():
             server_drafter=dict(type="str", choices=["", "drafter", "reference"], default=""),
             out_dir=dict(type="path", required=True),
             device=dict(type="str", default="cpu"),
-            gpu_memory_gib=dict(type="float", default=0),
+            gpu_memory_gib=dict(type="float", default=0.0),
             dtype=dict(type="str", choices=["bfloat16", "float16", "float32"], default="bfloat16"),
             diagnostics=dict(type="list", elements="str", choices=["layer_offset", "backend", "vocabulary"],
                              default=["layer_offset", "backend", "vocabulary"]),
