@@ -62,7 +62,7 @@ options:
     default: auto
   device:
     description:
-      - V(auto), V(cpu), V(cuda) or V(cuda:N): the device when O(devices) is not given.
+      - The device when O(devices) is not given, V(auto), V(cpu), V(cuda) or V(cuda:N).
       - With V(auto) and no O(devices), every GPU torch sees is a candidate (see O(parallel)).
     type: str
     default: auto
