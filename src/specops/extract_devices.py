@@ -133,7 +133,9 @@ def device_memory(devices: Sequence[Any], free: bool = True) -> list[int]:
 
     found = []
     for device in devices:
-        if device.type == "cuda":
+        if device.type == "cuda" and not free:  # the properties need no CUDA context on the device
+            available = total = torch.cuda.get_device_properties(device).total_memory
+        elif device.type == "cuda":
             available, total = torch.cuda.mem_get_info(device)
         else:
             available, total = _host_memory()
