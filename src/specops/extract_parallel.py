@@ -233,8 +233,11 @@ class ForwardedState:
         self.results.put(("shard", self.number, (name, digest)))
 
 
-def data_worker(task: WorkerTask, results: Any) -> None:
-    """One model copy on one device: load, probe, extract its shards, report each one finished."""
+def data_worker(task: WorkerTask, results: Any, start: Any = None) -> None:
+    """One model copy on one device: load, probe, extract its shards, report each one finished.
+
+    `start` (a barrier) holds every worker until all have loaded: the shards were divided for a common start.
+    """
     import torch
 
     prep = task.prep
@@ -255,6 +258,8 @@ def data_worker(task: WorkerTask, results: Any) -> None:
         with BackendMonitor(modeling, force_torch=task.force_torch) as monitor, \
                 LayerCapture(model, prep.layer_ids) as capture:
             parity = probe(capture, prep, device, modeling, monitor)
+            if start is not None:
+                start.wait()
             span = [time.time()]  # wall clock: the parent lines the workers' spans up
             stats = extract_shards(capture, task.shards, prep.out_dir, state,  # type: ignore[arg-type]
                                    settings, monitor)
@@ -296,6 +301,7 @@ def run_data_parallel(prep: Prepared, plan: DevicePlan, state: ResumeState, prog
     progress = Progress(progress_log, total, total - sum(s.num_tokens for s in todo))
     context = multiprocessing.get_context("spawn")  # CUDA cannot be forked
     results = context.Queue()
+    start = context.Barrier(max(1, sum(1 for names in groups if names)))
     cpu_threads = max(1, (os.cpu_count() or 1) // len(plan.devices))
     workers = []
     for number, (device, names) in enumerate(zip(plan.devices, groups, strict=True)):
@@ -303,7 +309,8 @@ def run_data_parallel(prep: Prepared, plan: DevicePlan, state: ResumeState, prog
             continue
         task = WorkerTask(number, device, prep, [by_name[n] for n in names], force_torch,
                           cpu_threads if device.startswith("cpu") else None)
-        process = context.Process(target=worker, args=(task, results), name=f"extract-{device}", daemon=True)
+        process = context.Process(target=worker, args=(task, results, start), name=f"extract-{device}",
+                                  daemon=True)
         process.start()
         workers.append((number, device, process))
     started = time.perf_counter()

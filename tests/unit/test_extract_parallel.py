@@ -114,8 +114,8 @@ class DieAfterFirstShard:
             os._exit(3)
 
 
-def dying_worker(task, results):
-    extract_parallel.data_worker(task, DieAfterFirstShard(results))
+def dying_worker(task, results, start):
+    extract_parallel.data_worker(task, DieAfterFirstShard(results), start)
 
 
 def finished_shards(directory: Path) -> list[str]:
