@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from specops.backend import NOT_USED, BackendMonitor, modeling_module_for, planned_backends
+from specops.extract_devices import first_device, plan_for, validate_request
 from specops.hidden_states import FORMAT_VERSION, ShardFile, shard_name
 from specops.manifest import (
     MANIFEST_NAME,
@@ -52,6 +53,9 @@ DEFAULTS: dict[str, Any] = {
     "capture_offsets": [0],
     "dtype": "auto",
     "device": "auto",
+    # Devices to extract on (auto: every visible GPU when device is auto) and how (extract_devices).
+    "devices": "auto",
+    "parallel": "auto",
     "require_backend": "auto",
     "parity_samples": 0,
     # bf16 hidden states differ from an fp32 reference by 1.4-2.8% on a small model (FACTS.md);
@@ -130,6 +134,7 @@ def parse_request(request: dict[str, Any]) -> dict[str, Any]:
     if not isinstance(offsets, list) or not offsets or not all(isinstance(o, int) for o in offsets):
         raise StageError(f"capture_offsets must be a non-empty list of integers such as [0] or [-1, 0, 1], "
                          f"got {offsets!r}")
+    validate_request(req)
     return req
 
 
@@ -384,7 +389,7 @@ def prepare(request: dict[str, Any]) -> Prepared:
         raise StageError("no layer ids: give drafter (its dflash_config.target_layer_ids are used) or "
                          "layer_ids")
     layer_ids, skipped = captured_layers(target_ids, req["capture_offsets"], target.num_layers)
-    device, dtype = resolve_device_dtype(req["device"], req["dtype"])
+    device, dtype = resolve_device_dtype(first_device(req), req["dtype"])
     require = resolve_require(req["require_backend"], device)
     completions = file_identity(completions_path)
     inputs = {
@@ -1080,6 +1085,7 @@ def _summary(manifest: dict[str, Any], out_dir: Path, changed: bool) -> dict[str
         "backend": manifest.get("backend"),
         "parity": manifest.get("parity"),
         "progress": manifest.get("progress"),
+        "parallel": manifest.get("parallel"),
     }
 
 
@@ -1106,6 +1112,7 @@ def plan(request: dict[str, Any]) -> dict[str, Any]:
         "device": str(prep.device),
         "dtype": prep.dtype_name,
         "require_backend": prep.require,
+        "parallel": plan_for(prep, free=False).describe(),  # at run time the choice uses free memory
         "estimated_bytes": sum(r.num_tokens for r in prep.records) * prep.bytes_per_token,
     }
 
@@ -1125,6 +1132,12 @@ def run(request: dict[str, Any]) -> dict[str, Any]:
     todo_tokens = sum(s.num_tokens for s in prep.shards if s.name not in state.shards)
     disk_check(prep, todo_tokens)
     progress_log = Path(prep.req["progress_log"] or prep.out_dir / "progress.log")
+    devices = plan_for(prep)
+    if devices.mode != "single":
+        from specops.extract_parallel import run_on_devices
+
+        return run_on_devices(prep, devices, state, progress_log, force_torch)
+    prep.device = resolve_device_dtype(devices.devices[0], prep.dtype_name)[0]
     started = time.perf_counter()
     model = load_model(prep)
     load_s = time.perf_counter() - started
@@ -1163,7 +1176,8 @@ def run(request: dict[str, Any]) -> dict[str, Any]:
         completions={"path": str(prep.completions_path.resolve()), **prep.inputs["completions"]},
         backend=backend, versions=library_versions(), parity=parity,
         progress={**{k: round(v, 3) if isinstance(v, float) else v for k, v in stats.items()},
-                  "load_s": round(load_s, 3)})
+                  "load_s": round(load_s, 3)},
+        parallel=devices.describe())
     log(f"wrote {len(prep.shards)} shards to {prep.out_dir} ({stats['tokens_per_second']:.0f} tok/s)")
     return _summary(manifest, prep.out_dir, changed=True)
 

@@ -11,7 +11,9 @@ Request (JSON on stdin, docs/architecture.md):
                      completions: drafter | reference | "" (unknown); when known, the
                      online_agreement diagnostic compares SGLang's online tau with that
                      drafter's offline tau (report.online_from_offline)                default ""
-  device             auto | cpu | cuda (auto: cuda when available)                     default auto
+  device             auto | cpu | cuda | cuda:N (auto: cuda when available)           default auto
+  gpu_memory_gib     on a GPU, the most memory scoring may take; it fails at start when the
+                     GPU has less free (the restarted server holds the rest); 0: no limit  default 0
   dtype              float32 | bfloat16 | float16                                      default bfloat16
   diagnostics        any of layer_offset, backend, vocabulary                          default all
   layer_offset_tolerance  a shifted layer choice warns when its tau exceeds the configured
@@ -68,6 +70,7 @@ class Options:
     reference_drafter: Path | None = None
     server_drafter: str = ""
     device: str = "auto"
+    gpu_memory_gib: float = 0.0
     dtype: str = "bfloat16"
     diagnostics: tuple[str, ...] = diag.DIAGNOSTICS
     layer_offset_tolerance: float = diag.DEFAULT_LAYER_OFFSET_TOLERANCE
@@ -116,6 +119,9 @@ def parse_request(request: Mapping[str, Any]) -> Options:
     if server_drafter == "reference" and not request.get("reference_drafter"):
         raise StageError("server_drafter is 'reference' but no reference_drafter is given: pass the "
                          "reference drafter's directory, or the drafter the server really ran")
+    gpu_memory_gib = float(request.get("gpu_memory_gib") or 0.0)
+    if gpu_memory_gib < 0:
+        raise StageError(f"gpu_memory_gib {gpu_memory_gib} is negative: give the GiB scoring may use, or 0")
     tolerance = float(request.get("layer_offset_tolerance", diag.DEFAULT_LAYER_OFFSET_TOLERANCE))
     if tolerance < 0:
         raise StageError(f"layer_offset_tolerance {tolerance} is negative: use a fraction such as 0.1")
@@ -128,6 +134,7 @@ def parse_request(request: Mapping[str, Any]) -> Options:
         reference_drafter=_directory(request, "reference_drafter", False, "config.json"),
         server_drafter=server_drafter,
         device=device,
+        gpu_memory_gib=gpu_memory_gib,
         dtype=dtype,
         diagnostics=checks,
         layer_offset_tolerance=tolerance,
@@ -272,6 +279,19 @@ def resolve_device(device: str) -> str:
     return device
 
 
+def limit_gpu_memory(device: str, gib: float) -> None:
+    """Keep scoring within `gib` on its GPU, and refuse to start where that much is not free."""
+    if not gib or not device.startswith("cuda"):
+        return
+    import torch
+
+    free, total = torch.cuda.mem_get_info(torch.device(device))
+    if free < gib * 2**30:
+        raise StageError(f"{device} has {free / 2**30:.1f} GiB free, less than gpu_memory_gib {gib}: the "
+                         "server holds the rest; lower gpu_memory_gib, choose another GPU, or score on cpu")
+    torch.cuda.set_per_process_memory_fraction(min(1.0, gib * 2**30 / total), torch.device(device))
+
+
 class Scorer:
     """Holds the target head and the hidden states; scores any drafter at any captured layer ids."""
 
@@ -407,6 +427,7 @@ def run(request: dict[str, Any]) -> dict[str, Any]:
     online = online_acceptance(opts.completions)
 
     device = resolve_device(opts.device)
+    limit_gpu_memory(device, opts.gpu_memory_gib)
     try:
         drafter_scores, reference_scores, offset_finding = score_all(
             opts, device, captured, layer_ids, reference_ids)

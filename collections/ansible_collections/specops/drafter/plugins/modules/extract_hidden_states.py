@@ -61,8 +61,30 @@ options:
     choices: [auto, bfloat16, float16, float32]
     default: auto
   device:
-    description: V(auto), V(cpu), V(cuda) or V(cuda:N).
+    description:
+      - The device when O(devices) is not given, V(auto), V(cpu), V(cuda) or V(cuda:N).
+      - With V(auto) and no O(devices), every GPU torch sees is a candidate (see O(parallel)).
     type: str
+    default: auto
+  devices:
+    description:
+      - Devices to extract on, such as V([cuda:0, cuda:1]); default every GPU torch sees when O(device) is
+        V(auto), else O(device) alone. V(cpu) may be listed more than once (for tests).
+      - The devices are not part of the output's inputs fingerprint, so an interrupted run resumes on
+        another set of devices.
+    type: list
+    elements: str
+  parallel:
+    description:
+      - How to use several devices. V(data) loads one copy of the model per device and divides the
+        shards among them (longest first, so they finish together). V(split) spreads the model's layers
+        over the devices in proportion to their free memory, for a model that fits on no single device.
+        V(single) uses the first device only.
+      - V(auto) picks from each device's free memory at run time, against one copy of the model up to
+        the last captured layer plus a reserve for one batch's activations; the choice, the devices and
+        the memory figures are recorded in the manifest under C(parallel).
+    type: str
+    choices: [auto, single, data, split]
     default: auto
   require_backend:
     description:
@@ -135,6 +157,16 @@ EXAMPLES = r"""
     completions: /srv/eval/run1/completions
     out_dir: /srv/eval/run1/hidden_states_offsets
     capture_offsets: [-1, 0, 1]
+
+- name: Spread a target too large for one GPU over two
+  specops.drafter.extract_hidden_states:
+    python: /opt/specops/ml/bin/python
+    target: /models/Qwen3.6-27B
+    drafter: /models/Qwen3.6-27B-DFlash
+    completions: /srv/eval/run1/completions
+    out_dir: /srv/eval/run1/hidden_states
+    devices: [cuda:0, cuda:1]
+    parallel: split
 """
 
 RETURN = r"""
@@ -173,8 +205,15 @@ parity:
   returned: when O(parity_samples) > 0
   type: dict
 progress:
-  description: Timings and throughput of the run (tokens per second, shards resumed).
+  description: Timings and throughput of the run (tokens per second, shards resumed, per device).
   returned: when the extraction ran or had run
+  type: dict
+parallel:
+  description:
+    - How the run used its devices (C(mode) single, data or split, C(devices), C(reason), the memory
+      figures it was decided from, and for split the C(layers) each device holds).
+    - In check mode, the choice the devices' total memory would give; the run decides on free memory.
+  returned: always
   type: dict
 """
 
@@ -183,7 +222,7 @@ from ansible_collections.specops.drafter.plugins.module_utils.stage_runner impor
 
 REQUEST_KEYS = (
     "target", "completions", "out_dir", "drafter", "layer_ids", "capture_offsets", "dtype", "device",
-    "require_backend", "parity_samples", "parity_tolerance", "batch_tokens", "shard_tokens",
+    "devices", "parallel", "require_backend", "parity_samples", "parity_tolerance", "batch_tokens", "shard_tokens",
     "writer_threads", "fsync", "progress_log",
 )
 
@@ -214,6 +253,8 @@ def main():
             capture_offsets=dict(type="list", elements="int", default=[0]),
             dtype=dict(type="str", default="auto", choices=["auto", "bfloat16", "float16", "float32"]),
             device=dict(type="str", default="auto"),
+            devices=dict(type="list", elements="str"),
+            parallel=dict(type="str", default="auto", choices=["auto", "single", "data", "split"]),
             require_backend=dict(type="str", default="auto", choices=["auto", "fla", "torch", "any"]),
             parity_samples=dict(type="int", default=0),
             parity_tolerance=dict(type="float", default=0.05),

@@ -87,10 +87,18 @@ options:
     required: true
   device:
     description:
-      - Where to score. V(auto) uses a CUDA GPU when torch sees one, else the CPU.
+      - Where to score. V(cpu), V(cuda), V(cuda:N), or V(auto) (a CUDA GPU when torch sees one, else the
+        CPU).
+      - Scoring runs after the server is back on the GPUs, so it uses one only when asked; give
+        O(gpu_memory_gib) so it cannot take the memory the server needs.
     type: str
-    choices: [auto, cpu, cuda]
-    default: auto
+    default: cpu
+  gpu_memory_gib:
+    description:
+      - On a GPU, the most memory scoring may allocate; the run fails at start when the GPU has less
+        than this free. V(0) sets no limit.
+    type: float
+    default: 0.0
   dtype:
     description:
       - Precision of the drafter and the target head while scoring.
@@ -241,6 +249,7 @@ REQUEST_KEYS = (
     "server_drafter",
     "out_dir",
     "device",
+    "gpu_memory_gib",
     "dtype",
     "diagnostics",
     "layer_offset_tolerance",
@@ -297,7 +306,8 @@ def main():
             completions=dict(type="path"),
             server_drafter=dict(type="str", choices=["", "drafter", "reference"], default=""),
             out_dir=dict(type="path", required=True),
-            device=dict(type="str", choices=["auto", "cpu", "cuda"], default="auto"),
+            device=dict(type="str", default="cpu"),
+            gpu_memory_gib=dict(type="float", default=0.0),
             dtype=dict(type="str", choices=["bfloat16", "float16", "float32"], default="bfloat16"),
             diagnostics=dict(type="list", elements="str", choices=["layer_offset", "backend", "vocabulary"],
                              default=["layer_offset", "backend", "vocabulary"]),
