@@ -78,7 +78,7 @@ def build_window(marks: Sequence[Sequence[Any]], mode: str,
         raise StageError(f"window mode {mode!r} is not one of {', '.join(MODES)}")
     parsed = _parse_marks(marks)
     down_at, ready_at = parsed[0][1], parsed[-1][1]
-    stages = [{"stage": name, "s": round(next_at - at, 3)}
+    stages: list[dict[str, Any]] = [{"stage": name, "s": round(next_at - at, 3)}
               for (name, at), (_, next_at) in zip(parsed, parsed[1:], strict=False)]
     downtime = ready_at - down_at
     extraction = extraction_figures(manifest)
