@@ -150,6 +150,7 @@ def plan(request: dict[str, Any]) -> dict[str, Any]:
 def run(request: dict[str, Any]) -> dict[str, Any]:
     marks, mode, hidden_states = _request(request)
     window = build_window(marks, mode, load_manifest(hidden_states))
+    hidden_states.mkdir(parents=True, exist_ok=True)
     atomic_write_json(hidden_states / WINDOW_JSON, window)
     return {"changed": True, "window": window, "path": str(hidden_states / WINDOW_JSON)}
 
