@@ -125,7 +125,8 @@ def tune_kernels(target: Path, shapes: Sequence[Shape], device: Any, dtype: Any)
     from specops.backend import modeling_module_for, planned_backends
 
     config = AutoConfig.from_pretrained(str(target))
-    plan = planned_backends(modeling_module_for(config))
+    modeling = modeling_module_for(config)
+    plan = planned_backends(modeling) if modeling is not None else {}
     if device.type != "cuda" or plan.get("gated_delta_rule") != "fla":
         return {"done": False, "reason": f"nothing to tune: device {device}, gated_delta_rule "
                 f"{plan.get('gated_delta_rule')} (fla's kernels run on CUDA only)", "backends": plan}
