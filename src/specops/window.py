@@ -71,9 +71,10 @@ def extraction_figures(manifest: Mapping[str, Any] | None) -> dict[str, Any]:
     }
 
 
-def build_window(marks: Sequence[Sequence[Any]], mode: str,
-                 manifest: Mapping[str, Any] | None) -> dict[str, Any]:
-    """The window record from the play's marks and the extraction's manifest."""
+def build_window(marks: Sequence[Sequence[Any]], mode: str, manifest: Mapping[str, Any] | None,
+                 prepared: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """The window record from the play's marks and the extraction's manifest; `prepared` is what
+    specops.prewarm did before the window (outside the downtime, recorded beside it)."""
     if mode not in MODES:
         raise StageError(f"window mode {mode!r} is not one of {', '.join(MODES)}")
     parsed = _parse_marks(marks)
@@ -99,6 +100,7 @@ def build_window(marks: Sequence[Sequence[Any]], mode: str,
         "compute_s": None if compute is None else round(compute, 3),
         "other_s": None if compute is None else round(downtime - compute, 3),
         "compute_share": None if compute is None or not downtime else round(compute / downtime, 4),
+        "prepared": dict(prepared) if prepared else None,
     }
 
 
@@ -129,13 +131,22 @@ def render_markdown(window: Mapping[str, Any] | None) -> str:
         lines += ["", f"Inside `extract`: model load {extraction['load_s'] or 0:.1f} s, the extraction's "
                   f"loop {extraction['loop_s']:.1f} s, process and polling around them "
                   f"{extraction['around_s']:.1f} s."]
+    prepared = window.get("prepared") or {}
+    weights, kernels = prepared.get("read_weights") or {}, prepared.get("tune_kernels") or {}
+    if prepared:
+        done = [f"weights read in {weights['s']:.1f} s" if weights.get("done") else
+                f"weights not read ({weights.get('reason', 'off')})",
+                f"kernels tuned in {kernels['s']:.1f} s for {len(kernels['shapes'])} batch shapes"
+                if kernels.get("done") else f"kernels not tuned ({kernels.get('reason', 'off')})"]
+        lines += ["", f"Before the window, while the service served: {'; '.join(done)}."]
     return "\n".join(lines) + "\n"
 
 
 def _request(request: Mapping[str, Any]) -> tuple[list, str, Path]:
-    unknown = set(request) - {"marks", "mode", "hidden_states"}
+    unknown = set(request) - {"marks", "mode", "hidden_states", "prepared"}
     if unknown:
-        raise StageError(f"unknown request keys {sorted(unknown)}: allowed are hidden_states, marks, mode")
+        raise StageError(f"unknown request keys {sorted(unknown)}: allowed are hidden_states, marks, mode, "
+                         "prepared")
     if not request.get("hidden_states"):
         raise StageError("'hidden_states' is required: the extraction's output directory")
     marks = list(request.get("marks") or [])
@@ -144,12 +155,13 @@ def _request(request: Mapping[str, Any]) -> tuple[list, str, Path]:
 
 def plan(request: dict[str, Any]) -> dict[str, Any]:
     marks, mode, hidden_states = _request(request)
-    return {"changed": True, "window": build_window(marks, mode, load_manifest(hidden_states))}
+    window = build_window(marks, mode, load_manifest(hidden_states), request.get("prepared"))
+    return {"changed": True, "window": window}
 
 
 def run(request: dict[str, Any]) -> dict[str, Any]:
     marks, mode, hidden_states = _request(request)
-    window = build_window(marks, mode, load_manifest(hidden_states))
+    window = build_window(marks, mode, load_manifest(hidden_states), request.get("prepared"))
     hidden_states.mkdir(parents=True, exist_ok=True)
     atomic_write_json(hidden_states / WINDOW_JSON, window)
     return {"changed": True, "window": window, "path": str(hidden_states / WINDOW_JSON)}

@@ -70,3 +70,11 @@ def test_markdown_section_names_downtime_and_compute():
 
 def test_no_window_renders_nothing():
     assert window.render_markdown(None) == ""
+
+
+def test_what_was_prepared_before_the_window_is_recorded_beside_it():
+    prepared = {"read_weights": {"done": True, "s": 1.5}, "tune_kernels": {"done": True, "s": 40.0,
+                                                                           "shapes": [{"s": 40.0}]}}
+    record = window.build_window(MARKS, "stop", MANIFEST, prepared)
+    assert record["prepared"] == prepared and record["downtime_s"] == 90.0
+    assert "kernels tuned in 40.0 s for 1 batch shapes" in window.render_markdown(record)
