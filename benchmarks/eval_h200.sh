@@ -107,12 +107,12 @@ for target in $TARGETS; do
   fi
   vars "$target-memory_saver" "$target" memory_saver
   vars "$target-stop-again" "$target" stop
-  [ -f "$WORK/$target.started" ] || { stop_server "$target-stop"; touch "$WORK/$target.started"; }
+  # A server of the previous target (or of other options) goes first.
+  [ "$target" = "${TARGETS%% *}" ] || stop_server "$target-stop"
   play "$target-stop" eval.yml "$WORK/vars/$target-stop.json" || exit 1
   stop_server "$target-memory_saver"
   play "$target-memory_saver" eval.yml "$WORK/vars/$target-memory_saver.json" || exit 1
   stop_server "$target-stop-again"
   play "$target-stop-again" eval.yml "$WORK/vars/$target-stop-again.json" || exit 1
-  stop_server "$target-stop-again"
 done
 summarize

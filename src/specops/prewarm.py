@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from specops.extract import (
+    LayerCapture,
     Record,
     inspect_target,
     pad_batch,
@@ -136,7 +137,9 @@ def tune_kernels(target: Path, shapes: Sequence[Shape], device: Any, dtype: Any)
         model = AutoModelForCausalLM.from_config(cut, dtype=dtype).eval()
     build_s = time.perf_counter() - started
     timings = []
-    with torch.inference_mode():
+    # Through the extractor's own call (its masks, use_cache=False, inference mode): a kernel's compiled
+    # variants depend on such flags (e.g. whether the final state is stored), not only on the shapes.
+    with LayerCapture(model, [cut.num_hidden_layers - 1]) as capture:
         for size, width, padded in shapes:
             t0 = time.perf_counter()
             # Rows after the first are shorter when the planned batch is padded, so it gets a mask too.
@@ -144,7 +147,7 @@ def tune_kernels(target: Path, shapes: Sequence[Shape], device: Any, dtype: Any)
             records = [Record(i, i, torch.randint(0, cut.vocab_size, (n,)).numpy(), 0)
                        for i, n in enumerate(lengths)]
             ids, mask = pad_batch(records)
-            model(input_ids=ids.to(device), attention_mask=None if mask is None else mask.to(device))
+            capture(ids.to(device), None if mask is None else mask.to(device))
             torch.cuda.synchronize(device)
             seconds = round(time.perf_counter() - t0, 3)
             timings.append({"batch": size, "tokens": width, "padded": padded, "s": seconds})
