@@ -101,7 +101,7 @@ for target in $TARGETS; do
     # The ML environment and the fixture tokenizer, when no fixture run came first on this host.
     [ -x "$WORK/ml/bin/python" ] || play big-ml-env ml_env.yml "$WORK/vars/big-stop.json" || exit 1
     [ -d "$WORK/models/target" ] || "$WORK/ml/bin/python" -m specops.fixtures --out "$WORK/models" \
-      --no-reference-training > "$WORK/logs/build-fixtures.log" 2>&1 || { summarize; exit 1; }
+      --no-reference-training --prompts "$ROOT/prompts/coding.jsonl" > "$WORK/logs/build-fixtures.log" 2>&1 || { summarize; exit 1; }
     "$WORK/ml/bin/python" "$ROOT/benchmarks/build_target_2b.py" --tokenizer "$WORK/models/target" \
       --out "$WORK/big" > "$WORK/logs/build-big.log" 2>&1 || { summarize; exit 1; }
   fi
