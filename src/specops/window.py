@@ -162,7 +162,9 @@ def plan(request: dict[str, Any]) -> dict[str, Any]:
 def run(request: dict[str, Any]) -> dict[str, Any]:
     marks, mode, hidden_states = _request(request)
     window = build_window(marks, mode, load_manifest(hidden_states), request.get("prepared"))
-    hidden_states.mkdir(parents=True, exist_ok=True)
+    if not hidden_states.is_dir():
+        # The extraction failed before writing anything: publish the window, create no output for it.
+        return {"changed": False, "window": window, "path": None}
     atomic_write_json(hidden_states / WINDOW_JSON, window)
     return {"changed": True, "window": window, "path": str(hidden_states / WINDOW_JSON)}
 

@@ -78,3 +78,9 @@ def test_what_was_prepared_before_the_window_is_recorded_beside_it():
     record = window.build_window(MARKS, "stop", MANIFEST, prepared)
     assert record["prepared"] == prepared and record["downtime_s"] == 90.0
     assert "kernels tuned in 40.0 s for 1 batch shapes" in window.render_markdown(record)
+
+
+def test_without_an_extraction_directory_the_window_is_returned_and_nothing_is_created(tmp_path):
+    result = window.run({"marks": MARKS, "mode": "stop", "hidden_states": str(tmp_path / "missing")})
+    assert result["window"]["downtime_s"] == 90.0 and result["path"] is None
+    assert not (tmp_path / "missing").exists()
