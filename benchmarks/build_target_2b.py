@@ -27,7 +27,8 @@ def config_2b(vocab_size: int, eos_token_id: int, pad_token_id: int):
         vocab_size=vocab_size, hidden_size=2048, intermediate_size=8192, num_hidden_layers=layers,
         layer_types=["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(layers)],
         num_attention_heads=16, num_key_value_heads=4, head_dim=128,
-        linear_num_key_heads=16, linear_num_value_heads=32, linear_key_head_dim=128, linear_value_head_dim=128,
+        linear_num_key_heads=16, linear_num_value_heads=32,
+        linear_key_head_dim=128, linear_value_head_dim=128,
         max_position_embeddings=8192, tie_word_embeddings=False, eos_token_id=eos_token_id,
         pad_token_id=pad_token_id, bos_token_id=None, dtype="bfloat16",
     )
