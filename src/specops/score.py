@@ -35,6 +35,7 @@ from typing import Any
 
 from specops import diagnostics as diag
 from specops import report as rep
+from specops import window as win
 from specops.manifest import (
     atomic_write_json,
     atomic_write_text,
@@ -162,6 +163,7 @@ def inputs_of(opts: Options) -> dict[str, Any]:
                    for name in TARGET_IDENTITY_FILES if (opts.target / name).is_file()},
         "drafter": _checkpoint_identity(opts.drafter),
         "reference_drafter": _checkpoint_identity(opts.reference_drafter) if opts.reference_drafter else None,
+        "window": win.read_window(opts.hidden_states),
         "options": {"device": opts.device, "dtype": opts.dtype, "diagnostics": sorted(opts.diagnostics),
                     "layer_offset_tolerance": opts.layer_offset_tolerance,
                     "server_drafter": opts.server_drafter},
@@ -455,9 +457,11 @@ def run(request: dict[str, Any]) -> dict[str, Any]:
         "versions": versions(),
     }
     report = rep.build_report(run_info, drafter_scores, reference_scores, online, findings, comparison)
+    report["window"] = win.read_window(opts.hidden_states)
     opts.out_dir.mkdir(parents=True, exist_ok=True)
     rep.render_plots(report, opts.out_dir)
-    atomic_write_text(opts.out_dir / REPORT_MD, rep.render_markdown(report))
+    markdown = rep.render_markdown(report) + win.render_markdown(report["window"])
+    atomic_write_text(opts.out_dir / REPORT_MD, markdown)
     atomic_write_json(opts.out_dir / REPORT_JSON, report)
     figures = {"tau": report["overall"]["tau"], "reference_tau": (report.get("reference") or {}).get("tau"),
                "ratio": report.get("ratio")}

@@ -26,6 +26,15 @@ def test_eval_writes_a_report_with_tau_per_prompt_and_overall(first_run, local_d
     assert "tau" in markdown.lower() and ".png" in markdown
 
 
+def test_eval_reports_the_service_window_with_its_stages(first_run, local_default):
+    window = json.loads((local_default.run_dir / "score" / "report.json").read_text())["window"]
+    assert [s["stage"] for s in window["stages"]] == ["stop-server", "release-gpus", "verify-environment",
+                                                      "extract", "start-server"]
+    assert window["downtime_s"] == pytest.approx(sum(s["s"] for s in window["stages"]), abs=0.01)
+    assert 0 < window["compute_s"] < window["downtime_s"]
+    assert "## Service window" in (local_default.run_dir / "score" / "report.md").read_text()
+
+
 def test_eval_leaves_the_service_ready(first_run, local_default):
     assert local_default.health_generate_status() == 200
 

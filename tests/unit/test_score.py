@@ -14,7 +14,7 @@ import pytest
 from score_data import write_completions, write_hidden_states
 
 from specops import report as rep
-from specops import score
+from specops import score, window
 from specops.stage import StageError
 
 pytestmark = pytest.mark.slow
@@ -292,3 +292,15 @@ def test_server_drafter_must_name_a_scored_drafter(fixture_models, run_dir, tmp_
     with pytest.raises(StageError, match="no reference_drafter is given"):
         score.parse_request(request_for(fixture_models, run_dir, tmp_path, server_drafter="reference",
                                         reference_drafter=None))
+
+
+def test_report_carries_the_window_that_produced_the_hidden_states(fixture_models, run_dir, tmp_path):
+    write_hidden_states(fixture_models.target, run_dir / "completions", tmp_path / "hs",
+                        layer_ids_of(fixture_models.drafter), offsets=(0,))
+    window.run({"marks": [["stop-server", 10.0], ["extract", 12.0], ["ready", 40.0]], "mode": "stop",
+                "hidden_states": str(tmp_path / "hs")})
+    request = request_for(fixture_models, run_dir, tmp_path / "score", hidden_states=str(tmp_path / "hs"),
+                          reference_drafter=None, diagnostics=[])
+    score.run(request)
+    assert json.loads((tmp_path / "score/report.json").read_text())["window"]["downtime_s"] == 30.0
+    assert "## Service window" in (tmp_path / "score/report.md").read_text()

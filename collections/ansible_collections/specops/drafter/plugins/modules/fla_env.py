@@ -50,6 +50,11 @@ options:
       - Let the environment see the interpreter's site-packages, for host images that already ship a
         CUDA torch (set O(torch=torch) to accept it). Changing it on an existing environment
         rewrites its C(pyvenv.cfg).
+      - When O(python) itself runs inside a virtual environment (an image whose torch lives in its own
+        venv), a venv made from it would see only the base interpreter's packages. The environment
+        then also gets a C(.pth) file naming that venv's site-packages, so its torch, triton and the
+        rest are seen; what this module installs still comes first, and pip never removes the
+        image's packages (they are outside the environment).
     type: bool
     default: false
   torch:
@@ -139,6 +144,14 @@ options:
     type: str
     choices: [any, fla-cuda]
     default: any
+  verify_cache_dir:
+    description:
+      - Directory on the managed host where successful verifications are kept, one file per
+        environment and GPU (the installed versions, the specops sources, the GPUs' UUIDs, names and
+        driver, and the verification options). A later run with the same key returns the kept report
+        (RV(verification_cached)) without running the kernel test again.
+      - Empty runs the verification every time.
+    type: path
   gdr_sizes:
     description:
       - Shapes for the gated delta rule comparison, each a mapping of C(batch), C(seq_len),
@@ -257,6 +270,15 @@ verification:
       C(gdr_rel_error), C(gdr) (every comparison with its tolerance), C(notes) and C(warnings).
   returned: always
   type: dict
+verification_cached:
+  description: Whether the verification was read from O(verify_cache_dir) instead of being run.
+  returned: always
+  type: bool
+base_environment:
+  description: Site-packages of the virtual environment O(python) runs in, that the environment sees through a C(.pth) file; empty when none.
+  returned: always
+  type: list
+  elements: str
 msg:
   description: What was done, in a sentence.
   returned: always
@@ -276,6 +298,8 @@ from ansible_collections.specops.drafter.plugins.module_utils.stage_runner impor
 FLA_DISTRIBUTIONS = ("fla-core", "flash-linear-attention")
 REPORTED_DISTRIBUTIONS = ("torch", "transformers", "fla-core", "flash-linear-attention", "triton", "specops")
 FINGERPRINT_FILE = "specops-source.json"
+# Makes a venv created from another venv's interpreter see that venv's packages (site.addpackage).
+BASE_ENV_PTH = "specops-base-environment.pth"
 
 # Runs inside the environment: which requirements are satisfied, and where each distribution lives.
 # pip (present in every venv) vendors `packaging`, so no extra package is needed to read specifiers.
@@ -355,6 +379,8 @@ class FlaEnv(object):
             removed=[],
             backend=None,
             verification=None,
+            verification_cached=False,
+            base_environment=[],
         )
 
     # -- facts about the host -------------------------------------------------------------------
@@ -370,13 +396,14 @@ class FlaEnv(object):
                 msg="python interpreter '%s' not found on the managed host: install it or set python "
                 "to an existing interpreter (for example /usr/bin/python3)" % name, **self.result)
         # The real executable, not a wrapper (pyenv shims, alternatives): that is what the venv records.
-        script = "import sys; print('%d.%d.%d' % sys.version_info[:3]); print(sys.executable)"
+        script = ("import json, site, sys; print('%d.%d.%d' % sys.version_info[:3]); print(sys.executable); "
+                  "print(json.dumps(site.getsitepackages() if sys.prefix != sys.base_prefix else []))")
         rc, out, err = self.module.run_command([path, "-c", script])
         lines = out.strip().splitlines()
-        if rc != 0 or len(lines) < 2:
+        if rc != 0 or len(lines) < 3:
             self.module.fail_json(msg="python interpreter %s does not run (exit %d): %s" % (path, rc, err.strip()),
                                   **self.result)
-        return {"path": lines[1] or path, "version": lines[0]}
+        return {"path": lines[1] or path, "version": lines[0], "venv_site_packages": json.loads(lines[2])}
 
     def _gpu_visible(self):
         if os.path.exists("/dev/nvidia0"):
@@ -459,6 +486,54 @@ class FlaEnv(object):
         with open(tmp, "w") as handle:
             handle.writelines(lines)
         os.rename(tmp, path)
+
+    def _site_packages(self):
+        rc, out, err = self.module.run_command(
+            [self.venv_python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"])
+        if rc != 0:
+            self.module.fail_json(msg="could not read the site-packages of %s: %s" % (self.venv, err.strip()),
+                                  **self.result)
+        return out.strip().splitlines()[-1]
+
+    def _sync_base_environment(self, base, check):
+        """Point the environment at the site-packages of the venv its interpreter runs in (or stop)."""
+        wanted = base["venv_site_packages"] if self.params["system_site_packages"] else []
+        self.result["base_environment"] = wanted
+        if check and not os.path.exists(self.venv_python):
+            return bool(wanted)
+        path = os.path.join(self._site_packages(), BASE_ENV_PTH)
+        content = "".join(line + "\n" for line in wanted)
+        try:
+            with open(path) as handle:
+                current = handle.read()
+        except (IOError, OSError):
+            current = None
+        if current == (content or None):
+            return False
+        if not check:
+            if content:
+                with open(path + ".tmp", "w") as handle:
+                    handle.write(content)
+                os.rename(path + ".tmp", path)
+            else:
+                os.remove(path)
+        return True
+
+    def _gpu_identity(self):
+        """What a verification depends on beyond the environment: the GPUs and their driver."""
+        smi = self.module.get_bin_path("nvidia-smi")
+        if not smi:
+            return "no nvidia-smi"
+        rc, out, err = self.module.run_command(
+            [smi, "--query-gpu=uuid,name,driver_version", "--format=csv,noheader"])
+        return out.strip() if rc == 0 else "nvidia-smi failed (exit %d)" % rc
+
+    def _verify_cache_path(self, state, fingerprint):
+        key = {"venv": self.venv, "dists": state["dists"], "specops": fingerprint,
+               "require_backend": self.params["require_backend"], "gdr_sizes": self.params["gdr_sizes"],
+               "gpus": self._gpu_identity()}
+        digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode("utf-8")).hexdigest()
+        return os.path.join(self.params["verify_cache_dir"], "envcheck-%s.json" % digest[:32])
 
     def _state(self, reqs):
         request = {"requirements": reqs, "dists": list(REPORTED_DISTRIBUTIONS)}
@@ -587,6 +662,8 @@ class FlaEnv(object):
             self.result["changed"] = True
             if not check:
                 self._set_system_site_packages()
+        if self._sync_base_environment(base, check):
+            self.result["changed"] = True
 
         state = self._state(reqs)
         missing = [r["requirement"] for r in state["requirements"] if not r["satisfied"]]
@@ -629,12 +706,20 @@ class FlaEnv(object):
 
         self.result["versions"] = dict((name, d["version"]) for name, d in state["dists"].items())
         complete = not (check and (installing or self.result["created"]))
+        self.result["verification_cached"] = False
         if self.params["verify"] and complete:
             request = {"require_backend": self.params["require_backend"]}
             if self.params["gdr_sizes"] is not None:
                 request["gdr_sizes"] = self.params["gdr_sizes"]
-            report = run_stage(self.module, self.venv_python, "envcheck", request)
-            report.pop("changed", None)
+            cache = self._verify_cache_path(state, fingerprint) if self.params["verify_cache_dir"] else None
+            report = self._cached_report(cache)
+            if report is None:
+                report = run_stage(self.module, self.venv_python, "envcheck", request)
+                report.pop("changed", None)
+                if cache and not check:
+                    self._keep_report(cache, report)
+            else:
+                self.result["verification_cached"] = True
             self.result["verification"] = report
             self.result["backend"] = report.get("backend")
             for warning in report.get("warnings", []):
@@ -642,6 +727,21 @@ class FlaEnv(object):
 
         self.result["msg"] = self._message(check, installing, remove, complete)
         self.module.exit_json(**self.result)
+
+    def _cached_report(self, path):
+        try:
+            with open(path) as handle:
+                return json.load(handle)
+        except (TypeError, IOError, OSError, ValueError):
+            return None
+
+    def _keep_report(self, path, report):
+        directory = os.path.dirname(path)
+        if not os.path.isdir(directory):
+            os.makedirs(directory)
+        with open(path + ".tmp", "w") as handle:
+            json.dump(report, handle)
+        os.rename(path + ".tmp", path)
 
     def _message(self, check, installing, remove, complete):
         prefix = "check mode: would " if check else ""
@@ -655,6 +755,8 @@ class FlaEnv(object):
         text = (prefix + "; ".join(parts)) if parts else "%s is up to date" % self.venv
         if self.result["backend"]:
             text += "; backend %s" % self.result["backend"]
+            if self.result.get("verification_cached"):
+                text += " (verified earlier on this environment and GPU)"
         elif self.params["verify"] and not complete:
             text += "; verification skipped until the environment is complete"
         return text
@@ -681,6 +783,7 @@ def main():
             verify=dict(type="bool", default=True),
             require_backend=dict(type="str", default="any", choices=["any", "fla-cuda"]),
             gdr_sizes=dict(type="list", elements="dict"),
+            verify_cache_dir=dict(type="path"),
         ),
         supports_check_mode=True,
     )

@@ -1,0 +1,118 @@
+#!/usr/bin/env bash
+# eval.yml end to end through ansible-playbook on one GPU host, as a user with one GPU host runs it:
+# localhost inventory (inventory/local), torch from the image's own venv (fla_env_system_site_packages:
+# the ML environment sees that venv's packages), fla, transformers and the build backend from a
+# wheelhouse (fla_env_no_index), the development server standing in for SGLang on CUDA.
+#
+# For each target (TARGETS: "fixture" = the demo's models built by the play; "big" = a 2.5 B-parameter
+# target built from config by build_target_2b.py and saved to disk): a run in stop mode, a run in
+# memory-saver mode, and a second stop run on the same host (fresh run directory, same host cache),
+# which must pay no kernel tuning. Every play gets a fresh run directory, so each one takes the window.
+#
+# Run from the checkout on the GPU host, with the wheels in .whl/ (benchmarks/README.md):
+#   TARGETS="fixture big" benchmarks/eval_h200.sh
+# Results: $OUT/eval_h200.json (rewritten after every play), the plays' logs in $OUT/eval_h200.log.
+set -uo pipefail
+ROOT=$PWD
+OUT=${OUT:-$(mktemp -d)}
+WORK=${WORK:-/tmp/specops-h200}
+WHEELS=${WHEELS:-$ROOT/.whl}
+TARGETS=${TARGETS:-fixture big}
+PORT=${PORT:-31000}
+mkdir -p "$WORK/vars" "$WORK/logs"
+touch "$WORK/plays.jsonl"
+
+python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/ansible-site \
+  "$WHEELS"/ansible_core-*.whl "$WHEELS"/resolvelib-*.whl "$WHEELS"/cryptography-*.whl \
+  "$WHEELS"/cffi-*.whl "$WHEELS"/pycparser-*.whl || exit 1
+# Only the control node's packages: the ML environment is built by the play itself.
+export PYTHONPATH=/tmp/ansible-site ANSIBLE_CONFIG=$ROOT/ansible.cfg ANSIBLE_NOCOLOR=1 ANSIBLE_FORCE_COLOR=0
+
+# vars NAME TARGET MODE: the extra vars of one play, as a file
+vars() {
+  python3 - "$WORK" "$WHEELS" "$PORT" "$1" "$2" "$3" > "$WORK/vars/$1.json" <<'PY'
+import json, sys
+work, wheels, port, name, target, mode = sys.argv[1:]
+v = {
+    "specops_work_dir": work, "specops_run_dir": f"{work}/runs/{name}",
+    "specops_host_cache_dir": f"{work}/cache",
+    "fla_env_venv": f"{work}/ml", "fla_env_python": "python3", "fla_env_system_site_packages": True,
+    "fla_env_torch": "torch", "fla_env_fla": "always", "fla_env_find_links": [wheels],
+    "fla_env_no_index": True, "fla_env_require_backend": "fla-cuda",
+    "sglang_service_port": int(port), "sglang_service_extra_args": ["--device", "cuda"],
+    "extract_hidden_states_require_backend": "fla",
+    "specops_gpu_window_mode": mode, "sglang_service_memory_saver": mode == "memory_saver",
+}
+if target == "big":
+    v.update({"specops_demo_models": False, "specops_target_model": f"{work}/big/target",
+              "specops_drafter": f"{work}/big/drafter", "specops_reference_drafter": f"{work}/big/drafter",
+              "sglang_service_draft_model_path": f"{work}/big/drafter"})
+print(json.dumps(v))
+PY
+}
+
+# play NAME PLAYBOOK VARSFILE [extra -e]: run one play, log it, record its wall time and exit status
+play() {
+  local name=$1 book=$2 varsfile=$3 start rc
+  shift 3
+  start=$(date +%s.%N)
+  python3 /tmp/ansible-site/bin/ansible-playbook "$ROOT/playbooks/$book" -e "@$varsfile" "$@" \
+    > "$WORK/logs/$name.log" 2>&1
+  rc=$?
+  python3 -c "import json,sys,time; print(json.dumps({'play': sys.argv[1], 'playbook': sys.argv[2], 'rc': int(sys.argv[3]),
+    'wall_s': round(time.time() - float(sys.argv[4]), 1)}))" "$name" "$book" "$rc" "$start" >> "$WORK/plays.jsonl"
+  summarize
+  return $rc
+}
+
+stop_server() {  # the next play starts the server with other options (model, memory saver)
+  play "$1-stop-server" service.yml "$WORK/vars/$1.json" -e sglang_service_state=stopped \
+    -e sglang_service_deadman=false
+}
+
+summarize() {
+  python3 - "$WORK" "$OUT" <<'PY'
+import json, subprocess, sys, time
+from pathlib import Path
+work, out = Path(sys.argv[1]), Path(sys.argv[2])
+plays = [json.loads(line) for line in (work / "plays.jsonl").read_text().splitlines() if line.strip()]
+for play in plays:
+    report = work / "runs" / play["play"] / "score" / "report.json"
+    if play["playbook"] == "eval.yml" and report.is_file():
+        data = json.loads(report.read_text())
+        play["window"] = data.get("window")
+        play["tau"] = data["overall"]["tau"]
+        play["hidden_state_backend"] = (data.get("run") or {}).get("hidden_state_backend")
+smi = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version", "--format=csv,noheader"],
+                     capture_output=True, text=True).stdout.strip()
+built = work / "big" / "built.json"
+result = {"date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "device": smi,
+          "big_target": json.loads(built.read_text()) if built.is_file() else None, "plays": plays}
+(out / "eval_h200.json").write_text(json.dumps(result, indent=1))
+with open(out / "eval_h200.log", "w") as log:
+    for path in sorted((work / "logs").glob("*.log"), key=lambda p: p.stat().st_mtime):
+        log.write(f"===== {path.name}\n" + "".join(path.read_text().splitlines(True)[-150:]))
+PY
+}
+
+for target in $TARGETS; do
+  vars "$target-stop" "$target" stop
+  if [ "$target" = big ]; then
+    # The ML environment and the fixture tokenizer, when no fixture run came first on this host.
+    [ -x "$WORK/ml/bin/python" ] || play big-ml-env ml_env.yml "$WORK/vars/big-stop.json" || exit 1
+    [ -d "$WORK/models/target" ] || "$WORK/ml/bin/python" -m specops.fixtures --out "$WORK/models" \
+      --no-reference-training --prompts "$ROOT/prompts/coding.jsonl" > "$WORK/logs/build-fixtures.log" 2>&1 || { summarize; exit 1; }
+    "$WORK/ml/bin/python" "$ROOT/benchmarks/build_target_2b.py" --tokenizer "$WORK/models/target" \
+      --out "$WORK/big" > "$WORK/logs/build-big.log" 2>&1 || { summarize; exit 1; }
+  fi
+  vars "$target-memory_saver" "$target" memory_saver
+  vars "$target-stop-again" "$target" stop
+  # A server of the previous target (or of other options) goes first.
+  [ "$target" = "${TARGETS%% *}" ] || stop_server "$target-stop"
+  play "$target-stop" eval.yml "$WORK/vars/$target-stop.json" || exit 1
+  stop_server "$target-memory_saver"
+  play "$target-memory_saver" eval.yml "$WORK/vars/$target-memory_saver.json" || exit 1
+  stop_server "$target-stop-again"
+  play "$target-stop-again" eval.yml "$WORK/vars/$target-stop-again.json" || exit 1
+done
+summarize

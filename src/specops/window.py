@@ -1,0 +1,177 @@
+"""The service window: how long the service was down (or released), and what filled that time.
+
+The play marks the start of each stage inside the window and the moment the service answered
+/health_generate again; the extraction's manifest says how much of its stage was compute. This
+module turns both into the `window` record that report.json, report.md and set_stats carry:
+
+    downtime_s = ready - start of the first stage (the stop, or the memory-saver release)
+    stages     = the time from each mark to the next
+    compute_s  = the extraction's forwards (device time on CUDA, host-timed forwards on the CPU)
+    other_s    = downtime_s - compute_s: what a shorter window could still save
+
+python -m specops.window --plan|--run: JSON request on stdin, {"marks": [[stage, epoch_s], ...,
+["ready", epoch_s]], "mode": "stop" | "memory_saver", "hidden_states": DIR}; --run writes
+DIR/window.json, where the score stage finds it.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Mapping, Sequence
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+from specops.manifest import atomic_write_json, load_manifest
+from specops.stage import StageError, serve
+
+WINDOW_JSON = "window.json"
+READY = "ready"
+MODES = ("stop", "memory_saver")
+# The extraction's stage, whose time splits into the process around the work and the work itself.
+EXTRACT_STAGE = "extract"
+
+
+def _iso(epoch: float) -> str:
+    stamp = datetime.fromtimestamp(epoch, tz=timezone.utc).isoformat(timespec="milliseconds")
+    return stamp.replace("+00:00", "Z")
+
+
+def _parse_marks(marks: Sequence[Sequence[Any]]) -> list[tuple[str, float]]:
+    parsed = []
+    for mark in marks:
+        if len(mark) != 2:
+            raise StageError(f"window mark {mark!r} is not [stage, epoch seconds]")
+        parsed.append((str(mark[0]), float(mark[1])))
+    if len(parsed) < 2 or parsed[-1][0] != READY:
+        raise StageError(f"the window's marks must end with '{READY}' after at least one stage; got "
+                         f"{[name for name, _ in parsed]}: mark when the service answered again")
+    for (name, at), (next_name, next_at) in zip(parsed, parsed[1:], strict=False):
+        if next_at < at:
+            raise StageError(f"window mark '{next_name}' ({next_at}) comes before '{name}' ({at}): "
+                             "the marks must be taken in order, on one clock")
+    return parsed
+
+
+def extraction_figures(manifest: Mapping[str, Any] | None) -> dict[str, Any]:
+    """What the extraction's manifest says about its own time (seconds; None where not recorded)."""
+    progress = (manifest or {}).get("progress") or {}
+    compute = progress.get("device_busy_s")
+    source = "device" if compute is not None else "host"
+    if compute is None:
+        compute = progress.get("forward_s")
+    return {
+        "compute_s": compute,
+        "compute_measured_on": source if compute is not None else None,
+        "load_s": progress.get("load_s"),
+        "loop_s": progress.get("total_s"),
+        "tokens": progress.get("tokens"),
+        "backend": ((manifest or {}).get("backend") or {}).get("gated_delta_rule"),
+    }
+
+
+def build_window(marks: Sequence[Sequence[Any]], mode: str, manifest: Mapping[str, Any] | None,
+                 prepared: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """The window record from the play's marks and the extraction's manifest; `prepared` is what
+    specops.prewarm did before the window (outside the downtime, recorded beside it)."""
+    if mode not in MODES:
+        raise StageError(f"window mode {mode!r} is not one of {', '.join(MODES)}")
+    parsed = _parse_marks(marks)
+    down_at, ready_at = parsed[0][1], parsed[-1][1]
+    stages: list[dict[str, Any]] = [{"stage": name, "s": round(next_at - at, 3)}
+              for (name, at), (_, next_at) in zip(parsed, parsed[1:], strict=False)]
+    downtime = ready_at - down_at
+    extraction = extraction_figures(manifest)
+    extract_stage = sum(s["s"] for s in stages if s["stage"] == EXTRACT_STAGE)
+    if extract_stage and extraction["loop_s"] is not None:
+        # Process start, imports, planning and the play's polling: the stage's time outside the work.
+        around = extract_stage - extraction["loop_s"] - (extraction["load_s"] or 0)
+        extraction["around_s"] = round(max(0.0, around), 3)
+    compute = extraction["compute_s"]
+    return {
+        "taken": True,
+        "mode": mode,
+        "down_at": _iso(down_at),
+        "ready_at": _iso(ready_at),
+        "downtime_s": round(downtime, 3),
+        "stages": stages,
+        "extraction": extraction,
+        "compute_s": None if compute is None else round(compute, 3),
+        "other_s": None if compute is None else round(downtime - compute, 3),
+        "compute_share": None if compute is None or not downtime else round(compute / downtime, 4),
+        "prepared": dict(prepared) if prepared else None,
+    }
+
+
+def read_window(hidden_states: Path) -> dict[str, Any] | None:
+    """The window that produced these hidden states, if the play recorded one."""
+    try:
+        return json.loads((hidden_states / WINDOW_JSON).read_text())
+    except FileNotFoundError:
+        return None
+
+
+def render_markdown(window: Mapping[str, Any] | None) -> str:
+    """A report.md section; empty when no window was recorded."""
+    if not window:
+        return ""
+    lines = ["", "## Service window", ""]
+    taken = "released (memory saver)" if window["mode"] == "memory_saver" else "stopped"
+    share = window.get("compute_share")
+    compute = ("extraction compute not recorded" if window.get("compute_s") is None else
+               f"extraction compute {window['compute_s']:.1f} s ({share:.0%}), everything else "
+               f"{window['other_s']:.1f} s")
+    lines.append(f"The service was {taken} for **{window['downtime_s']:.1f} s** ({window['down_at']} to "
+                 f"{window['ready_at']}, ready = /health_generate 200): {compute}.")
+    lines += ["", "| stage | s |", "| --- | ---: |"]
+    lines += [f"| {s['stage']} | {s['s']:.1f} |" for s in window["stages"]]
+    extraction = window.get("extraction") or {}
+    if extraction.get("around_s") is not None:
+        lines += ["", f"Inside `extract`: model load {extraction['load_s'] or 0:.1f} s, the extraction's "
+                  f"loop {extraction['loop_s']:.1f} s, process and polling around them "
+                  f"{extraction['around_s']:.1f} s."]
+    prepared = window.get("prepared") or {}
+    weights, kernels = prepared.get("read_weights") or {}, prepared.get("tune_kernels") or {}
+    if prepared:
+        done = [f"weights read in {weights['s']:.1f} s" if weights.get("done") else
+                f"weights not read ({weights.get('reason', 'off')})",
+                f"kernels tuned in {kernels['s']:.1f} s for {len(kernels['shapes'])} batch shapes"
+                if kernels.get("done") else f"kernels not tuned ({kernels.get('reason', 'off')})"]
+        lines += ["", f"Before the window, while the service served: {'; '.join(done)}."]
+    return "\n".join(lines) + "\n"
+
+
+def _request(request: Mapping[str, Any]) -> tuple[list, str, Path]:
+    unknown = set(request) - {"marks", "mode", "hidden_states", "prepared"}
+    if unknown:
+        raise StageError(f"unknown request keys {sorted(unknown)}: allowed are hidden_states, marks, mode, "
+                         "prepared")
+    if not request.get("hidden_states"):
+        raise StageError("'hidden_states' is required: the extraction's output directory")
+    marks = list(request.get("marks") or [])
+    return marks, str(request.get("mode") or "stop"), Path(request["hidden_states"])
+
+
+def plan(request: dict[str, Any]) -> dict[str, Any]:
+    marks, mode, hidden_states = _request(request)
+    window = build_window(marks, mode, load_manifest(hidden_states), request.get("prepared"))
+    return {"changed": True, "window": window}
+
+
+def run(request: dict[str, Any]) -> dict[str, Any]:
+    marks, mode, hidden_states = _request(request)
+    window = build_window(marks, mode, load_manifest(hidden_states), request.get("prepared"))
+    if not hidden_states.is_dir():
+        # The extraction failed before writing anything: publish the window, create no output for it.
+        return {"changed": False, "window": window, "path": None}
+    atomic_write_json(hidden_states / WINDOW_JSON, window)
+    return {"changed": True, "window": window, "path": str(hidden_states / WINDOW_JSON)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    return serve("window", plan, run, argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,86 @@
+"""The service window's record: downtime, time per stage, extraction compute against the rest."""
+
+import json
+
+import pytest
+
+from specops import window
+from specops.stage import StageError
+
+MARKS = [["stop-server", 100.0], ["release-gpus", 104.0], ["verify-environment", 105.0],
+         ["extract", 107.0], ["start-server", 127.0], ["ready", 190.0]]
+MANIFEST = {"progress": {"device_busy_s": 2.2, "forward_s": 2.4, "load_s": 6.0, "total_s": 3.0,
+                         "tokens": 1720},
+            "backend": {"gated_delta_rule": "fla"}}
+
+
+def test_downtime_runs_from_the_first_stage_to_ready():
+    record = window.build_window(MARKS, "stop", MANIFEST)
+    assert record["downtime_s"] == 90.0
+    assert record["down_at"] == "1970-01-01T00:01:40.000Z"
+
+
+def test_each_stage_lasts_until_the_next_mark():
+    record = window.build_window(MARKS, "stop", MANIFEST)
+    assert record["stages"] == [{"stage": "stop-server", "s": 4.0}, {"stage": "release-gpus", "s": 1.0},
+                                {"stage": "verify-environment", "s": 2.0}, {"stage": "extract", "s": 20.0},
+                                {"stage": "start-server", "s": 63.0}]
+
+
+def test_compute_is_the_device_time_and_the_rest_is_other():
+    record = window.build_window(MARKS, "memory_saver", MANIFEST)
+    assert (record["compute_s"], record["other_s"]) == (2.2, 87.8)
+    assert record["extraction"]["compute_measured_on"] == "device"
+
+
+def test_compute_falls_back_to_the_host_timed_forwards_on_the_cpu():
+    progress = {k: v for k, v in MANIFEST["progress"].items() if k != "device_busy_s"}
+    record = window.build_window(MARKS, "stop", {"progress": progress})
+    assert record["compute_s"] == 2.4
+    assert record["extraction"]["compute_measured_on"] == "host"
+
+
+def test_extract_stage_time_outside_load_and_loop_is_reported():
+    record = window.build_window(MARKS, "stop", MANIFEST)
+    assert record["extraction"]["around_s"] == 11.0
+
+
+def test_marks_must_end_when_the_service_is_ready():
+    with pytest.raises(StageError, match="must end with 'ready'"):
+        window.build_window(MARKS[:-1], "stop", MANIFEST)
+
+
+def test_marks_out_of_order_are_refused():
+    with pytest.raises(StageError, match="comes before"):
+        window.build_window([["stop-server", 10.0], ["ready", 9.0]], "stop", MANIFEST)
+
+
+def test_run_writes_window_json_beside_the_hidden_states(tmp_path):
+    (tmp_path / "manifest.json").write_text(json.dumps(MANIFEST))
+    result = window.run({"marks": MARKS, "mode": "stop", "hidden_states": str(tmp_path)})
+    assert window.read_window(tmp_path) == result["window"]
+
+
+def test_markdown_section_names_downtime_and_compute():
+    text = window.render_markdown(window.build_window(MARKS, "stop", MANIFEST))
+    assert "## Service window" in text
+    assert "**90.0 s**" in text and "extraction compute 2.2 s (2%)" in text
+    assert "| start-server | 63.0 |" in text
+
+
+def test_no_window_renders_nothing():
+    assert window.render_markdown(None) == ""
+
+
+def test_what_was_prepared_before_the_window_is_recorded_beside_it():
+    prepared = {"read_weights": {"done": True, "s": 1.5}, "tune_kernels": {"done": True, "s": 40.0,
+                                                                           "shapes": [{"s": 40.0}]}}
+    record = window.build_window(MARKS, "stop", MANIFEST, prepared)
+    assert record["prepared"] == prepared and record["downtime_s"] == 90.0
+    assert "kernels tuned in 40.0 s for 1 batch shapes" in window.render_markdown(record)
+
+
+def test_without_an_extraction_directory_the_window_is_returned_and_nothing_is_created(tmp_path):
+    result = window.run({"marks": MARKS, "mode": "stop", "hidden_states": str(tmp_path / "missing")})
+    assert result["window"]["downtime_s"] == 90.0 and result["path"] is None
+    assert not (tmp_path / "missing").exists()
