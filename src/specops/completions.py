@@ -181,7 +181,7 @@ def load_prompts(path: Path) -> list[Prompt]:
             try:
                 record = json.loads(line)
             except json.JSONDecodeError as error:
-                errors.append(f"{path}:{number}: not valid JSON ({error.msg} at column {error.colno})")
+                errors.append(f"{path}:{number}: not valid JSON (column {error.colno}: {error.msg})")
                 continue
             problem = _prompt_problem(record)
             if problem:
