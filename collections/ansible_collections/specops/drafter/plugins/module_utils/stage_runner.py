@@ -53,12 +53,13 @@ def error_lines(err):
 
 def crash_message(stage, rc, err):
     """Say how the stage ended; the error output's last line (the exception) follows in stderr_lines."""
-    if rc is not None and rc < 0 and not error_lines(err):
-        return ("specops.%s was killed by signal %d (exit %d) and wrote no error output: the out-of-memory "
-                "killer or an operator stopped it; a rerun resumes from what it finished" % (stage, -rc, rc))
-    if rc == 0:
-        return ("specops.%s crashed (exit 0 without a JSON result on stdout; see stdout_tail); the end of "
-                "its error output follows:" % stage)
+    if rc is not None and rc < 0:
+        how = ("specops.%s was killed by signal %d (exit %d), by the out-of-memory killer or an operator; "
+               "a rerun resumes from what it finished" % (stage, -rc, rc))
+    elif rc == 0:
+        how = "specops.%s crashed (exit 0) without a JSON result on stdout (see stdout_tail)" % stage
+    else:
+        how = "specops.%s crashed (exit %s)" % (stage, rc)
     if not error_lines(err):
-        return "specops.%s crashed (exit %s) and wrote no error output" % (stage, rc)
-    return "specops.%s crashed (exit %s); the end of its error output follows:" % (stage, rc)
+        return how + "; it wrote no error output"
+    return how + "; the end of its error output follows:"
