@@ -599,9 +599,9 @@ def run(request: dict[str, Any]) -> dict[str, Any]:
         return _summary(prepared, False, generated=0, resumed=0, **_recorded(out))
 
     previous = load_manifest(out)
-    log(f"completions: fetching, {staleness(out, prepared.inputs_fingerprint)}")
-    for problem in damaged_records(out, prepared.inputs_fingerprint):
-        log(f"completions: {problem}: fetching it again")
+    reason = staleness(out, prepared.inputs_fingerprint)
+    damaged = damaged_records(out, prepared.inputs_fingerprint)
+    log(f"completions: fetching, {reason}" + "".join(f"; {problem}" for problem in damaged))
     prompt_ids = tokenize(prepared.prompts, settings.tokenizer, settings.prompts)
     intact = intact_records(out, prepared.inputs_fingerprint, prompt_ids)
     # The manifest means "complete": it goes first, so a crash below never pairs it with a new file.
@@ -643,6 +643,8 @@ def run(request: dict[str, Any]) -> dict[str, Any]:
         True,
         generated=len(records) - resumed,
         resumed=resumed,
+        reason=reason,
+        damaged=damaged,
         sha256=manifest["files"][OUTPUT_NAME]["sha256"],
         finish_reasons=manifest["finish_reasons"],
     )
