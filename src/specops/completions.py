@@ -182,7 +182,9 @@ def load_prompts(path: Path) -> list[Prompt]:
             try:
                 record = json.loads(line)
             except json.JSONDecodeError as error:
-                errors.append(f"{path}:{number}: not valid JSON (column {error.colno}: {error.msg})")
+                # Some of json's messages end in "at" ("Unterminated string starting at"): one "at" only.
+                where = f"{error.msg.removesuffix(' at')} at column {error.colno}"
+                errors.append(f"{path}:{number}: not valid JSON ({where})")
                 continue
             problem = _prompt_problem(record)
             if problem:

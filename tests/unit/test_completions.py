@@ -308,11 +308,11 @@ def test_malformed_prompts_are_refused_with_the_line_and_the_problem(
 
 def test_a_json_error_reads_as_one_sentence(fixture_models, tmp_path):
     prompts = tmp_path / "prompts.jsonl"
-    prompts.write_text('{"id": "a", "prompt": "unterminated\n')
+    prompts.write_text('{"id": "a", "prompt": "unterminated')
     request = make_request(fixture_models, tmp_path / "out", "http://127.0.0.1:9", prompts=str(prompts))
     with pytest.raises(StageError) as error:
         completions.plan(request)
-    assert "column 23: Unterminated string starting at" in str(error.value)
+    assert "(Unterminated string starting at column 23)" in str(error.value)
     assert "at at" not in str(error.value)
 
 
