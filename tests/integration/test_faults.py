@@ -26,8 +26,8 @@ def served(local_default):
 
 
 def said(result) -> str:
-    """The play's output with whitespace runs made single spaces: long messages are folded when printed."""
-    return " ".join(result.output.split())
+    """The play's output as one line: long messages are folded when printed."""
+    return " ".join(result.output.split()).replace("''", "'")  # YAML doubles quotes inside quotes
 
 
 def copy_drafter(site, tmp_path, **dflash) -> Path:

@@ -182,7 +182,8 @@ class RunLock(object):
             os.ftruncate(fd, 0)
             os.pwrite(fd, (json.dumps(record, sort_keys=True) + "\n").encode("utf-8"), 0)
             os.fsync(fd)
-            signal.signal(signal.SIGTERM, lambda signum, frame: os._exit(0))
+            # The kernel's default action: SIGTERM ends the holder even while it sleeps.
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
             os.write(ready_write, str(os.getpid()).encode("ascii"))
             os.close(ready_write)
             deadline = time.time() + max_seconds
