@@ -12,8 +12,8 @@ module: run_lock
 short_description: One run at a time per host and run directory
 description:
   - V(acquired) takes an exclusive C(flock) on O(path) and leaves a small process on the host that holds it
-    until V(released), until O(max_seconds) have passed, or until the process dies: the kernel drops the
-    lock with it, so a crashed run never holds it forever.
+    until V(released), until O(max_seconds) have passed, or until the process dies (the kernel drops the
+    lock with it), so a crashed run never holds it forever.
   - The lock file records who holds it (pid of the holding process, host, start time, playbook, owner);
     a second run fails at once and says so.
   - The lock is state of a running play, not of the host, so the module never reports C(changed).
