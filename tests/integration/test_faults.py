@@ -18,6 +18,20 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
+def serving(local_default):
+    """The server up, for faults the play refuses before the window (no evaluation needed first)."""
+    started = local_default.play("service.yml", sglang_service_state="started")
+    assert started.rc == 0, started.output[-4000:]
+    return local_default
+
+
+@pytest.fixture(scope="module")
+def refused_run_dir(serving) -> str:
+    """One run directory for the refused runs: the completions are fetched once, nothing else is written."""
+    return str(serving.work_dir / "run-refused")
+
+
+@pytest.fixture(scope="module")
 def served(local_default):
     """A finished evaluation in the site's run directory (a no-op when another module already made it)."""
     result = local_default.play("eval.yml")
@@ -50,55 +64,55 @@ def assert_refused_before_the_window(site, result, pid_before, *causes):
     assert site.health_generate_status() == 200
 
 
-def test_a_mask_token_out_of_range_is_refused_before_the_window(served, tmp_path):
-    drafter = copy_drafter(served, tmp_path, mask_token_id=10**6)
-    pid = served.server_pid()
-    result = served.play("eval.yml", specops_run_dir=str(tmp_path / "run"), specops_drafter=str(drafter))
-    assert_refused_before_the_window(served, result, pid, f"{drafter}/config.json",
+def test_a_mask_token_out_of_range_is_refused_before_the_window(serving, refused_run_dir, tmp_path):
+    drafter = copy_drafter(serving, tmp_path, mask_token_id=10**6)
+    pid = serving.server_pid()
+    result = serving.play("eval.yml", specops_run_dir=refused_run_dir, specops_drafter=str(drafter))
+    assert_refused_before_the_window(serving, result, pid, f"{drafter}/config.json",
                                      "mask_token_id 1000000 is out of range")
 
 
-def test_a_drafter_for_another_vocabulary_is_refused_before_the_window(served, tmp_path):
-    drafter = copy_drafter(served, tmp_path, vocab_size=123457)
-    pid = served.server_pid()
-    result = served.play("eval.yml", specops_run_dir=str(tmp_path / "run"), specops_drafter=str(drafter))
-    assert_refused_before_the_window(served, result, pid, "vocab_size 123457 differs from the target's")
+def test_a_drafter_for_another_vocabulary_is_refused_before_the_window(serving, refused_run_dir, tmp_path):
+    drafter = copy_drafter(serving, tmp_path, vocab_size=123457)
+    pid = serving.server_pid()
+    result = serving.play("eval.yml", specops_run_dir=refused_run_dir, specops_drafter=str(drafter))
+    assert_refused_before_the_window(serving, result, pid, "vocab_size 123457 differs from the target's")
 
 
-def test_a_garbled_drafter_config_is_named_before_the_window(served, tmp_path):
-    drafter = copy_drafter(served, tmp_path)
+def test_a_garbled_drafter_config_is_named_before_the_window(serving, refused_run_dir, tmp_path):
+    drafter = copy_drafter(serving, tmp_path)
     (drafter / "config.json").write_text('{"dflash_config": {')
-    pid = served.server_pid()
-    result = served.play("eval.yml", specops_run_dir=str(tmp_path / "run"), specops_drafter=str(drafter))
-    assert_refused_before_the_window(served, result, pid,
+    pid = serving.server_pid()
+    result = serving.play("eval.yml", specops_run_dir=refused_run_dir, specops_drafter=str(drafter))
+    assert_refused_before_the_window(serving, result, pid,
                                      f"drafter config {drafter}/config.json is not valid JSON")
     assert "the request is not JSON" not in said(result)
 
 
-def test_require_fla_where_the_extraction_cannot_have_it_is_refused_before_the_window(served, tmp_path):
-    pid = served.server_pid()
-    result = served.play("eval.yml", specops_run_dir=str(tmp_path / "run"),
+def test_require_fla_where_the_extraction_lacks_it_is_refused_before_the_window(serving, refused_run_dir):
+    pid = serving.server_pid()
+    result = serving.play("eval.yml", specops_run_dir=refused_run_dir,
                          extract_hidden_states_require_backend="fla")
-    assert_refused_before_the_window(served, result, pid, "require_backend is fla")
+    assert_refused_before_the_window(serving, result, pid, "require_backend is fla")
 
 
-def test_too_little_disk_is_refused_before_the_window_with_the_figures(served, tmp_path):
+def test_too_little_disk_is_refused_before_the_window_with_the_figures(serving, refused_run_dir, tmp_path):
     # The reserve makes the output's file system too small for the shards, whatever its real size.
     free = shutil.disk_usage(tmp_path).free
-    pid = served.server_pid()
-    result = served.play("eval.yml", specops_run_dir=str(tmp_path / "run"),
+    pid = serving.server_pid()
+    result = serving.play("eval.yml", specops_run_dir=refused_run_dir,
                          extract_hidden_states_disk_reserve_bytes=free)
-    assert_refused_before_the_window(served, result, pid, "not enough disk space")
+    assert_refused_before_the_window(serving, result, pid, "not enough disk space")
     assert re.search(r"the hidden states need \d+\.\d\d [KM]iB", said(result)), result.output[-3000:]
 
 
-def test_a_dead_man_shorter_than_the_extraction_is_refused_before_the_window(served, tmp_path):
-    pid = served.server_pid()
-    result = served.play("eval.yml", specops_run_dir=str(tmp_path / "run"), sglang_service_max_downtime=5)
-    assert_refused_before_the_window(served, result, pid, "the dead-man would restart the server after 5 s")
+def test_a_dead_man_shorter_than_the_extraction_is_refused_before_the_window(serving, refused_run_dir):
+    pid = serving.server_pid()
+    result = serving.play("eval.yml", specops_run_dir=refused_run_dir, sglang_service_max_downtime=5)
+    assert_refused_before_the_window(serving, result, pid, "the dead-man would restart the server after 5 s")
 
 
-def test_a_second_run_on_a_locked_run_directory_fails_at_once_naming_the_holder(served, tmp_path):
+def test_a_second_run_on_a_locked_run_directory_fails_at_once_naming_the_holder(serving, tmp_path):
     run_dir = tmp_path / "run"
     lock = run_dir / ".specops.lock"
     # The first run's lock, taken as eval.yml takes it.
@@ -110,15 +124,15 @@ def test_a_second_run_on_a_locked_run_directory_fails_at_once_naming_the_holder(
     assert holder.returncode == 0, holder.stdout + holder.stderr
     recorded = json.loads(lock.read_text())
     try:
-        pid = served.server_pid()
-        result = served.play("eval.yml", specops_run_dir=str(run_dir))
+        pid = serving.server_pid()
+        result = serving.play("eval.yml", specops_run_dir=str(run_dir))
         assert result.rc != 0
         assert "specops stage 'lock' failed" in said(result)
         holder = f"pid {recorded['pid']} on host {recorded['host']} since {recorded['started']}"
         assert holder in said(result)
         assert "playbook the first run" in said(result)
         assert "(the service was not taken down)" in said(result)
-        assert served.server_pid() == pid and served.health_generate_status() == 200
+        assert serving.server_pid() == pid and serving.health_generate_status() == 200
         assert sorted(p.name for p in run_dir.iterdir()) == [".specops.lock"]  # nothing else was touched
     finally:
         os.kill(recorded["pid"], signal.SIGTERM)
