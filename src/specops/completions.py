@@ -30,6 +30,7 @@ from specops.manifest import (
     load_manifest,
     remove_stale_temporaries,
     sha256_file,
+    staleness,
     write_manifest,
 )
 from specops.stage import StageError, log, serve
@@ -181,7 +182,9 @@ def load_prompts(path: Path) -> list[Prompt]:
             try:
                 record = json.loads(line)
             except json.JSONDecodeError as error:
-                errors.append(f"{path}:{number}: not valid JSON ({error.msg} at column {error.colno})")
+                # Some of json's messages end in "at" ("Unterminated string starting at"): one "at" only.
+                where = f"{error.msg.removesuffix(' at')} at column {error.colno}"
+                errors.append(f"{path}:{number}: not valid JSON ({where})")
                 continue
             problem = _prompt_problem(record)
             if problem:
@@ -482,15 +485,63 @@ def _recorded(out: Path) -> dict[str, Any]:
 def plan(request: dict[str, Any]) -> dict[str, Any]:
     prepared = prepare(request)
     out = prepared.settings.out_dir
-    if is_up_to_date(out, prepared.inputs_fingerprint):
+    reason = staleness(out, prepared.inputs_fingerprint)
+    if reason is None:
         return _summary(prepared, False, generated=0, resumed=0, **_recorded(out))
+    damaged = damaged_records(out, prepared.inputs_fingerprint)
     return _summary(
         prepared,
         True,
         generated=None,
         resumed=None,
+        reason=reason + (f" ({'; '.join(damaged)})" if damaged else ""),
         msg=f"would fetch {len(prepared.prompts)} completion(s) into {out / OUTPUT_NAME}",
     )
+
+
+def _line_sha256(line: str) -> str:
+    import hashlib
+
+    return hashlib.sha256(line.encode("utf-8")).hexdigest()
+
+
+def _recorded_lines(out: Path, inputs_fingerprint: str) -> tuple[dict[str, str], list[str]]:
+    """(the manifest's sha256 per record id, the output's lines) when the manifest is of these inputs."""
+    manifest = load_manifest(out) or {}
+    path = out / OUTPUT_NAME
+    if manifest.get("inputs_fingerprint") != inputs_fingerprint or not path.is_file():
+        return {}, []
+    lines = path.read_text(encoding="utf-8", errors="replace").split("\n")
+    return manifest.get("records_sha256") or {}, lines[:-1] if lines[-1] == "" else lines
+
+
+def damaged_records(out: Path, inputs_fingerprint: str) -> list[str]:
+    """Which lines of an output of these inputs differ from what was fetched, with the record's id."""
+    recorded, lines = _recorded_lines(out, inputs_fingerprint)
+    expected = list(recorded.items())
+    damaged = []
+    for number, line in enumerate(lines, start=1):
+        if number > len(expected) or _line_sha256(line + "\n") != expected[number - 1][1]:
+            record_id = expected[number - 1][0] if number <= len(expected) else None
+            damaged.append(f"{out / OUTPUT_NAME} line {number} (id {record_id!r}) is damaged or edited")
+    return damaged
+
+
+def intact_records(out: Path, inputs_fingerprint: str, prompt_ids: dict[str, list[int]]) -> dict[str, dict]:
+    """Records of an earlier output of these inputs that still match their sha256: a repair refetches the
+    others only."""
+    recorded, lines = _recorded_lines(out, inputs_fingerprint)
+    kept: dict[str, dict] = {}
+    for line in lines:
+        digest = _line_sha256(line + "\n")
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(record, dict) and recorded.get(record.get("id")) == digest \
+                and prompt_ids.get(record["id"]) == record.get("prompt_ids"):
+            kept[record["id"]] = record
+    return kept
 
 
 def _generate(
@@ -550,11 +601,15 @@ def run(request: dict[str, Any]) -> dict[str, Any]:
         return _summary(prepared, False, generated=0, resumed=0, **_recorded(out))
 
     previous = load_manifest(out)
+    reason = staleness(out, prepared.inputs_fingerprint)
+    damaged = damaged_records(out, prepared.inputs_fingerprint)
+    log(f"completions: fetching, {reason}" + "".join(f"; {problem}" for problem in damaged))
+    prompt_ids = tokenize(prepared.prompts, settings.tokenizer, settings.prompts)
+    intact = intact_records(out, prepared.inputs_fingerprint, prompt_ids)
     # The manifest means "complete": it goes first, so a crash below never pairs it with a new file.
     (out / MANIFEST_NAME).unlink(missing_ok=True)
-    prompt_ids = tokenize(prepared.prompts, settings.tokenizer, settings.prompts)
     partial = out / PARTIAL_NAME
-    done = read_partial(partial, prepared.inputs_fingerprint, prompt_ids)
+    done = {**intact, **read_partial(partial, prepared.inputs_fingerprint, prompt_ids)}
     resumed = len(done)
     if resumed:
         log(f"completions: resuming, {resumed} of {len(prepared.prompts)} already fetched")
@@ -565,7 +620,8 @@ def run(request: dict[str, Any]) -> dict[str, Any]:
         writer.close()
 
     records = [done[prompt.id] for prompt in prepared.prompts]
-    atomic_write_text(out / OUTPUT_NAME, "".join(json.dumps(r, sort_keys=True) + "\n" for r in records))
+    lines = [json.dumps(r, sort_keys=True) + "\n" for r in records]
+    atomic_write_text(out / OUTPUT_NAME, "".join(lines))
     manifest = write_manifest(
         out,
         STAGE,
@@ -576,6 +632,8 @@ def run(request: dict[str, Any]) -> dict[str, Any]:
         prompts_path=str(settings.prompts.resolve()),
         tokenizer_path=str(settings.tokenizer.resolve()),
         finish_reasons=dict(Counter(r["finish_reason"] for r in records)),
+        # Per record, so a damaged line is named and refetched alone.
+        records_sha256={r["id"]: _line_sha256(line) for r, line in zip(records, lines, strict=True)},
     )
     partial.unlink(missing_ok=True)
     log(
@@ -587,6 +645,8 @@ def run(request: dict[str, Any]) -> dict[str, Any]:
         True,
         generated=len(records) - resumed,
         resumed=resumed,
+        reason=reason,
+        damaged=damaged,
         sha256=manifest["files"][OUTPUT_NAME]["sha256"],
         finish_reasons=manifest["finish_reasons"],
     )

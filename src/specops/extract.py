@@ -15,7 +15,6 @@ import json
 import os
 import platform
 import queue
-import shutil
 import sys
 import threading
 import time
@@ -27,18 +26,20 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from specops import preflight
 from specops.backend import NOT_USED, BackendMonitor, modeling_module_for, planned_backends
 from specops.extract_devices import first_device, plan_for, validate_request
 from specops.hidden_states import FORMAT_VERSION, ShardFile, shard_name
 from specops.manifest import (
     MANIFEST_NAME,
     atomic_write_json,
-    file_identity,
     fingerprint,
     is_up_to_date,
     load_manifest,
+    matches,
     remove_stale_temporaries,
     sha256_file,
+    staleness,
     write_manifest,
 )
 from specops.stage import StageError, log, serve
@@ -68,6 +69,8 @@ DEFAULTS: dict[str, Any] = {
     # Flush each shard to the device as it is written; off leaves the flushing to the OS (faster on a
     # disk slower than the extraction, but a power loss can then damage shards the manifest lists).
     "fsync": True,
+    # Bytes that must stay free on the output's file system once the shards are written.
+    "disk_reserve_bytes": 0,
 }
 REQUIRED = ("target", "completions", "out_dir")
 
@@ -127,6 +130,9 @@ def parse_request(request: dict[str, Any]) -> dict[str, Any]:
     for key in ("batch_tokens", "shard_tokens", "writer_threads"):
         if not isinstance(req[key], int) or req[key] < 1:
             raise StageError(f"{key} must be a positive integer, got {req[key]!r}")
+    if not isinstance(req["disk_reserve_bytes"], int) or req["disk_reserve_bytes"] < 0:
+        raise StageError(f"disk_reserve_bytes must be 0 or a positive integer, got "
+                         f"{req['disk_reserve_bytes']!r}")
     if not isinstance(req["parity_samples"], int) or req["parity_samples"] < 0:
         raise StageError(f"parity_samples must be 0 (off) or a positive integer, got "
                          f"{req['parity_samples']!r}")
@@ -204,7 +210,8 @@ def read_completions(directory: str | os.PathLike[str], vocab_size: int) -> list
             try:
                 item = json.loads(line)
             except json.JSONDecodeError as error:
-                raise StageError(f"{where} is not JSON ({error}): regenerate the completions") from error
+                raise StageError(f"{where} is not JSON ({error}): rerun sglang_completions, which fetches a "
+                                 f"damaged file again") from error
             if not isinstance(item, dict):
                 raise StageError(f"{where} is not a JSON object: regenerate the completions")
             ids = []
@@ -235,7 +242,7 @@ def drafter_layer_ids(drafter: str | os.PathLike[str], num_layers: int) -> list[
     if not path.is_file():
         raise StageError(f"drafter config {path} does not exist: set drafter to the DFlash drafter directory "
                          "or give layer_ids")
-    config = json.loads(path.read_text())
+    config = preflight.read_config(path, "drafter config")
     ids = (config.get("dflash_config") or {}).get("target_layer_ids")
     if not isinstance(ids, list) or not ids:
         raise StageError(f"{path} has no dflash_config.target_layer_ids: not a DFlash drafter; give "
@@ -379,6 +386,7 @@ def prepare(request: dict[str, Any]) -> Prepared:
     completions_dir = Path(req["completions"])
     records = read_completions(completions_dir, target.vocab_size)
     completions_path = completions_dir / "completions.jsonl" if completions_dir.is_dir() else completions_dir
+    preflight.check_completions_file(completions_path)
     if req["layer_ids"] is not None:
         if not isinstance(req["layer_ids"], list) or not req["layer_ids"]:
             raise StageError(f"layer_ids must be a non-empty list of layer ids, got {req['layer_ids']!r}")
@@ -391,11 +399,13 @@ def prepare(request: dict[str, Any]) -> Prepared:
     layer_ids, skipped = captured_layers(target_ids, req["capture_offsets"], target.num_layers)
     device, dtype = resolve_device_dtype(first_device(req), req["dtype"])
     require = resolve_require(req["require_backend"], device)
-    completions = file_identity(completions_path)
+    if req["drafter"]:
+        preflight.check_drafter(req["drafter"], target.path, target.vocab_size)
     inputs = {
         "format_version": FORMAT_VERSION,
         "target": target.identity,
-        "completions": {"size": completions["size"], "sha256": completions["sha256"]},
+        # What the extraction reads, not the file: a refetch with the same tokens changes nothing.
+        "completions": {"tokens_sha256": tokens_fingerprint(records)},
         "layer_ids": layer_ids,
         "dtype": str(dtype).removeprefix("torch."),
         "device_type": device.type,
@@ -405,6 +415,17 @@ def prepare(request: dict[str, Any]) -> Prepared:
     shards = plan_shards(records, req["shard_tokens"], req["batch_tokens"])
     return Prepared(req, target, records, target_ids, layer_ids, skipped, device, dtype, require,
                     Path(req["out_dir"]), shards, inputs, completions_path)
+
+
+def tokens_fingerprint(records: Sequence[Record]) -> str:
+    """sha256 of every record's id, prompt length and token ids, in file order."""
+    import hashlib
+
+    digest = hashlib.sha256()
+    for record in records:
+        digest.update(json.dumps([record.id, record.prompt_tokens, record.num_tokens]).encode())
+        digest.update(record.input_ids.tobytes())
+    return digest.hexdigest()
 
 
 # ----------------------------------------------------------------------------- resume state
@@ -427,11 +448,17 @@ class ResumeState:
             saved = json.loads(state.path.read_text())
         except (FileNotFoundError, json.JSONDecodeError):
             saved = {}
-        if saved.get("inputs_fingerprint") == inputs_fingerprint:
-            for name, digest in saved.get("shards", {}).items():
+        finished = load_manifest(out_dir) or {}
+        for source in (finished, saved):
+            if source.get("inputs_fingerprint") != inputs_fingerprint:
+                continue
+            for name, digest in (source.get("files") or source.get("shards") or {}).items():
                 path = out_dir / name
-                if name in planned and path.is_file() and path.stat().st_size == digest.get("size"):
-                    state.shards[name] = digest
+                if name in planned and name not in state.shards and path.is_file():
+                    if matches(path, digest):
+                        state.shards[name] = digest
+                    else:
+                        log(f"{path} does not match its recorded sha256: extracting it again")
         remove_stale_temporaries(out_dir)
         (out_dir / MANIFEST_NAME).unlink(missing_ok=True)  # it describes older outputs now
         for stale in out_dir.glob("shard-*.safetensors"):
@@ -1013,14 +1040,12 @@ def parity_probe(capture: LayerCapture, records: Sequence[Record], samples: int,
 # ----------------------------------------------------------------------------- stage
 
 
-def disk_check(prep: Prepared, todo_tokens: int) -> None:
-    needed = todo_tokens * prep.bytes_per_token
-    free = shutil.disk_usage(prep.out_dir).free
-    if needed > free:
-        raise StageError(
-            f"not enough disk space in {prep.out_dir}: the hidden states need {needed / 2**30:.2f} GiB and "
-            f"{free / 2**30:.2f} GiB are free: free space, choose another out_dir, or extract fewer "
-            "records/layers")
+def disk_check(prep: Prepared, todo: Sequence[ShardPlan]) -> int:
+    """Refuse an extraction whose shards would not fit; returns the bytes they need."""
+    needed = preflight.shard_bytes(sum(s.num_tokens for s in todo), sum(len(s.records) for s in todo),
+                                   len(todo), prep.bytes_per_token)
+    preflight.check_disk(prep.out_dir, needed, prep.req["disk_reserve_bytes"])
+    return needed
 
 
 def backend_plan(prep: Prepared, modeling: Any) -> bool:
@@ -1092,17 +1117,20 @@ def _summary(manifest: dict[str, Any], out_dir: Path, changed: bool) -> dict[str
 def plan(request: dict[str, Any]) -> dict[str, Any]:
     prep = prepare(request)
     fp = fingerprint(prep.inputs)
-    if is_up_to_date(prep.out_dir, fp):
-        return _summary(load_manifest(prep.out_dir) or {}, prep.out_dir, changed=False)
-    resumable = []
-    try:
-        saved = json.loads((prep.out_dir / STATE_NAME).read_text())
-        if saved.get("inputs_fingerprint") == fp:
-            resumable = sorted(saved.get("shards", {}))
-    except (FileNotFoundError, json.JSONDecodeError):
-        pass
+    reason = staleness(prep.out_dir, fp)
+    if reason is None:
+        return {**_summary(load_manifest(prep.out_dir) or {}, prep.out_dir, changed=False),
+                "estimated_seconds": 0.0}
+    resumable = resumable_shards(prep, fp)
+    # What the run would refuse after the service is down, refused now.
+    from transformers import AutoConfig
+
+    backend_plan(prep, modeling_module_for(AutoConfig.from_pretrained(str(prep.target.path))))
+    todo = [s for s in prep.shards if s.name not in resumable]
+    needed = disk_check(prep, todo)
     return {
         "changed": True,
+        "reason": reason,
         "out_dir": str(prep.out_dir),
         "layer_ids": prep.layer_ids,
         "records": len(prep.records),
@@ -1113,8 +1141,44 @@ def plan(request: dict[str, Any]) -> dict[str, Any]:
         "dtype": prep.dtype_name,
         "require_backend": prep.require,
         "parallel": plan_for(prep, free=False).describe(),  # at run time the choice uses free memory
-        "estimated_bytes": sum(r.num_tokens for r in prep.records) * prep.bytes_per_token,
+        "estimated_bytes": needed,
+        "estimated_seconds": round(estimated_seconds(prep, todo, needed), 1),
     }
+
+
+def resumable_shards(prep: Prepared, fp: str) -> list[str]:
+    """Shards a run would keep: recorded for these inputs (resume state or manifest) and intact."""
+    kept = []
+    for source in (load_manifest(prep.out_dir) or {}, _read_json(prep.out_dir / STATE_NAME)):
+        if source.get("inputs_fingerprint") != fp:
+            continue
+        for name, digest in (source.get("files") or source.get("shards") or {}).items():
+            path = prep.out_dir / name
+            if name not in kept and matches(path, digest):
+                kept.append(name)
+    return sorted(kept)
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        value = json.loads(path.read_text())
+    except (FileNotFoundError, json.JSONDecodeError):
+        return {}
+    return value if isinstance(value, dict) else {}
+
+
+def estimated_seconds(prep: Prepared, todo: Sequence[ShardPlan], write_bytes: int) -> float:
+    """A pessimistic duration of the run (preflight.estimate_seconds), for the window's guard."""
+    weights = sum(w["size"] for w in prep.target.identity["weights"])
+    text = prep.target.config.get("text_config") or prep.target.config
+    stored = str(text.get("dtype") or text.get("torch_dtype") or prep.target.config.get("dtype")
+                 or prep.target.config.get("torch_dtype") or "bfloat16")
+    itemsize = 4 if stored == "float32" else 2
+    samples = prep.records[:: max(1, len(prep.records) // max(prep.req["parity_samples"], 1))]
+    parity_tokens = sum(r.num_tokens for r in samples[: prep.req["parity_samples"]])
+    return preflight.estimate_seconds(
+        prep.device.type, weights, itemsize, max(prep.layer_ids) + 1, prep.target.num_layers,
+        sum(s.num_tokens for s in todo), sum(len(s.batches) for s in todo), parity_tokens, write_bytes)
 
 
 def run(request: dict[str, Any]) -> dict[str, Any]:
@@ -1129,8 +1193,7 @@ def run(request: dict[str, Any]) -> dict[str, Any]:
     force_torch = backend_plan(prep, modeling)
     prep.out_dir.mkdir(parents=True, exist_ok=True)
     state = ResumeState.open(prep.out_dir, fp, [s.name for s in prep.shards])
-    todo_tokens = sum(s.num_tokens for s in prep.shards if s.name not in state.shards)
-    disk_check(prep, todo_tokens)
+    disk_check(prep, [s for s in prep.shards if s.name not in state.shards])
     progress_log = Path(prep.req["progress_log"] or prep.out_dir / "progress.log")
     devices = plan_for(prep)
     if devices.mode != "single":

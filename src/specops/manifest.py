@@ -78,14 +78,35 @@ def load_manifest(directory: str | os.PathLike[str]) -> dict[str, Any] | None:
 
 def is_up_to_date(directory: str | os.PathLike[str], inputs_fingerprint: str) -> bool:
     """True when the directory holds a complete output made from exactly these inputs."""
+    return staleness(directory, inputs_fingerprint) is None
+
+
+def staleness(directory: str | os.PathLike[str], inputs_fingerprint: str) -> str | None:
+    """Why the directory's output cannot be reused (None: it can): the files are checked by content."""
     manifest = load_manifest(directory)
-    if not manifest or manifest.get("inputs_fingerprint") != inputs_fingerprint:
-        return False
-    for name, digest in manifest.get("files", {}).items():
+    if not manifest:
+        return f"{Path(directory) / MANIFEST_NAME} does not exist or is not JSON"
+    if manifest.get("inputs_fingerprint") != inputs_fingerprint:
+        return "it was made from other inputs"
+    return first_damaged_file(directory, manifest.get("files", {}))
+
+
+def first_damaged_file(directory: str | os.PathLike[str], files: dict[str, Any]) -> str | None:
+    """The first file that is missing or whose sha256 differs from the manifest's, said in words."""
+    for name, digest in sorted(files.items()):
         path = Path(directory) / name
-        if not path.is_file() or path.stat().st_size != digest.get("size"):
-            return False
-    return True
+        if not path.is_file():
+            return f"{path} is missing"
+        if not matches(path, digest):
+            return f"{path} does not match the sha256 its manifest records (damaged or edited)"
+    return None
+
+
+def matches(path: str | os.PathLike[str], digest: dict[str, Any]) -> bool:
+    """The file exists with the recorded size and sha256 (size first: cheap, and tells most apart)."""
+    path = Path(path)
+    return (path.is_file() and path.stat().st_size == digest.get("size")
+            and sha256_file(path) == digest.get("sha256"))
 
 
 def write_manifest(

@@ -31,14 +31,15 @@ def serve(stage: str, plan: Handler, run: Handler, argv: list[str] | None = None
     try:
         raw = sys.stdin.read() if args.request == "-" else open(args.request).read()
         request = json.loads(raw or "{}")
+    except json.JSONDecodeError as error:
+        print(json.dumps({"failed": True, "msg": f"{stage}: the request is not JSON: {error}"}))
+        return 2
+    try:
         if not isinstance(request, dict):
             raise StageError("the request must be a JSON object")
         result = (plan if args.plan else run)(request)
     except StageError as error:
         print(json.dumps({"failed": True, "msg": f"{stage}: {error}"}))
-        return 2
-    except json.JSONDecodeError as error:
-        print(json.dumps({"failed": True, "msg": f"{stage}: the request is not JSON: {error}"}))
         return 2
     except Exception:  # a crash: keep the traceback for the module to show
         traceback.print_exc()

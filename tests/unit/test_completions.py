@@ -190,6 +190,47 @@ def test_plan_says_what_would_change_and_writes_nothing(server, fixture_models, 
     assert completions.plan({**request, "max_new_tokens": MAX_NEW_TOKENS + 1})["changed"] is True
 
 
+def test_an_edited_token_id_of_the_same_size_is_named_and_a_rerun_restores_it(server, fixture_models,
+                                                                              tmp_path):
+    out = tmp_path / "out"
+    request = make_request(fixture_models, out, server.url,
+                           prompts=str(small_prompts(fixture_models, tmp_path / "p.jsonl", 2)))
+    completions.run(request)
+    path = out / completions.OUTPUT_NAME
+    fetched = path.read_bytes()
+    lines = fetched.decode().splitlines(keepends=True)
+    record = json.loads(lines[1])
+    token = record["output_ids"][0]
+    record["output_ids"][0] = token - token % 10 + (token + 1) % 10  # another last digit: the same size
+    lines[1] = json.dumps(record, sort_keys=True) + "\n"
+    path.write_text("".join(lines))
+    assert path.stat().st_size == len(fetched)
+    planned = completions.plan(request)
+    assert planned["changed"] is True
+    assert f"{path} line 2 (id {record['id']!r}) is damaged or edited" in planned["reason"]
+    repaired = completions.run(request)
+    assert repaired["generated"] == 1
+    now = path.read_text().splitlines(keepends=True)
+    assert now[0] == fetched.decode().splitlines(keepends=True)[0]  # the intact record is kept as it was
+    assert tokens_of(now) == tokens_of(fetched.decode().splitlines())
+
+
+def tokens_of(lines):
+    return [(json.loads(line)["prompt_ids"], json.loads(line)["output_ids"]) for line in lines]
+
+
+def test_a_garbled_line_is_refetched_by_a_rerun(server, fixture_models, tmp_path):
+    out = tmp_path / "out"
+    request = make_request(fixture_models, out, server.url,
+                           prompts=str(small_prompts(fixture_models, tmp_path / "p.jsonl", 2)))
+    completions.run(request)
+    path = out / completions.OUTPUT_NAME
+    fetched = path.read_bytes()
+    path.write_bytes(fetched.replace(b"{", b"#", 1))
+    assert completions.run(request)["changed"] is True
+    assert tokens_of(path.read_text().splitlines()) == tokens_of(fetched.decode().splitlines())
+
+
 def test_an_interrupted_run_resumes_where_it_stopped(server, fixture_models, expected, tmp_path):
     out = tmp_path / "out"
     request = make_request(fixture_models, out, server.url, concurrency=1)
@@ -263,6 +304,16 @@ def test_malformed_prompts_are_refused_with_the_line_and_the_problem(
     with pytest.raises(StageError) as error:
         completions.plan(request)
     assert f"{prompts}{problem}" in str(error.value)
+
+
+def test_a_json_error_reads_as_one_sentence(fixture_models, tmp_path):
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"id": "a", "prompt": "unterminated')
+    request = make_request(fixture_models, tmp_path / "out", "http://127.0.0.1:9", prompts=str(prompts))
+    with pytest.raises(StageError) as error:
+        completions.plan(request)
+    assert "(Unterminated string starting at column 23)" in str(error.value)
+    assert "at at" not in str(error.value)
 
 
 def test_every_malformed_line_is_reported_at_once(tmp_path):

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from specops import extract
+from specops import extract, preflight
 from specops.backend import BackendMonitor, implementation_of, planned_backends
 from specops.hidden_states import HiddenStatesError, open_hidden_states
 from specops.stage import StageError
@@ -337,9 +337,10 @@ def test_malformed_completions_name_the_line(fixture_models, completions, tmp_pa
 
 
 def test_not_enough_disk_space_fails_before_loading(fixture_models, completions, tmp_path, monkeypatch):
-    monkeypatch.setattr(extract.shutil, "disk_usage", lambda path: types.SimpleNamespace(free=1000))
+    monkeypatch.setattr(preflight.shutil, "disk_usage", lambda path: types.SimpleNamespace(free=1000))
     monkeypatch.setattr(extract, "load_model", lambda prep: pytest.fail("the model was loaded"))
-    run_fails(request(fixture_models, completions, tmp_path), r"not enough disk space .* GiB are free")
+    run_fails(request(fixture_models, completions, tmp_path), r"not enough disk space .* KiB, 1000 bytes are "
+                                                              r"free")
 
 
 def test_disk_full_while_writing_leaves_no_partial_shard(fixture_models, completions, tmp_path, monkeypatch):

@@ -37,10 +37,29 @@ def run_stage(module, python, stage, request, plan=None, extra_env=None):
     if rc == 2 and isinstance(result, dict) and result.get("failed"):
         module.fail_json(msg=result.get("msg", "%s failed" % stage), stderr_tail=err[-4000:])
     if rc != 0 or not isinstance(result, dict):
-        module.fail_json(
-            msg="specops.%s crashed (exit %s); the end of its error output follows" % (stage, rc),
-            cmd=cmd,
-            stderr_tail=err[-4000:],
-            stdout_tail=out[-2000:],
-        )
+        module.fail_json(msg=crash_message(stage, rc, err), cmd=cmd, stderr_tail=err[-4000:],
+                         stderr_lines=error_lines(err), stdout_tail=out[-2000:])
     return result
+
+
+# Playbooks show the last of `stderr_lines` after `msg` (what ansible.builtin.command returns too).
+CRASH_LINES = 40
+
+
+def error_lines(err):
+    """The last non-blank lines of a crashed stage's error output; the exception comes last."""
+    return [line for line in err.splitlines() if line.strip()][-CRASH_LINES:]
+
+
+def crash_message(stage, rc, err):
+    """Say how the stage ended; the error output's last line (the exception) follows in stderr_lines."""
+    if rc is not None and rc < 0:
+        how = ("specops.%s was killed by signal %d (exit %d), by the out-of-memory killer or an operator; "
+               "a rerun resumes from what it finished" % (stage, -rc, rc))
+    elif rc == 0:
+        how = "specops.%s crashed (exit 0) without a JSON result on stdout (see stdout_tail)" % stage
+    else:
+        how = "specops.%s crashed (exit %s)" % (stage, rc)
+    if not error_lines(err):
+        return how + "; it wrote no error output"
+    return how + "; the end of its error output follows:"

@@ -125,6 +125,10 @@ options:
   progress_log:
     description: Progress log (tokens done / total, tokens per second); default O(out_dir)/progress.log.
     type: path
+  disk_reserve_bytes:
+    description: Bytes that must stay free on the output's file system once the planned shards are written.
+    type: int
+    default: 0
 attributes:
   check_mode:
     support: full
@@ -215,6 +219,20 @@ parallel:
     - In check mode, the choice the devices' total memory would give; the run decides on free memory.
   returned: always
   type: dict
+reason:
+  description: Why the output cannot be reused (other inputs, or which file is missing or damaged).
+  returned: in check mode, when an extraction is needed
+  type: str
+estimated_bytes:
+  description: Bytes the shards still to write will take on disk.
+  returned: in check mode, when an extraction is needed
+  type: int
+estimated_seconds:
+  description:
+    - A pessimistic duration of the extraction (start, model load, forwards, writes), to size the
+      window's guard; V(0.0) when nothing is to extract.
+  returned: in check mode
+  type: float
 """
 
 from ansible.module_utils.basic import AnsibleModule
@@ -223,7 +241,7 @@ from ansible_collections.specops.drafter.plugins.module_utils.stage_runner impor
 REQUEST_KEYS = (
     "target", "completions", "out_dir", "drafter", "layer_ids", "capture_offsets", "dtype", "device",
     "devices", "parallel", "require_backend", "parity_samples", "parity_tolerance", "batch_tokens", "shard_tokens",
-    "writer_threads", "fsync", "progress_log",
+    "writer_threads", "fsync", "progress_log", "disk_reserve_bytes",
 )
 
 
@@ -263,6 +281,7 @@ def main():
             writer_threads=dict(type="int", default=4),
             fsync=dict(type="bool", default=True),
             progress_log=dict(type="path"),
+            disk_reserve_bytes=dict(type="int", default=0),
         ),
         required_one_of=[("drafter", "layer_ids")],
         supports_check_mode=True,

@@ -182,6 +182,16 @@ finish_reasons:
   returned: always
   type: dict
   sample: {"length": 80, "stop": 20}
+reason:
+  description: Why the output could not be reused (other inputs, a missing file, or a damaged one).
+  returned: when completions were fetched, or in check mode when they would be
+  type: str
+damaged:
+  description: The lines of an earlier output of the same inputs that no longer match their sha256, with ids;
+    only those records are fetched again.
+  returned: when completions were fetched
+  type: list
+  elements: str
 """
 
 from ansible.module_utils.basic import AnsibleModule

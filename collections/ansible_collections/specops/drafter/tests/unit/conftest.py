@@ -67,6 +67,9 @@ FAKE_STAGE = textwrap.dedent(
     if behave == "crash":
         sys.stderr.write("Traceback (most recent call last):\\nZeroDivisionError: division by zero\\n")
         sys.exit(1)
+    if behave == "killed":
+        import signal
+        os.kill(os.getpid(), signal.SIGKILL)
     if behave == "no_json":
         print("not a JSON object")
         sys.exit(0)

@@ -10,7 +10,7 @@ import pytest
 
 from ansible.module_utils.basic import AnsibleModule
 from ansible.module_utils.testing import patch_module_args
-from ansible_collections.specops.drafter.plugins.module_utils.stage_runner import run_stage
+from ansible_collections.specops.drafter.plugins.module_utils.stage_runner import crash_message, run_stage
 from ansible_collections.specops.drafter.tests.unit.helpers import AnsibleFailJson
 
 
@@ -70,6 +70,25 @@ def test_a_crash_fails_naming_the_stage_and_exit_code_with_the_traceback(make_mo
         run_stage(make_module(), fake_python, "extract", {"behave": "crash"})
     assert failure.value.result["msg"].startswith("specops.extract crashed (exit 1)")
     assert "ZeroDivisionError" in failure.value.result["stderr_tail"]
+
+
+def test_a_crash_returns_its_error_output_as_stderr_lines_ending_with_the_exception(make_module, fake_python):
+    # Playbooks append the last of stderr_lines to msg, as for ansible.builtin.command.
+    with pytest.raises(AnsibleFailJson) as failure:
+        run_stage(make_module(), fake_python, "extract", {"behave": "crash"})
+    assert failure.value.result["msg"].endswith("the end of its error output follows:")
+    assert failure.value.result["stderr_lines"][-1] == "ZeroDivisionError: division by zero"
+
+
+def test_a_killed_stage_is_said_to_be_killed_not_to_have_crashed(make_module, fake_python):
+    with pytest.raises(AnsibleFailJson) as failure:
+        run_stage(make_module(), fake_python, "extract", {"behave": "killed"})
+    assert failure.value.result["msg"].startswith("specops.extract was killed by signal 9 (exit -9)")
+    assert failure.value.result["stderr_lines"] == ["progress: extract --run"]
+
+
+def test_a_crash_without_error_output_says_so_instead_of_promising_it():
+    assert crash_message("extract", 1, "  \n").endswith("; it wrote no error output")
 
 
 def test_success_without_a_json_result_counts_as_a_crash(make_module, fake_python):

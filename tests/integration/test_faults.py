@@ -1,0 +1,180 @@
+"""Faults injected into eval.yml on the local default (docs/faults.md): each ends with the service answering,
+the data intact or repaired, and a message that names the stage and the cause."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def serving(local_default):
+    """The server up, for faults the play refuses before the window (no evaluation needed first)."""
+    started = local_default.play("service.yml", sglang_service_state="started")
+    assert started.rc == 0, started.output[-4000:]
+    return local_default
+
+
+@pytest.fixture(scope="module")
+def refused_run_dir(serving) -> str:
+    """One run directory for the refused runs: the completions are fetched once, nothing else is written."""
+    return str(serving.work_dir / "run-refused")
+
+
+@pytest.fixture(scope="module")
+def served(local_default):
+    """A finished evaluation in the site's run directory (a no-op when another module already made it)."""
+    result = local_default.play("eval.yml")
+    assert result.rc == 0, result.output[-6000:]
+    return local_default
+
+
+def said(result) -> str:
+    """The play's output as one line: long messages are folded when printed."""
+    return " ".join(result.output.split()).replace("''", "'")  # YAML doubles quotes inside quotes
+
+
+def copy_drafter(site, tmp_path, **dflash) -> Path:
+    drafter = tmp_path / "drafter"
+    shutil.copytree(site.models_dir / "drafter", drafter)
+    config = json.loads((drafter / "config.json").read_text())
+    for key, value in dflash.items():
+        (config["dflash_config"] if key == "mask_token_id" else config)[key] = value
+    (drafter / "config.json").write_text(json.dumps(config))
+    return drafter
+
+
+def assert_refused_before_the_window(site, result, pid_before, *causes):
+    assert result.rc != 0
+    assert "specops stage 'extract' failed" in said(result), result.output[-4000:]
+    for cause in causes:
+        assert cause in said(result), result.output[-4000:]
+    assert "(the service was not taken down)" in said(result)
+    assert site.server_pid() == pid_before  # the window stops the server: a new process afterwards
+    assert site.health_generate_status() == 200
+
+
+def test_a_mask_token_out_of_range_is_refused_before_the_window(serving, refused_run_dir, tmp_path):
+    drafter = copy_drafter(serving, tmp_path, mask_token_id=10**6)
+    pid = serving.server_pid()
+    result = serving.play("eval.yml", specops_run_dir=refused_run_dir, specops_drafter=str(drafter))
+    assert_refused_before_the_window(serving, result, pid, f"{drafter}/config.json",
+                                     "mask_token_id 1000000 is out of range")
+
+
+def test_a_drafter_for_another_vocabulary_is_refused_before_the_window(serving, refused_run_dir, tmp_path):
+    drafter = copy_drafter(serving, tmp_path, vocab_size=123457)
+    pid = serving.server_pid()
+    result = serving.play("eval.yml", specops_run_dir=refused_run_dir, specops_drafter=str(drafter))
+    assert_refused_before_the_window(serving, result, pid, "vocab_size 123457 differs from the target's")
+
+
+def test_a_garbled_drafter_config_is_named_before_the_window(serving, refused_run_dir, tmp_path):
+    drafter = copy_drafter(serving, tmp_path)
+    (drafter / "config.json").write_text('{"dflash_config": {')
+    pid = serving.server_pid()
+    result = serving.play("eval.yml", specops_run_dir=refused_run_dir, specops_drafter=str(drafter))
+    assert_refused_before_the_window(serving, result, pid,
+                                     f"drafter config {drafter}/config.json is not valid JSON")
+    assert "the request is not JSON" not in said(result)
+
+
+def test_require_fla_where_the_extraction_lacks_it_is_refused_before_the_window(serving, refused_run_dir):
+    pid = serving.server_pid()
+    result = serving.play("eval.yml", specops_run_dir=refused_run_dir,
+                         extract_hidden_states_require_backend="fla")
+    assert_refused_before_the_window(serving, result, pid, "require_backend is fla")
+
+
+def test_too_little_disk_is_refused_before_the_window_with_the_figures(serving, refused_run_dir, tmp_path):
+    # The reserve makes the output's file system too small for the shards, whatever its real size.
+    free = shutil.disk_usage(tmp_path).free
+    pid = serving.server_pid()
+    result = serving.play("eval.yml", specops_run_dir=refused_run_dir,
+                         extract_hidden_states_disk_reserve_bytes=free)
+    assert_refused_before_the_window(serving, result, pid, "not enough disk space")
+    assert re.search(r"the hidden states need \d+\.\d\d [KM]iB", said(result)), result.output[-3000:]
+
+
+def test_a_dead_man_shorter_than_the_extraction_is_refused_before_the_window(serving, refused_run_dir):
+    pid = serving.server_pid()
+    result = serving.play("eval.yml", specops_run_dir=refused_run_dir, sglang_service_max_downtime=5)
+    assert_refused_before_the_window(serving, result, pid, "the dead-man would restart the server after 5 s")
+
+
+def test_a_second_run_on_a_locked_run_directory_fails_at_once_naming_the_holder(serving, tmp_path):
+    run_dir = tmp_path / "run"
+    lock = run_dir / ".specops.lock"
+    # The first run's lock, taken as eval.yml takes it.
+    holder = subprocess.run(
+        [str(Path(sys.executable).parent / "ansible"), "localhost", "-m", "specops.drafter.run_lock", "-a",
+         json.dumps({"path": str(lock), "owner": {"playbook": "the first run"}})],
+        cwd=REPO, capture_output=True, text=True, timeout=300,
+        env={**os.environ, "ANSIBLE_CONFIG": str(REPO / "ansible.cfg"), "ANSIBLE_LOCALHOST_WARNING": "false"})
+    assert holder.returncode == 0, holder.stdout + holder.stderr
+    recorded = json.loads(lock.read_text())
+    try:
+        pid = serving.server_pid()
+        result = serving.play("eval.yml", specops_run_dir=str(run_dir))
+        assert result.rc != 0
+        assert "specops stage 'lock' failed" in said(result)
+        holder = f"pid {recorded['pid']} on host {recorded['host']} since {recorded['started']}"
+        assert holder in said(result)
+        assert "playbook the first run" in said(result)
+        assert "(the service was not taken down)" in said(result)
+        assert serving.server_pid() == pid and serving.health_generate_status() == 200
+        assert sorted(p.name for p in run_dir.iterdir()) == [".specops.lock"]  # nothing else was touched
+    finally:
+        os.kill(recorded["pid"], signal.SIGTERM)
+
+
+def test_completions_refetched_with_the_same_tokens_keep_the_service_up(served):
+    # Without its manifest the prefetch fetches everything again: other latencies and request ids.
+    completions = served.run_dir / "completions"
+    before = (completions / "completions.jsonl").read_bytes()
+    (completions / "manifest.json").unlink()
+    pid = served.server_pid()
+    result = served.play("eval.yml")
+    assert result.rc == 0, result.output[-6000:]
+    assert (completions / "completions.jsonl").read_bytes() != before
+    assert served.server_pid() == pid and served.health_generate_status() == 200
+
+
+def test_an_edited_token_id_is_refetched_and_the_report_rebuilt_on_the_fetched_tokens(served):
+    path = served.run_dir / "completions" / "completions.jsonl"
+    lines = path.read_text().splitlines(keepends=True)
+    fetched = json.loads(lines[0])
+    record = dict(fetched)
+    token = record["output_ids"][0]
+    record["output_ids"] = [token - token % 10 + (token + 1) % 10, *record["output_ids"][1:]]
+    lines[0] = json.dumps(record, sort_keys=True) + "\n"
+    path.write_text("".join(lines))
+    pid = served.server_pid()
+    result = served.play("eval.yml")
+    assert result.rc == 0, result.output[-6000:]
+    assert f"{path} line 1 (id {fetched['id']!r}) is damaged or edited" in said(result)
+    assert json.loads(path.read_text().splitlines()[0])["output_ids"] == fetched["output_ids"]
+    assert served.server_pid() == pid and served.health_generate_status() == 200
+
+
+def test_a_flipped_shard_byte_is_named_and_the_shard_redone(served):
+    shard = served.run_dir / "hidden_states" / "shard-00000.safetensors"
+    original = shard.read_bytes()
+    damaged = bytearray(original)
+    damaged[-1] ^= 0x01
+    shard.write_bytes(bytes(damaged))
+    result = served.play("eval.yml")
+    assert result.rc == 0, result.output[-6000:]
+    assert f"{shard} does not match the sha256" in said(result)
+    assert shard.read_bytes() == original
+    assert served.health_generate_status() == 200
