@@ -500,73 +500,66 @@ def port_of(url):
 
 
 def our_server(args):
-    """(root pid or None, why it is not running or None, log tail source, log tail reader)."""
+    """(root pid or None, why it will not become ready or None, where its log is, log tail reader)."""
     if args.unit:
         props = unit_show(args.unit)
         state, main = props.get("ActiveState", "unknown"), int(props.get("MainPID") or 0)
+        source = f"journalctl -u {args.unit}"
         if state in ("failed", "inactive") or (state == "active" and main == 0):
-            return (
-                None,
-                "unit {} is {} ({}, result {})".format(
-                    args.unit, state, props.get("SubState", "?"), props.get("Result", "?")
-                ),
-                lambda: journal(args.unit),
+            gone = "unit {} is {} ({}, result {})".format(
+                args.unit, state, props.get("SubState", "?"), props.get("Result", "?")
             )
-        return (main or None), None, lambda: journal(args.unit)
+            return None, gone, source, lambda: journal(args.unit)
+        return (main or None), None, source, lambda: journal(args.unit)
     spec = load_spec(args.spec)
     pid = running_pid(spec)
-    if pid is None:
-        return (
-            None,
-            "our server process (pid file {}) has exited".format(spec["pid_file"]),
-            lambda: tail(spec["log_file"]),
-        )
-    return pid, None, lambda: tail(spec["log_file"])
+    gone = None if pid else "our server process (pid file {}) has exited".format(spec["pid_file"])
+    return pid, gone, spec["log_file"], lambda: tail(spec["log_file"])
+
+
+def foreign_listener(port, pid):
+    """A process that is not ours listening on the port, or None (unknown owners are not foreign)."""
+    owners = socket_owners(listeners(port))
+    strangers = sorted(owners - set(tree(pid)))
+    return strangers[0] if strangers and owners == set(strangers) else None
 
 
 def ready(spec, args):
+    """Poll /health_generate until 200 from OUR server; fail at once when it cannot come."""
     started = time.monotonic()
     deadline = started + args.timeout
     port = port_of(args.url)
-    last = None
+    answered = 0
     while True:
-        pid, gone, log = our_server(args)
+        pid, gone, source, log = our_server(args)
         if gone:
             raise ProcessError(
-                f"{gone}: not ready after {time.monotonic() - started:.0f} s and it will not become "
-                f"ready. Last {LOG_LINES} lines of its log:\n{log()}"
+                f"{gone}: it will not become ready (waited {time.monotonic() - started:.0f} s). "
+                f"Last {LOG_LINES} lines of the server's log ({source}):\n{log()}"
             )
-        if pid:
-            owners = socket_owners(listeners(port))
-            ours = set(tree(pid))
-            strangers = sorted(owners - ours)
-            if strangers and not owners & ours:
-                raise ProcessError(
-                    "port {} is held by pid {} ({}), not by our server (pid {}): stop that process or "
-                    "move our server to a free port (sglang_service_port). Our log:\n{}".format(
-                        port, strangers[0], cmdline(strangers[0]) or "?", pid, log()
-                    )
-                )
-        last = http(args.url.rstrip("/") + "/health_generate", timeout=args.health_timeout)
-        if last[0] == 200 and pid:
+        stranger = foreign_listener(port, pid) if pid else None
+        if stranger:
+            raise ProcessError(
+                f"port {port} is held by pid {stranger} ({cmdline(stranger) or '?'}), not by our server "
+                f"(pid {pid}): an answer there is not ours. Stop that process or move the server "
+                f"(sglang_service_port). Last lines of the server's log ({source}):\n{log()}"
+            )
+        status_code, _ = http(args.url.rstrip("/") + "/health_generate", timeout=args.health_timeout)
+        answered += status_code != -1
+        if status_code == 200 and pid:
             return {
                 "changed": False,
                 "ready": True,
                 "seconds": round(time.monotonic() - started, 2),
                 "pid": pid,
             }
-        if time.monotonic() >= deadline:
+        if time.monotonic() >= deadline or (args.health_tries and answered >= args.health_tries):
+            refused = " (connection refused or timed out)" if status_code == -1 else ""
             raise ProcessError(
-                "not ready at {} within {:.0f} s (sglang_service_ready_timeout): /health_generate last "
-                "answered "
-                "{}{}. Last {} lines of the server's log:\n{}".format(
-                    args.url,
-                    args.timeout,
-                    last[0],
-                    " (connection refused or timed out)" if last[0] == -1 else "",
-                    LOG_LINES,
-                    log(),
-                )
+                f"not ready at {args.url} after {time.monotonic() - started:.0f} s and {answered} answers "
+                f"(sglang_service_ready_timeout, sglang_service_ready_retries): /health_generate last "
+                f"answered {status_code}{refused}. Last {LOG_LINES} lines of the server's log "
+                f"({source}):\n{log()}"
             )
         time.sleep(args.delay)
 
@@ -838,6 +831,9 @@ def build_parser():
     )
     parser.add_argument("--delay", type=float, default=1.0, help="seconds between readiness or flush polls")
     parser.add_argument("--health-timeout", type=float, default=30.0, help="seconds one HTTP call may take")
+    parser.add_argument(
+        "--health-tries", type=int, default=0, help="ready: give up after this many answers that are not 200"
+    )
     parser.add_argument("--after", type=float, default=3600.0, help="guard: fire after this many seconds")
     parser.add_argument(
         "--grace",
