@@ -46,6 +46,7 @@ def test_ctrl_c_inside_the_window_brings_the_service_back(own_local_default, tmp
         [str(ANSIBLE_PLAYBOOK), str(playbook), "-e", json.dumps(extra)], cwd=REPO,
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         env={**os.environ, "ANSIBLE_CONFIG": str(REPO / "ansible.cfg")},
+        start_new_session=True,  # a terminal of its own: Ctrl-C reaches its whole process group
     )
     output = ""
     try:
@@ -55,11 +56,11 @@ def test_ctrl_c_inside_the_window_brings_the_service_back(own_local_default, tmp
                 break
         time.sleep(3)
         assert site.health_generate_status() == -1, "the window must have stopped the service"
-        play.send_signal(signal.SIGINT)  # Ctrl-C: rescue/always never run
+        os.killpg(play.pid, signal.SIGINT)  # Ctrl-C: rescue/always never run
         output += play.communicate(timeout=60)[0]
     finally:
         if play.poll() is None:
-            play.kill()
+            os.killpg(play.pid, signal.SIGKILL)
             play.wait()
 
     deadline = time.monotonic() + 180
