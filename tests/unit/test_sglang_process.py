@@ -191,6 +191,37 @@ def test_guard_at_max_downtime_stops_the_windows_work_before_it_starts_the_serve
             work.wait()
 
 
+def test_detached_work_does_not_hold_the_guard_and_is_stopped_when_it_fires(site_factory):
+    # An async job (or a task orphaned by Ctrl-C) carries the token but hangs below PID 1: the
+    # play no longer drives it, so it must neither delay the guard nor outlive it.
+    site = site_factory([sys.executable, "-c", SLEEPER])
+    detach = "import os, time; os.fork() and os._exit(0); print(os.getpid(), flush=True); time.sleep(300)"
+    spawner = subprocess.Popen(
+        [sys.executable, "-c", detach],
+        env={**os.environ, "SPECOPS_WINDOW_TOKEN": "tok-async"},
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    orphan = int(spawner.stdout.readline())
+    spawner.wait(10)
+    spawner.stdout.close()
+    try:
+        site.run("arm", "--after", "600", "--grace", "1", "--work-token", "tok-async", "--action", "start")
+
+        assert wait_for(lambda: site.pid() is not None, 30), site.log.read_text()
+        assert wait_for(lambda: not Path(f"/proc/{orphan}").exists() or _state(orphan) == "Z", 15)
+    finally:
+        if Path(f"/proc/{orphan}").exists():
+            os.kill(orphan, signal.SIGKILL)
+
+
+def _state(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return "gone"
+
+
 def test_disarmed_guard_never_acts(site_factory):
     site = site_factory([sys.executable, "-c", SLEEPER])
     site.run("arm", "--after", "1", "--action", "start")

@@ -32,10 +32,11 @@ both call it and only the first one resumes. SGLang's scheduler dies on a second
 Window guard: `arm` writes a cookie (<pid_file>.deadman) holding a random token and starts a
 detached guard with the same token. The guard exits quietly once the cookie is gone or holds
 another token. It fires when the cookie is still its own after --after seconds, or earlier when
---work-token is given and no process carrying SPECOPS_WINDOW_TOKEN=<token> in its environment (the
-play's tasks in the window, the extraction) has been seen for --grace seconds: the play was
-interrupted (Ctrl-C, lost control node) without disarming. Firing stops the window's remaining
-work first (SIGTERM, then SIGKILL), then starts the server (action start), runs
+--work-token is given and the play has not driven the window's work for --grace seconds: no process
+carrying SPECOPS_WINDOW_TOKEN=<token> in its environment hung below a live process outside that work
+(an Ansible worker, an ssh session); detached work (an async job, a task orphaned by Ctrl-C) does not
+count. The play was interrupted (Ctrl-C, lost control node) without disarming. Firing stops the
+window's remaining work first (SIGTERM, then SIGKILL), then starts the server (action start), runs
 `systemctl start <unit>` (action unit) or resumes it (action resume).
 """
 
@@ -235,6 +236,30 @@ def carries_token(pid, token):
 def work_processes(token):
     me = os.getpid()
     return [pid for pid in all_pids() if pid != me and not is_zombie(pid) and carries_token(pid, token)]
+
+
+def comm(pid):
+    try:
+        with open(f"/proc/{pid}/comm") as handle:
+            return handle.read().strip()
+    except OSError:
+        return ""
+
+
+def attended(token):
+    """Whether the play still drives the window: a process of the window's work hangs below a live
+    process that is not part of it (an Ansible worker, an ssh session). Work that was detached (an
+    async job, or a task orphaned by Ctrl-C) hangs below PID 1 or a systemd subreaper instead."""
+    table = parents()
+    carriers = set(work_processes(token))
+    for pid in carriers:
+        top = pid
+        while table.get(top) in carriers:
+            top = table[top]
+        parent = table.get(top, 1)
+        if parent > 1 and comm(parent) not in ("systemd", "init"):
+            return True
+    return False
 
 
 # --- the server process ------------------------------------------------------------------------
@@ -751,7 +776,7 @@ def guard(spec, args):
         if not cookie_is(spec, args.token):
             return {"changed": False, "msg": "disarmed"}
         if args.work_token:
-            if work_processes(args.work_token):
+            if attended(args.work_token):
                 last_work = time.monotonic()
             elif time.monotonic() - last_work >= args.grace:
                 reason = f"the window's work is gone and the play did not disarm within {args.grace:.0f} s"
