@@ -40,8 +40,9 @@ def test_ctrl_c_inside_the_window_brings_the_service_back(own_local_default, tmp
     playbook = tmp_path / "window.yml"
     playbook.write_text(WINDOW)
     token = f"guard-test-{os.getpid()}"
-    extra = site.extra_vars(sglang_service_work_token=token, sglang_service_guard_grace=5,
-                            sglang_service_max_downtime=3600)
+    # specops_root: the inventory derives it from the playbook's directory, here a temporary one.
+    extra = site.extra_vars(specops_root=str(REPO), sglang_service_work_token=token,
+                            sglang_service_guard_grace=5, sglang_service_max_downtime=3600)
     play = subprocess.Popen(
         [str(ANSIBLE_PLAYBOOK), str(playbook), "-e", json.dumps(extra)], cwd=REPO,
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
