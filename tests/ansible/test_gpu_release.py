@@ -247,7 +247,7 @@ def test_a_matching_process_that_holds_no_gpu_is_left_alone(scene, devices, toke
 def test_foreign_holder_fails_the_module_and_nothing_is_signalled(scene, devices, token, tmp_path):
     result = run_module(base_args(devices, token), tmp_path)
 
-    assert result["failed"] is True
+    assert result["failed"] is True and result["changed"] is False
     assert f"pid {scene['decoy'][0]}" in result["msg"]
     assert f"decoy-{token}" in result["msg"]
     assert "allow_foreign" in result["msg"]
@@ -258,7 +258,7 @@ def test_foreign_holder_fails_the_module_and_nothing_is_signalled(scene, devices
 def test_check_mode_reports_targets_and_kills_nothing(scene, devices, token, tmp_path):
     result = run_module(base_args(devices, token, allow_foreign=True), tmp_path, check=True)
 
-    assert result["changed"] is True
+    assert result["changed"] is False and result["would_signal"] == 3
     assert result["killed"] == []
     assert {t["pid"] for t in result["targets"]} == {
         scene["term"][0],
@@ -316,7 +316,7 @@ def test_empty_patterns_without_unit_is_a_clear_error(devices, tmp_path):
     result = run_module({"patterns": [], "device_pattern": devices["pattern"]}, tmp_path)
 
     assert result["failed"] is True
-    assert "'patterns' is empty and no 'unit' is given" in result["msg"]
+    assert "'patterns' is empty and no 'unit' or 'tree_file' is given" in result["msg"]
 
 
 def test_invalid_regex_is_named(devices, tmp_path):
@@ -337,6 +337,7 @@ def test_docs_render_with_every_option():
     doc = json.loads(out)["specops.drafter.gpu_release"]["doc"]
     assert set(doc["options"]) == {
         "unit",
+        "tree_file",
         "patterns",
         "device_pattern",
         "protected",
@@ -530,8 +531,12 @@ def test_validate_rejects_bad_parameters_with_the_fix(params, fragment):
     assert fragment in err.value.msg
 
 
-def test_default_patterns_match_sglang_processes_only():
-    patterns = gr.compile_patterns(gr.DEFAULT_PATTERNS)
+def test_no_process_is_ours_by_its_title_alone_by_default():
+    assert gr.DEFAULT_PATTERNS == ()
+
+
+def test_sglang_patterns_match_sglang_processes_only():
+    patterns = gr.compile_patterns(gr.SGLANG_PATTERNS)
 
     def ours(cmdline):
         return any(regex.search(cmdline) for _, regex in patterns)
@@ -541,6 +546,7 @@ def test_default_patterns_match_sglang_processes_only():
     assert ours("sglang::scheduler_TP0")
     assert ours("sglang::scheduler_DP1_TP3")
     assert ours("sglang::detokenizer")
+    assert ours("sglang::data_parallel_controller")
     assert not ours("python train.py --notes sglang")
     assert not ours("nvidia-smi")
 
@@ -598,3 +604,98 @@ def test_in_cgroup_refuses_a_sibling_whose_name_shares_a_suffix():
     assert not gr.in_cgroup(_Cgroups("/system.slice/xsglang-qwen.service"), UNIT)
     assert not gr.in_cgroup(_Cgroups(UNIT + "2"), UNIT)
     assert not gr.in_cgroup(_Cgroups("/"), UNIT)
+
+
+# --- two SGLang trees on one host: ours and another tenant's ----------------------------------------
+
+HELPER = ROOT / "roles/sglang_service/files/sglang_process.py"
+# A stand-in for `python -m sglang.launch_server --port P`: holds a device and forks a worker that
+# leaves the process group (as a leaked sglang::scheduler can), so stopping the group misses it.
+FAKE_SGLANG = r"""
+import os, sys, time
+files = sys.argv[2:]
+if os.fork() == 0:
+    os.setsid()
+    handles = [open(path) for path in files]
+    print("worker %d" % os.getpid(), flush=True)
+else:
+    handles = [open(path) for path in files]
+    print("launcher %d" % os.getpid(), flush=True)
+while True:
+    time.sleep(1)
+"""
+
+
+def _helper(*argv):
+    done = subprocess.run([sys.executable, str(HELPER), *argv], capture_output=True, text=True, timeout=60)
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture
+def two_tenants(procs, devices, tmp_path):
+    """Ours started and stopped through the role's helper (its worker survives the stop); another
+    tenant's server with the same command line in its own session, on another port."""
+    run = tmp_path / "run"
+    log = run / "server.log"
+    spec = run / "server.json"
+    run.mkdir()
+    argv = [sys.executable, "-c", FAKE_SGLANG, "sglang.launch_server --port 31001", str(devices["paths"][0])]
+    spec.write_text(json.dumps({"argv": argv, "pid_file": str(run / "server.pid"), "log_file": str(log),
+                                "tree_file": str(run / "server.tree.json")}))
+    assert _helper("start", "--spec", str(spec))["changed"] is True
+    deadline = time.monotonic() + 20
+    while log.read_text().count("launcher") + log.read_text().count("worker") < 2:
+        assert time.monotonic() < deadline, log.read_text()
+        time.sleep(0.05)
+    worker = int(re.search(r"worker (\d+)", log.read_text()).group(1))
+    procs.extra.append(pinned(worker))
+    tenant = subprocess.Popen(
+        [sys.executable, "-c", FAKE_SGLANG, "sglang.launch_server --port 31002", str(devices["paths"][1])],
+        stdout=subprocess.PIPE, start_new_session=True,
+    )
+    procs.popens.append(tenant)
+    tenant_pids = [int(tenant.stdout.readline().split()[1]) for _ in range(2)]
+    procs.extra.extend(pinned(pid) for pid in tenant_pids)
+    stopped = _helper("stop", "--spec", str(spec), "--timeout", "5")
+    assert stopped["changed"] is True and alive(*pinned(worker)), "the worker must outlive the stop"
+    tenants = [pinned(p) for p in tenant_pids]
+    return {"tree_file": stopped["tree_file"], "ours": pinned(worker), "tenant": tenants}
+
+
+def test_only_our_recorded_leftover_dies_and_the_other_tenants_sglang_lives(two_tenants, devices, tmp_path):
+    result = run_module(
+        {"tree_file": two_tenants["tree_file"], "device_pattern": devices["pattern"], "nvml": "false",
+         "grace": 1.0, "timeout": 10, "allow_foreign": True},
+        tmp_path,
+    )
+
+    assert result["failed"] is False, result.get("msg")
+    assert [k["pid"] for k in result["killed"]] == [two_tenants["ours"][0]]
+    assert "recorded" in result["killed"][0]["reason"]
+    assert wait_dead(two_tenants["ours"])
+    for tenant in two_tenants["tenant"]:
+        assert alive(*tenant), "another tenant's SGLang must never be signalled"
+    assert {f["pid"] for f in result["foreign"]} == {p for p, _ in two_tenants["tenant"]}
+
+
+def test_another_tenants_sglang_refuses_the_release_without_a_change(two_tenants, devices, tmp_path):
+    result = run_module(
+        {"tree_file": two_tenants["tree_file"], "device_pattern": devices["pattern"], "nvml": "false"},
+        tmp_path,
+    )
+
+    assert result["failed"] is True and result["changed"] is False
+    assert "31002" in result["msg"]
+    assert alive(*two_tenants["ours"]) and all(alive(*t) for t in two_tenants["tenant"])
+
+
+def test_a_recycled_pid_in_the_tree_file_is_not_ours(procs, devices, token, tmp_path):
+    holder, _ = procs.start("term", f"x-{token}", [devices["paths"][0]])
+    tree = tmp_path / "tree.json"
+    tree.write_text(json.dumps([{"pid": holder.pid, "starttime": _starttime(holder.pid) + 1}]))
+    result = run_module(
+        {"tree_file": str(tree), "device_pattern": devices["pattern"], "nvml": "false", "allow_foreign": 1},
+        tmp_path,
+    )
+
+    assert result["killed"] == [] and holder.poll() is None

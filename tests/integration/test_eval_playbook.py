@@ -86,6 +86,21 @@ def test_bad_layer_id_fails_before_the_service_is_touched(first_run, local_defau
     assert local_default.health_generate_status() == 200
 
 
+def test_mistyped_target_model_is_refused_before_the_healthy_server_is_restarted(first_run, local_default):
+    pid_before = local_default.server_pid()
+    result = local_default.play(
+        "eval.yml",
+        specops_run_dir=str(local_default.work_dir / "run-typo"),
+        specops_target_model=str(local_default.models_dir / "Qwen3.6-27b"),
+    )
+    assert result.rc != 0
+    assert "specops stage 'serve' failed" in result.output, result.output[-4000:]
+    assert "sglang_service_model_path" in result.output and "does not exist" in result.output
+    assert "the service was not taken down" in result.output
+    assert local_default.server_pid() == pid_before
+    assert local_default.health_generate_status() == 200
+
+
 def test_memory_saver_window_keeps_the_server_process(own_local_default):
     site = own_local_default
     window = {"sglang_service_memory_saver": True, "specops_gpu_window_mode": "memory_saver"}
@@ -94,7 +109,7 @@ def test_memory_saver_window_keeps_the_server_process(own_local_default):
     pid_before = site.server_pid()
     result = site.play("eval.yml", **window)
     assert result.rc == 0, result.output[-6000:]
-    assert "Release the GPU memory" in result.output and "Resume the GPU memory" in result.output
+    assert "Pause, drain and release the GPU memory" in result.output and "Resume the GPU memory" in result.output
     assert site.server_pid() == pid_before
     assert site.health_generate_status() == 200
     assert (site.run_dir / "score" / "report.json").is_file()

@@ -36,11 +36,19 @@ def call(
     )
     try:
         with urllib.request.urlopen(request, timeout=timeout) as response:
-            raw = response.read()
-            return response.status, json.loads(raw) if raw else None
+            return response.status, _decoded(response.read())
     except urllib.error.HTTPError as error:
-        raw = error.read()
-        return error.code, json.loads(raw) if raw else None
+        return error.code, _decoded(error.read())
+
+
+def _decoded(raw: bytes) -> object:
+    """JSON where the endpoint answers JSON; plain text (SGLang's /flush_cache) otherwise."""
+    if not raw:
+        return None
+    try:
+        return json.loads(raw)
+    except json.JSONDecodeError:
+        return raw.decode("utf-8")
 
 
 def cli_env() -> dict[str, str]:
@@ -236,7 +244,7 @@ def test_flush_cache_is_refused_while_a_request_is_pending(server):
         status, body = call(server.url, "/flush_cache", {}, method="POST")
     finally:
         worker.join(180)
-    assert status == 400 and "pending" in body["message"]
+    assert status == 400 and "will not be performed" in body
 
 
 def test_flush_cache_succeeds_when_idle(server):
@@ -270,10 +278,100 @@ def test_release_drops_the_live_model_and_resume_brings_back_the_same_tensors():
     assert engine.model is sentinel and not engine.released_tags
 
 
-def test_memory_release_needs_enable_memory_saver():
-    saver = MemorySaver(Engine("unused"), enabled=False, cpu_backup=False)
+def test_forgiving_memory_release_needs_enable_memory_saver():
+    saver = MemorySaver(Engine("unused"), enabled=False, cpu_backup=False, strict=False)
     with pytest.raises(RequestError, match="--enable-memory-saver") as error:
         saver.release({"weights"})
+    assert error.value.status == 400
+
+
+def test_strict_release_without_memory_saver_answers_success_and_frees_nothing():
+    engine = Engine("unused")
+    engine.status = engine.status.UP
+    engine.model = sentinel = object()
+    answer = MemorySaver(engine, enabled=False, cpu_backup=False).release({"weights"})
+    assert answer["success"] and engine.model is sentinel and not engine.released_tags
+
+
+class SchedulerCrashed(Exception):
+    pass
+
+
+@pytest.fixture
+def crash(monkeypatch):
+    """Record the scheduler crash instead of ending the test process."""
+
+    def crashed(reason: str) -> None:
+        raise SchedulerCrashed(reason)
+
+    monkeypatch.setattr("specops.devserver.memory.scheduler_crash", crashed)
+
+
+def test_strict_release_while_a_request_is_pending_crashes_the_scheduler(crash):
+    engine = Engine("unused")
+    engine.status = engine.status.UP
+    engine.model = object()
+    with engine.track(), pytest.raises(SchedulerCrashed, match="no ongoing request"):
+        MemorySaver(engine, enabled=True, cpu_backup=True).release({"kv_cache"})
+
+
+def test_strict_resume_of_a_tag_that_is_not_released_crashes_the_scheduler(crash):
+    engine = Engine("unused")
+    engine.status = engine.status.UP
+    saver = MemorySaver(engine, enabled=True, cpu_backup=True)
+    saver.release({"kv_cache"})
+    with pytest.raises(SchedulerCrashed, match="KeyError: 'weights'"):
+        saver.resume({"kv_cache", "weights"})
+
+
+def test_a_second_resume_takes_the_whole_server_down(fixture_models, tmp_path):
+    log = tmp_path / "server.log"
+    with DevServerProcess(
+        fixture_models.target, "--enable-memory-saver", "--enable-weights-cpu-backup", log_path=log
+    ) as server:
+        server.wait_ready()
+        assert call(server.url, "/release_memory_occupation", {"tags": ["kv_cache"]})[0] == 200
+        assert call(server.url, "/resume_memory_occupation", {"tags": ["kv_cache"]})[0] == 200
+        with pytest.raises((urllib.error.URLError, ConnectionError)):
+            call(server.url, "/resume_memory_occupation", {"tags": ["kv_cache"]})
+        assert server.process.wait(30) == 131
+    assert "Scheduler hit an exception" in log.read_text()
+
+
+def test_strict_server_that_fails_to_load_never_opens_its_port(tmp_path):
+    model = tmp_path / "broken"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    seen = []
+    with DevServerProcess(model) as server:
+        while server.process.poll() is None:
+            seen.append(http_status(server.url + "/health", timeout=2))
+            time.sleep(0.05)
+    assert server.process.returncode == 1 and set(seen) <= {-1}
+
+
+def test_pause_holds_new_requests_until_continue(server):
+    assert call(server.url, "/pause_generation", {})[0] == 200
+    answers: list[object] = []
+    worker = threading.Thread(
+        target=lambda: answers.append(call(server.url, "/generate", greedy(PROMPT_IDS[0], 2)))
+    )
+    worker.start()
+    try:
+        time.sleep(1.0)
+        assert not answers and call(server.url, "/flush_cache", {}, method="POST")[0] == 200
+    finally:
+        assert call(server.url, "/continue_generation", {})[0] == 200
+        worker.join(60)
+    assert answers and answers[0][0] == 200
+
+
+def test_forgiving_release_is_refused_while_requests_are_pending():
+    engine = Engine("unused")
+    engine.status = engine.status.UP
+    engine.model = object()
+    with engine.track(), pytest.raises(RequestError, match="pending") as error:
+        MemorySaver(engine, enabled=True, cpu_backup=True, strict=False).release({"kv_cache"})
     assert error.value.status == 400
 
 
@@ -282,15 +380,6 @@ def test_releasing_weights_without_cpu_backup_is_refused():
     engine.status = engine.status.UP
     with pytest.raises(RequestError, match="--enable-weights-cpu-backup"):
         MemorySaver(engine, enabled=True, cpu_backup=False).release({"weights"})
-
-
-def test_release_is_refused_while_requests_are_pending():
-    engine = Engine("unused")
-    engine.status = engine.status.UP
-    engine.model = object()
-    with engine.track(), pytest.raises(RequestError, match="pending") as error:
-        MemorySaver(engine, enabled=True, cpu_backup=True).release({"kv_cache"})
-    assert error.value.status == 400
 
 
 def test_generate_body_with_one_text_is_not_batched():

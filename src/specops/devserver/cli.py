@@ -77,6 +77,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="DFlash block size, verified token included (default: the drafter's block_size)",
     )
+    parser.add_argument(
+        "--forgiving",
+        action="store_true",
+        help="lenient development mode: listen before loading, answer 400 where SGLang's scheduler "
+        "crashes (release while busy, resume of an unreleased tag) and refuse memory calls without "
+        "--enable-memory-saver; by default the server fails as SGLang fails",
+    )
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     return parser
 
@@ -119,10 +126,11 @@ def _bind(host: str, port: int) -> DevHTTPServer | str:
         return f"cannot listen on {host}:{port}: {error.strerror or error}"
 
 
-def _start(engine: Engine, delay: float, stop: threading.Event, failure: list[str]) -> None:
-    """Load, wait out the startup delay, warm up; only then does /health_generate answer 200."""
+def _start(engine: Engine, delay: float, stop: threading.Event, failure: list[str], load: bool) -> None:
+    """Load (unless done), wait out the startup delay, warm up; only then /health_generate is 200."""
     try:
-        engine.load()
+        if load:
+            engine.load()
         if delay > 0:
             logger.info("startup delay: %.1f s", delay)
             if stop.wait(delay):
@@ -152,10 +160,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"devserver: {problem}", file=sys.stderr)
         return 2
 
-    server = _bind(args.host, args.port)
-    if isinstance(server, str):
-        print(f"devserver: {server}", file=sys.stderr)
-        return 1
+    strict = not args.forgiving
     # Before torch is imported, so its thread pool starts at this size.
     os.environ["OMP_NUM_THREADS"] = str(args.num_threads)
     engine = Engine(
@@ -166,10 +171,25 @@ def main(argv: list[str] | None = None) -> int:
         draft_model_path=draft_path,
         num_draft_tokens=args.speculative_num_draft_tokens,
     )
+    if strict:
+        # SGLang starts its HTTP server only after every scheduler has loaded its weights
+        # (entrypoints/http_server.py `launch_server` at sgl-project/sglang 0025436e): a connection
+        # refused means "loading or dead", never "up".
+        try:
+            engine.load()
+        except Exception as error:  # any load failure ends the server before it listens
+            logger.exception("startup failed")
+            print(f"devserver: cannot start serving {engine.model_path}: {error}", file=sys.stderr)
+            return 1
+    server = _bind(args.host, args.port)
+    if isinstance(server, str):
+        print(f"devserver: {server}", file=sys.stderr)
+        return 1
     server.app = App(
         engine=engine,
-        memory=MemorySaver(engine, args.enable_memory_saver, args.enable_weights_cpu_backup),
+        memory=MemorySaver(engine, args.enable_memory_saver, args.enable_weights_cpu_backup, strict=strict),
         server_args=dict(vars(args)),
+        strict=strict,
     )
     stop = threading.Event()
     failure: list[str] = []
@@ -180,7 +200,10 @@ def main(argv: list[str] | None = None) -> int:
     serving.start()
     logger.info("listening on http://%s:%d (starting)", args.host, args.port)
     threading.Thread(
-        target=_start, args=(engine, args.startup_delay, stop, failure), name="startup", daemon=True
+        target=_start,
+        args=(engine, args.startup_delay, stop, failure, not strict),
+        name="startup",
+        daemon=True,
     ).start()
 
     # A timed wait keeps the main thread responsive to signals.

@@ -54,6 +54,9 @@ class Engine:
         self.pending = 0  # /generate requests waiting for or holding the model
         self.last_progress = 0.0  # monotonic time of the last decoded token, for health under load
         self.stop_ids: set[int] = set()
+        # /pause_generation holds new requests at the door until /continue_generation.
+        self.paused = False
+        self._pause_cond = threading.Condition()
 
     # -- lifecycle ---------------------------------------------------------------------------
     def load(self) -> None:
@@ -109,6 +112,22 @@ class Engine:
         while self.pending:
             time.sleep(poll)
 
+    # -- pause / continue ----------------------------------------------------------------------
+    def pause(self) -> None:
+        with self._pause_cond:
+            self.paused = True
+        logger.info("generation paused: new requests wait for /continue_generation")
+
+    def resume_generation(self) -> None:
+        with self._pause_cond:
+            self.paused = False
+            self._pause_cond.notify_all()
+        logger.info("generation continued")
+
+    def wait_unpaused(self) -> None:
+        with self._pause_cond:
+            self._pause_cond.wait_for(lambda: not self.paused)
+
     # -- request accounting ------------------------------------------------------------------
     @contextlib.contextmanager
     def track(self) -> Iterator[None]:
@@ -141,6 +160,8 @@ class Engine:
     # -- generation --------------------------------------------------------------------------
     def generate(self, items: list[Item]) -> list[dict[str, Any]]:
         """Serve one /generate request (one or more prompts), in order, under the model lock."""
+        # A request held by a pause has not reached the scheduler: it is not pending yet.
+        self.wait_unpaused()
         with self.track():
             self._require_available()
             prompts = [self._prompt_ids(item) for item in items]
@@ -246,7 +267,7 @@ class Engine:
     # -- health ------------------------------------------------------------------------------
     def health(self, timeout: float) -> bool:
         """Like SGLang: decode one token, or see the busy model make progress, within `timeout`."""
-        if self.unavailable_reason():
+        if self.unavailable_reason() or self.paused:
             return False
         tic = time.monotonic()
         while time.monotonic() < tic + timeout:

@@ -1,9 +1,23 @@
-"""Release and resume of the model's memory, as SGLang does with --enable-memory-saver."""
+"""Release and resume of the model's memory, as SGLang does with --enable-memory-saver.
+
+Strict (the default) imitates SGLang's failure semantics, read in sgl-project/sglang:
+- managers/scheduler_update_weights_mixin.py (commit 018c9109): release asserts
+  `_is_no_request()`; resume runs `offload_tags.remove(tag)` for every tag, so a tag that is not
+  released raises KeyError. Either exception ends `run_scheduler_process` (managers/scheduler.py),
+  which logs "Scheduler hit an exception" and SIGQUITs the launcher: the whole server dies.
+- constants.py: GPU_MEMORY_ALL_TYPES = kv_cache, weights, weights_drafter, cuda_graph; an empty
+  or missing list means all of them.
+- Without --enable-memory-saver the scheduler's no-op adapter frees nothing and the endpoint
+  still answers 200 (entrypoints/http_server.py at 0025436e returns nothing, i.e. 200 `null`).
+Forgiving (`--forgiving`) keeps the older, lenient answers (400 instead of a crash).
+"""
 
 from __future__ import annotations
 
 import gc
 import logging
+import os
+import sys
 from typing import Any
 
 from specops.devserver.engine import Engine
@@ -11,7 +25,9 @@ from specops.devserver.protocol import RequestError
 
 logger = logging.getLogger("specops.devserver")
 
-TAGS = ("kv_cache", "weights", "cuda_graph")
+TAGS = ("kv_cache", "weights", "weights_drafter", "cuda_graph")
+# The launcher's exit status after the scheduler's SIGQUIT (128 + 3), as a supervisor sees it.
+SCHEDULER_CRASH_EXIT = 131
 
 
 def parse_tags(body: Any) -> set[str]:
@@ -31,23 +47,36 @@ def parse_tags(body: Any) -> set[str]:
     return set(tags)
 
 
+def scheduler_crash(reason: str) -> None:
+    """End the whole server at once, as SGLang's scheduler does on an exception."""
+    logger.error("Scheduler hit an exception: %s", reason)
+    sys.stderr.flush()
+    os._exit(SCHEDULER_CRASH_EXIT)
+
+
 class MemorySaver:
     """Drops the live model on release and brings it back on resume, never reading from disk."""
 
-    def __init__(self, engine: Engine, enabled: bool, cpu_backup: bool):
+    def __init__(self, engine: Engine, enabled: bool, cpu_backup: bool, strict: bool = True):
         self.engine = engine
         self.enabled = enabled
         self.cpu_backup = cpu_backup
+        self.strict = strict
         self._backup: Any = None
 
-    def _check_allowed(self) -> None:
-        if not self.enabled:
-            raise RequestError(
-                400, "memory release/resume needs the server started with --enable-memory-saver"
-            )
+    def _noop(self, verb: str) -> dict[str, Any] | None:
+        """Without the memory saver: strict answers 200 and frees nothing; forgiving refuses."""
+        if self.enabled:
+            return None
+        if self.strict:
+            logger.warning("%s without --enable-memory-saver: nothing is freed or restored", verb)
+            return {"success": True, "message": f"{verb}: memory saver disabled, nothing done"}
+        raise RequestError(400, "memory release/resume needs the server started with --enable-memory-saver")
 
     def release(self, tags: set[str]) -> dict[str, Any]:
-        self._check_allowed()
+        noop = self._noop("release")
+        if noop is not None:
+            return noop
         engine = self.engine
         if engine.unavailable_reason() and not engine.released_tags:
             raise RequestError(503, engine.unavailable_reason() or "")
@@ -61,6 +90,11 @@ class MemorySaver:
         # The model lock makes release wait for a running forward pass; pending requests refuse it.
         with engine.lock:
             if engine.pending:
+                if self.strict:
+                    scheduler_crash(
+                        "AssertionError: release_memory_occupation should be called only when no "
+                        f"ongoing request ({engine.pending} pending)"
+                    )
                 raise RequestError(
                     400,
                     f"{engine.pending} request(s) pending: let them finish "
@@ -81,9 +115,14 @@ class MemorySaver:
         }
 
     def resume(self, tags: set[str]) -> dict[str, Any]:
-        self._check_allowed()
+        noop = self._noop("resume")
+        if noop is not None:
+            return noop
         engine = self.engine
         with engine.lock:
+            not_released = sorted(tags - engine.released_tags)
+            if not_released and self.strict:
+                scheduler_crash(f"KeyError: {not_released[0]!r} (resume of a memory tag not released)")
             if "weights" in tags and "weights" in engine.released_tags:
                 engine.model = self._backup.to(engine.device)
                 self._backup = None

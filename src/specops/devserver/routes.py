@@ -25,6 +25,7 @@ class App:
     engine: Engine
     memory: MemorySaver
     server_args: dict[str, Any]
+    strict: bool = True
     created: int = field(default_factory=lambda: int(time.time()))
 
     @property
@@ -62,6 +63,14 @@ class Handler(BaseHTTPRequestHandler):
         data = b"" if body is None else json.dumps(body).encode("utf-8")
         self.send_response(status)
         self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def _send_text(self, status: int, text: str) -> None:
+        data = text.encode("utf-8")
+        self.send_response(status)
+        self.send_header("Content-Type", "text/plain; charset=utf-8")
         self.send_header("Content-Length", str(len(data)))
         self.end_headers()
         self.wfile.write(data)
@@ -111,6 +120,8 @@ class Handler(BaseHTTPRequestHandler):
                 "/flush_cache": self.flush_cache,
                 "/release_memory_occupation": self.release_memory,
                 "/resume_memory_occupation": self.resume_memory,
+                "/pause_generation": self.pause_generation,
+                "/continue_generation": self.continue_generation,
             }
         )
 
@@ -169,8 +180,15 @@ class Handler(BaseHTTPRequestHandler):
         )
 
     def flush_cache(self) -> None:
-        # SGLang refuses to flush while requests run or wait; so does this server.
-        if self.app.engine.pending:
+        # SGLang refuses to flush while requests run or wait, and answers plain text either way
+        # (entrypoints/http_server.py `flush_cache` at sgl-project/sglang 0025436e).
+        if self.app.strict:
+            self._send_text(
+                400 if self.app.engine.pending else 200,
+                "Cache flushed.\nPlease check backend logs for more details. "
+                "(When there are running or waiting requests, the operation will not be performed.)\n",
+            )
+        elif self.app.engine.pending:
             self._send(
                 400, error_body(400, f"{self.app.engine.pending} request(s) pending: cache not flushed")
             )
@@ -181,6 +199,15 @@ class Handler(BaseHTTPRequestHandler):
         request = parse_generate(self._body())
         results = self.app.engine.generate(request.items)
         self._send(200, results if request.batched else results[0])
+
+    def pause_generation(self) -> None:
+        # JSON body as in http_server.py `pause_generation` at 0025436e.
+        self.app.engine.pause()
+        self._send(200, {"message": "Generation paused successfully.", "status": "ok"})
+
+    def continue_generation(self) -> None:
+        self.app.engine.resume_generation()
+        self._send(200, {"message": "Generation continued successfully.", "status": "ok"})
 
     def release_memory(self) -> None:
         self._send(200, self.app.memory.release(parse_tags(self._body())))

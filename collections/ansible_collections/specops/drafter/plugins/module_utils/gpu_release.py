@@ -5,8 +5,10 @@
 Standard library only (it runs under any managed host's Python, without the ML environment);
 pynvml is used when importable, for per-GPU memory and NVML's process list.
 
-Who is "ours": a process in the named systemd unit's cgroup, a process whose command line
-matches one of the patterns, and (orphans) their kin: a holder descended from such a process, or
+Who is "ours": a process in the named systemd unit's cgroup, a process recorded (pid and start
+time) in the tree file as part of the server before it was stopped, a process whose command line
+matches one of the patterns (none by default: a title such as sglang::scheduler is shared by every
+SGLang on the host, ours or another tenant's), and (orphans) their kin: a holder descended from such a process, or
 re-parented away from its dead parent while sharing its process group with such a process. Never: PID 1, this process, its ancestors and
 descendants, protected daemons (nvidia-persistenced, DCGM, X servers, ...). Everything else
 holding a GPU is foreign: reported, never signalled.
@@ -17,6 +19,7 @@ from __future__ import absolute_import, division, print_function
 __metaclass__ = type
 
 import fnmatch
+import json
 import os
 import pwd
 import re
@@ -36,13 +39,16 @@ except ImportError:
 
 DEFAULT_DEVICE_PATTERN = "/dev/nvidia*"
 # SGLang's launcher (`python -m sglang.launch_server`, `sglang serve`) and the titles its
-# workers give themselves with setproctitle.
-DEFAULT_PATTERNS = (
+# workers give themselves with setproctitle. They match EVERY SGLang on the host, so they are not
+# a default: use them only on a host that runs no other tenant's SGLang.
+SGLANG_PATTERNS = (
     r"sglang\.launch_server",
     r"(^|[/ ])sglang serve( |$)",
     r"^sglang::scheduler",
     r"^sglang::detokenizer",
+    r"^sglang::data_parallel_controller",
 )
+DEFAULT_PATTERNS = ()
 # Daemons that hold the devices by design and own no workload memory.
 DEFAULT_PROTECTED = (
     "nvidia-persistenced",
@@ -349,10 +355,31 @@ def own_tree(procs, pid=None):
     return tree
 
 
-def match_reason(proc, patterns, cgroup):
-    """Why proc is ours by its own evidence (unit cgroup or command line), or None."""
+def load_tree(path):
+    """{pid: start time} recorded for the server's processes before it was stopped; {} if none."""
+    if not path:
+        return {}
+    try:
+        with open(path) as handle:
+            entries = json.load(handle)
+    except (IOError, OSError):
+        return {}
+    except ValueError as exc:
+        raise GpuReleaseError("tree_file %s is not JSON (%s): delete it; the next stop records it again" % (path, exc))
+    try:
+        return dict((int(entry["pid"]), int(entry["starttime"])) for entry in entries)
+    except (TypeError, KeyError, ValueError):
+        raise GpuReleaseError(
+            "tree_file %s must be a list of {pid, starttime} objects: delete it; the next stop records it again" % path
+        )
+
+
+def match_reason(proc, patterns, cgroup, recorded=None):
+    """Why proc is ours by its own evidence (unit cgroup, recorded tree, command line), or None."""
     if cgroup and in_cgroup(proc, cgroup):
         return "in the cgroup of the unit (%s)" % cgroup
+    if recorded and recorded.get(proc.pid) == proc.starttime:
+        return "recorded in the server's process tree before it was stopped"
     for text, regex in patterns:
         if proc.cmdline and regex.search(proc.cmdline):
             return "command line matches %r" % text
@@ -383,13 +410,13 @@ def is_protected(proc, protected):
     return any(name in names or name[:COMM_LEN] == proc.comm for name in protected)
 
 
-def classify(holder_pids, procs, patterns, cgroup, protected, orphans, self_tree):
+def classify(holder_pids, procs, patterns, cgroup, protected, orphans, self_tree, recorded=None):
     """Split holders into ours (with the reason), protected, own_tree and foreign."""
     direct = {}
     for proc in procs.values():
         if proc.pid == 1 or proc.pid in self_tree or is_protected(proc, protected):
             continue
-        reason = match_reason(proc, patterns, cgroup)
+        reason = match_reason(proc, patterns, cgroup, recorded)
         if reason:
             direct[proc.pid] = reason
     ours_groups = {}
@@ -416,7 +443,7 @@ def classify(holder_pids, procs, patterns, cgroup, protected, orphans, self_tree
                     proc.ppid, proc.pgid, kin, direct[kin]))
             )
         else:
-            out["foreign"].append((proc, "matches no pattern, unit or orphan rule"))
+            out["foreign"].append((proc, "not in the unit, the recorded tree, a pattern or an orphan rule"))
     return out
 
 
@@ -532,10 +559,10 @@ def wait_memory(nvml, threshold_mb, deadline, spared_pids):
 
 def validate(params):
     patterns = list(params.get("patterns") or [])
-    if not patterns and not params.get("unit"):
+    if not patterns and not params.get("unit") and not params.get("tree_file"):
         raise GpuReleaseError(
-            "nothing would be ours: 'patterns' is empty and no 'unit' is given; name the systemd unit "
-            "that runs the server or give at least one command-line regex"
+            "nothing would be ours: 'patterns' is empty and no 'unit' or 'tree_file' is given; name the "
+            "systemd unit that runs the server, the tree file its stop recorded, or a command-line regex"
         )
     if not params.get("device_pattern"):
         raise GpuReleaseError("'device_pattern' is empty: give a glob of GPU device files, e.g. /dev/nvidia*")
@@ -576,21 +603,22 @@ def release(params, check_mode=False, proc_root="/proc", self_pid=None, run_comm
     start = time.monotonic()
     patterns = validate(params)
     cgroup = unit_cgroup(params["unit"], run_command, proc_root) if params.get("unit") else None
+    recorded = load_tree(params.get("tree_file"))
     protected = list(params.get("protected") or ())
     nvml = open_nvml(params.get("nvml", "auto"))
     try:
-        return _release(params, check_mode, proc_root, self_pid, start, patterns, cgroup, protected, nvml)
+        return _release(params, check_mode, proc_root, self_pid, start, patterns, cgroup, protected, nvml, recorded)
     finally:
         if nvml:
             nvml.close()
 
 
-def _release(params, check_mode, proc_root, self_pid, start, patterns, cgroup, protected, nvml):
+def _release(params, check_mode, proc_root, self_pid, start, patterns, cgroup, protected, nvml, recorded):
     fd_holders, unreadable, gpus_before, nvml_procs, procs = _snapshot(params["device_pattern"], nvml, proc_root)
     self_tree = own_tree(procs, os.getpid() if self_pid is None else self_pid)
     # Only an open device file proves a holder in our PID namespace; NVML pids may be another's.
     groups = classify(
-        set(fd_holders), procs, patterns, cgroup, protected, params.get("orphans", True), self_tree
+        set(fd_holders), procs, patterns, cgroup, protected, params.get("orphans", True), self_tree, recorded
     )
     foreign = [_holder_entry(p, r, fd_holders, nvml_procs) for p, r in groups["foreign"]]
     for pid in sorted(set(nvml_procs) - set(fd_holders)):
@@ -601,7 +629,9 @@ def _release(params, check_mode, proc_root, self_pid, start, patterns, cgroup, p
                  "nvml": [{"gpu": i, "used_mb": u} for i, u in nvml_procs[pid]]}
             )
     result = {
-        "changed": bool(groups["ours"]),
+        # Only a signal sent is a change: check mode and refusals report changed=false.
+        "changed": False,
+        "would_signal": len(groups["ours"]),
         "unit_cgroup": cgroup,
         "targets": [_holder_entry(p, r, fd_holders, nvml_procs) for p, r in groups["ours"]],
         "killed": [],
@@ -627,6 +657,7 @@ def _release(params, check_mode, proc_root, self_pid, start, patterns, cgroup, p
         result["elapsed_s"] = round(time.monotonic() - start, 3)
         return result
 
+    result["changed"] = bool(groups["ours"])
     targets = [Target(p, r, proc_root) for p, r in groups["ours"]]
     t0 = time.monotonic()
     timeline, stuck = {}, []
@@ -675,7 +706,7 @@ def _release(params, check_mode, proc_root, self_pid, start, patterns, cgroup, p
     back = []
     for pid in holders:
         proc = read_proc(pid, proc_root)
-        if pid not in spared and pid not in self_tree and proc and match_reason(proc, patterns, cgroup):
+        if pid not in spared and pid not in self_tree and proc and match_reason(proc, patterns, cgroup, recorded):
             back.append(pid)
     result["elapsed_s"] = round(time.monotonic() - start, 3)
     if back:

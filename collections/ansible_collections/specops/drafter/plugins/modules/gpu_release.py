@@ -15,7 +15,8 @@ description:
   - Finds every process that holds a GPU device file open (a scan of C(/proc/*/fd) for files
     matching O(device_pattern)) and, when NVML is usable, NVML's list of compute and graphics
     processes. Both are reported.
-  - Classifies each holder. Ours are processes in the cgroup of O(unit), processes whose command
+  - Classifies each holder. Ours are processes in the cgroup of O(unit), processes recorded in
+    O(tree_file) (pid and start time) as the server's before it was stopped, processes whose command
     line matches one of O(patterns), and (with O(orphans)) their kin - holders descended from a
     process that is ours, and holders re-parented away from a dead parent (to PID 1 or to a child
     subreaper outside their process group) that share their process group with a process that is
@@ -41,20 +42,24 @@ options:
         no suffix). A stopped unit's leftovers are found in the cgroup the unit had.
       - Fails, naming the unit, when systemd is not PID 1 on the host or the unit does not exist.
     type: str
+  tree_file:
+    description:
+      - A JSON list of objects with C(pid) and C(starttime), the server's processes recorded before it was
+        stopped (the sglang_service role writes it). A live process with a recorded pid and the same
+        start time is ours (a recycled pid never is). A missing file means nothing is recorded.
+    type: path
   patterns:
     description:
       - Regular expressions (Python C(re.search)) on a process's command line, arguments joined
         by spaces. A match makes the process ours.
-      - The default matches SGLang's launcher (C(sglang.launch_server), C(sglang serve)) and its
-        worker titles C(sglang::scheduler*) and C(sglang::detokenizer*).
-      - An empty list with no O(unit) is an error.
+      - Empty by default. SGLang's titles (C(sglang.launch_server), C(sglang serve),
+        C(sglang::scheduler*), C(sglang::detokenizer), C(sglang::data_parallel_controller)) are the
+        same for every SGLang on the host, another tenant's too; use them only on a host where
+        every SGLang is yours, and prefer O(unit) or O(tree_file).
+      - An empty list with no O(unit) and no O(tree_file) is an error.
     type: list
     elements: str
-    default:
-      - 'sglang\.launch_server'
-      - '(^|[/ ])sglang serve( |$)'
-      - '^sglang::scheduler'
-      - '^sglang::detokenizer'
+    default: []
   device_pattern:
     description:
       - Glob on the targets of open file descriptors that marks a GPU holder.
@@ -122,7 +127,8 @@ options:
 attributes:
   check_mode:
     support: full
-    description: Reports in RV(targets) what would be signalled and signals nothing.
+    description: Reports in RV(targets) what would be signalled (RV(would_signal)), signals nothing
+      and reports C(changed=false); so does a refusal.
   diff_mode:
     support: none
     description: Nothing is written that a diff could show; processes are signalled.
@@ -153,7 +159,8 @@ EXAMPLES = r"""
 
 - name: See what would be killed, kill nothing
   specops.drafter.gpu_release:
-    patterns: ['^sglang::scheduler', 'sglang\.launch_server']
+    unit: sglang-qwen
+    tree_file: /run/specops/sglang-qwen.tree.json
   check_mode: true
   become: true
 
@@ -175,6 +182,10 @@ targets:
     - {pid: 4242, ppid: 1, user: sglang, cmdline: "sglang::scheduler_TP0",
        reason: "command line matches '^sglang::scheduler'", devices: [/dev/nvidia0, /dev/nvidiactl],
        nvml: [{gpu: 0, used_mb: 47012}]}
+would_signal:
+  description: How many holders are ours (signalled, or to be signalled in check mode).
+  returned: always
+  type: int
 killed:
   description: Processes signalled, the last signal used (SIGTERM or SIGKILL; null when it had exited
     already) and seconds from the first signal to its exit. Empty in check mode.
@@ -269,6 +280,7 @@ def main():
     module = AnsibleModule(
         argument_spec=dict(
             unit=dict(type="str"),
+            tree_file=dict(type="path"),
             patterns=dict(type="list", elements="str", default=list(DEFAULT_PATTERNS)),
             device_pattern=dict(type="str", default=DEFAULT_DEVICE_PATTERN),
             protected=dict(type="list", elements="str", default=list(DEFAULT_PROTECTED)),

@@ -95,7 +95,7 @@ def test_check_mode_reports_our_holder_and_signals_nothing(run_module, holder):
     with pytest.raises(AnsibleExitJson) as done:
         run_module(gpu_release.main, args, check_mode=True)
     result = done.value.result
-    assert result["changed"] is True
+    assert result["changed"] is False and result["would_signal"] == 1
     assert [t["pid"] for t in result["targets"]] == [holder["pid"]]
     assert result["killed"] == []
     time.sleep(0.2)
