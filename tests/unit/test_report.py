@@ -7,6 +7,7 @@ import re
 
 import pytest
 
+from specops import plots
 from specops import report as rep
 
 BLOCK = 4
@@ -100,7 +101,7 @@ def test_warnings_list_only_warning_diagnostics(report):
 
 
 def test_unknown_diagnostic_status_is_refused():
-    with pytest.raises(ValueError, match="not one of ok, warning, skipped"):
+    with pytest.raises(ValueError, match="not one of ok, warning, inconclusive, skipped"):
         rep.build_report(RUN, scores({"a": [1]}), diagnostics=[diagnostic("backend", "bad")])
 
 
@@ -128,7 +129,7 @@ def test_markdown_has_one_table_row_per_prompt(report):
 
 
 def test_plots_are_written_as_png_files(report, tmp_path):
-    names = rep.render_plots(report, tmp_path)
+    names = plots.render_plots(report, tmp_path)
     assert names == list(rep.PLOT_FILES)
     for name in names:
         assert (tmp_path / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -137,5 +138,5 @@ def test_plots_are_written_as_png_files(report, tmp_path):
 
 def test_plots_are_written_without_reference_or_online_figures(tmp_path):
     report = rep.build_report(RUN, scores({"a": [1, 2], "b": [1]}))
-    rep.render_plots(report, tmp_path)
+    plots.render_plots(report, tmp_path)
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(rep.PLOT_FILES)
