@@ -350,6 +350,8 @@ def render_summary(summary: Mapping[str, Any], plot_dirs: Mapping[str, str],
 
     plot_dirs: drafter name -> its directory relative to report.md; plots: the summary's own PNGs.
     """
-    sections = [key for key in OPTIONAL_SECTIONS if summary.get(key)]
-    return _environment().get_template("report.md.j2").render(
+    env = _environment()
+    present = set(env.list_templates())
+    sections = [key for key in OPTIONAL_SECTIONS if summary.get(key) and f"sections/{key}.md.j2" in present]
+    return env.get_template("report.md.j2").render(
         summary=summary, plot_dirs=plot_dirs, plots=list(plots), sections=sections)

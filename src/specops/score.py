@@ -65,6 +65,8 @@ DRAFTERS_DIR = "drafters"
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 # dtype auto keeps float32 on a GPU while the head and drafters take at most this share of free memory.
 FLOAT32_MEMORY_SHARE = 0.25
+# Runs of the history the stage result (and so AWX) carries.
+TREND_RUNS = 20
 DEVICES = ("auto", "cpu", "cuda")
 # The target's files that identify it cheaply; its weights are tens of GB and the hidden-state
 # manifest already fingerprints the model they came from.
@@ -168,6 +170,8 @@ def parse_request(request: Mapping[str, Any]) -> Options:
     bad = [c for c in checks if c not in diag.DIAGNOSTICS]
     if bad:
         raise StageError(f"unknown diagnostics {bad}: choose from {', '.join(diag.DIAGNOSTICS)}")
+    hidden_states = _directory(request, "hidden_states", True, "manifest.json")
+    target = _directory(request, "target", True, "config.json")
     drafters = _drafter_list(request)
     server_drafter = request.get("server_drafter") or ""
     if server_drafter not in (*rep.SERVER_DRAFTERS, *drafter_names(drafters)):
@@ -181,8 +185,8 @@ def parse_request(request: Mapping[str, Any]) -> Options:
     if tolerance < 0:
         raise StageError(f"layer_offset_tolerance {tolerance} is negative: use a fraction such as 0.1")
     return Options(
-        hidden_states=_directory(request, "hidden_states", True, "manifest.json"),
-        target=_directory(request, "target", True, "config.json"),
+        hidden_states=hidden_states,
+        target=target,
         drafter=drafters,
         out_dir=Path(request["out_dir"]).expanduser(),
         completions=_directory(request, "completions", False, "manifest.json"),
@@ -242,6 +246,9 @@ def key_figures(report: Mapping[str, Any], out_dir: Path, changed: bool) -> dict
                      for row in report.get("comparison") or []],
         "expected_speedup": ((report.get("comparison") or [{}])[0]).get("expected_speedup"),
         "history_index": (report.get("history") or {}).get("index"),
+        # The trend AWX shows: tau per drafter over the last runs of the index.
+        "trend": [{"run_id": r["run_id"], "tau": r["tau"], "reference_tau": r.get("reference_tau")}
+                  for r in ((report.get("history") or {}).get("runs") or [])[-TREND_RUNS:]],
         "run_id": (report.get("history") or {}).get("run_id"),
         "out_dir": str(out_dir),
         "report_json": str(out_dir / REPORT_JSON),
