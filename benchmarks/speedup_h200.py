@@ -26,6 +26,7 @@ import datetime
 import json
 import platform
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -115,7 +116,12 @@ def main() -> int:
     parser.add_argument("--block", type=int, default=16, help="--speculative-num-draft-tokens")
     parser.add_argument("--accept", type=int, nargs="*", default=[1, 2, 4, 8, 16])
     parser.add_argument("--out", type=Path, default=Path(__file__).with_suffix(".json"))
+    parser.add_argument("--kernels", choices=("torch", "fla"), default="torch",
+                        help="gated_delta_rule kernels of the fixture target; fla's triton kernels tune "
+                             "themselves for every new length, and every verify here brings one")
     args = parser.parse_args()
+    if args.kernels == "torch":
+        sys.modules["fla"] = None  # type: ignore[assignment]  # transformers then picks its torch path
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -153,6 +159,7 @@ def main() -> int:
         "device": torch.cuda.get_device_name(0) if args.device.startswith("cuda") else platform.processor(),
         "torch": torch.__version__,
         "setup": {"models": "fixture target (Qwen3.5-style, float32) and a random DFlash drafter",
+                  "kernels": args.kernels,
                   "block": args.block, "tokens": args.tokens, "prompt_tokens": len(prompt)},
         "decode_step_s": decode_s,
         "estimated_costs": estimated,

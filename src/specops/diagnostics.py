@@ -271,6 +271,9 @@ def layer_offset_check(
 # A greedy draft decided by less than this many logits can flip between kernels and dtypes (bf16
 # rounding of logits of magnitude ~10-30 alone moves them by 0.06-0.125).
 NEAR_TIE_LOGITS = 0.5
+# A flipped draft changes one step and the walk after it, not a prompt's tau wholesale: a prompt whose
+# online tau is further than this fraction from the offline walk's is not a near-tie.
+NEAR_TIE_MAX_TAU_CHANGE = 0.2
 
 
 def online_agreement_check(comparison: Mapping[str, Any] | None, server_drafter: str,
@@ -282,8 +285,9 @@ def online_agreement_check(comparison: Mapping[str, Any] | None, server_drafter:
     it (report.online_from_offline), unless a greedy draft was a near-tie: across kernels and dtypes
     a draft whose logit margin is tiny can flip. margins: per differing prompt, the smallest logit
     margin that decided any of its drafts offline (specops.margins). Every differing prompt has
-    one below `near_tie` -> a near-tie (ok); any prompt without -> a configuration error (the server
-    ran another drafter, block size, target or sampling than the ones scored).
+    one below `near_tie` and an online tau within NEAR_TIE_MAX_TAU_CHANGE of the offline walk's -> a
+    near-tie (ok); any other -> a configuration error (the server ran another drafter, block size,
+    target or sampling than the ones scored).
     """
     if comparison is None:
         return finding(ONLINE_AGREEMENT, "skipped",
@@ -307,7 +311,10 @@ def online_agreement_check(comparison: Mapping[str, Any] | None, server_drafter:
     details["margins"] = {key: dict(value) for key, value in known.items()}
     details["near_tie_logits"] = near_tie
     if bad and len(known) == len(bad):
-        wide = [key for key, m in known.items() if m["closest"] is None or m["closest"] > near_tie]
+        change = {row["id"]: abs(row["online_tau"] - row["expected_tau"]) / max(row["expected_tau"], 1e-9)
+                  for row in bad}
+        wide = [key for key, m in known.items() if m["closest"] is None or m["closest"] > near_tie
+                or change[key] > NEAR_TIE_MAX_TAU_CHANGE]
         if not wide:
             smallest = min(m["closest"] for m in known.values())
             return finding(
@@ -318,8 +325,9 @@ def online_agreement_check(comparison: Mapping[str, Any] | None, server_drafter:
         return finding(
             ONLINE_AGREEMENT, "warning",
             f"{numbers}: {differ}; prompt{'s' if len(wide) != 1 else ''} {', '.join(map(str, wide[:5]))} "
-            f"had no draft within {near_tie} logits of flipping, so no near-tie explains it: a "
-            f"configuration error; {config_fix}", classification="configuration", **details)
+            f"had no draft within {near_tie} logits of flipping or differ by more than "
+            f"{NEAR_TIE_MAX_TAU_CHANGE:.0%} in tau, so no near-tie explains it: a configuration error; "
+            f"{config_fix}", classification="configuration", **details)
     return finding(
         ONLINE_AGREEMENT, "warning",
         f"{numbers}: they disagree ({differ}); under temperature 0 they must be equal up to near-ties, "

@@ -511,6 +511,7 @@ def run(request: dict[str, Any]) -> dict[str, Any]:
     try:
         scorer = Scorer(opts, device, dtype)
         reference_model, reference_scores = None, None
+        server_check: tuple[dict | None, dict | None] | None = None
         if opts.reference_drafter:
             log(f"score: scoring the reference {opts.reference_drafter} at target layers {reference_ids}")
             reference_model = scorer.load(opts.reference_drafter)
@@ -526,18 +527,14 @@ def run(request: dict[str, Any]) -> dict[str, Any]:
             findings = []
             if "layer_offset" in opts.diagnostics:
                 findings.append(_layer_offset(scorer, drafter, opts, captured, layer_ids, scores))
-            server_model, server_scores, server_ids = {
-                name: (drafter, scores, layer_ids),
-                "reference": (reference_model, reference_scores, reference_ids),
-            }.get(server_name, (None, None, None))
-            comparison = rep.online_comparison(online, server_scores, opts.server_drafter) \
-                if server_name in (name, "reference") else None
-            margins = None
-            if comparison and comparison["mismatched"]:
-                log(f"score: measuring the logit margins of {len(comparison['mismatched'])} prompts whose "
-                    "online and offline tau differ")
-                margins = scorer.margins(server_model, server_ids, server_scores,
-                                         [row["id"] for row in comparison["mismatched"]])
+            comparison, margins = None, None
+            if server_name == name:
+                comparison, margins = _online_check(scorer, online, opts, drafter, scores, layer_ids)
+            elif server_name == "reference":
+                if server_check is None:  # the reference's check is the same for every drafter
+                    server_check = _online_check(scorer, online, opts, reference_model, reference_scores,
+                                                 reference_ids)
+                comparison, margins = server_check
             run_info = {
                 "target": str(opts.target),
                 "drafter": str(path),
@@ -567,6 +564,19 @@ def run(request: dict[str, Any]) -> dict[str, Any]:
         raise StageError(str(error)) from error
 
     return _write(opts, inputs, inputs_fingerprint, reports)
+
+
+def _online_check(scorer: Scorer, online: Mapping[str, Any], opts: Options, model, scores: Mapping[str, Any],
+                  layer_ids: list[int] | None) -> tuple[dict | None, dict | None]:
+    """SGLang's online figures against the server drafter's offline walk, with the logit margins of the
+    prompts that differ (to tell a near-tie from a configuration error)."""
+    comparison = rep.online_comparison(online, scores, opts.server_drafter)
+    if not comparison or not comparison["mismatched"]:
+        return comparison, None
+    log(f"score: measuring the logit margins of {len(comparison['mismatched'])} prompts whose online and "
+        "offline tau differ")
+    differing = [row["id"] for row in comparison["mismatched"]]
+    return comparison, scorer.margins(model, layer_ids, scores, differing)
 
 
 def _config_findings(opts: Options, config: Mapping[str, Any], hidden_manifest: Mapping[str, Any],

@@ -227,3 +227,12 @@ def test_online_difference_without_a_near_tie_is_a_configuration_error():
 def test_online_difference_without_margins_says_it_could_not_tell():
     result = diag.online_agreement_check(comparison(["p1"]), "reference")
     assert result["status"] == "warning" and result["details"]["classification"] == "unmeasured"
+
+
+def test_online_difference_too_large_for_one_flip_is_a_configuration_error():
+    wide = comparison(["p1"])
+    wide["mismatched"][0]["online_tau"] = 8.0
+    margins = {"p1": {"closest": 0.01, "block_start": 30, "position": 3}}
+    result = diag.online_agreement_check(wide, "reference", margins=margins)
+    assert result["details"]["classification"] == "configuration"
+    assert "by more than 20% in tau" in result["message"]

@@ -25,6 +25,15 @@ HIDDEN, HEADS, KV_HEADS, HEAD_DIM, BLOCK, WINDOW = 32, 4, 2, 8, 4, 3
 START = 9  # the block's first position: its context (0..8) is longer than the window
 
 
+@pytest.fixture(autouse=True)
+def one_thread():
+    # Tiny models: extra threads only contend on a shared machine.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def build(layer_types: list[str], seed: int = 0) -> DFlashDrafter:
     config = Qwen3Config(
         hidden_size=HIDDEN, intermediate_size=64, num_hidden_layers=len(layer_types),

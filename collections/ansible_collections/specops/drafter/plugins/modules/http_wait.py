@@ -74,11 +74,10 @@ attempts:
 """
 
 import time
-
-from ansible.module_utils.six.moves.urllib.error import HTTPError
-from ansible.module_utils.urls import open_url
+from urllib.error import HTTPError
 
 from ansible.module_utils.basic import AnsibleModule
+from ansible.module_utils.urls import open_url
 
 
 def probe(url, timeout):
