@@ -381,7 +381,7 @@ def prepare(request: dict[str, Any]) -> Prepared:
     elif req["drafter"]:
         # Several drafters (checkpoints, rivals) share one window: capture the union of their layers.
         drafters = req["drafter"] if isinstance(req["drafter"], list) else [req["drafter"]]
-        target_ids = sorted({k for d in drafters for k in drafter_layer_ids(d, target.num_layers)})
+        target_ids = list(dict.fromkeys(k for d in drafters for k in drafter_layer_ids(d, target.num_layers)))
     else:
         raise StageError("no layer ids: give drafter (its dflash_config.target_layer_ids are used) or "
                          "layer_ids")
