@@ -26,6 +26,25 @@ def test_eval_writes_a_report_with_tau_per_prompt_and_overall(first_run, local_d
     assert "tau" in markdown.lower() and ".png" in markdown
 
 
+def test_a_successful_run_prints_no_failure_looking_retry_lines(first_run):
+    assert "FAILED - RETRYING" not in first_run.output
+
+
+def test_the_scoring_run_is_kept_and_appended_to_the_history(first_run, local_default):
+    history = local_default.work_dir / "history"
+    runs = [json.loads(line) for line in (history / "index.jsonl").read_text().splitlines()]
+    assert runs and (history / runs[-1]["run_id"] / "report.md").is_file()
+
+
+def test_tags_score_rescores_without_touching_the_service(first_run, local_default):
+    pid_before = local_default.server_pid()
+    result = local_default.play("eval.yml", args=("--tags", "score"), score_drafter_force=True)
+    assert result.rc == 0, result.output[-6000:]
+    assert "Score the drafter on the extracted hidden states" in result.output
+    assert "sglang_service" not in result.output and "Extract the target" not in result.output
+    assert local_default.server_pid() == pid_before
+
+
 def test_eval_leaves_the_service_ready(first_run, local_default):
     assert local_default.health_generate_status() == 200
 
