@@ -109,6 +109,23 @@ def speculative(speculator, model, prompt: list[int], reference: list[int], acce
     }
 
 
+def summary(args: argparse.Namespace, prompt_tokens: int, decode_s: float, estimated: dict,
+            rows: list[dict]) -> dict:
+    return {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "device": torch.cuda.get_device_name(0) if args.device.startswith("cuda") else platform.processor(),
+        "torch": torch.__version__,
+        "setup": {"models": "fixture target (Qwen3.5-style, float32) and a random DFlash drafter",
+                  "kernels": args.kernels, "block": args.block, "tokens": args.tokens,
+                  "prompt_tokens": prompt_tokens},
+        "decode_step_s": decode_s,
+        "estimated_costs": estimated,
+        "runs": rows,
+        "max_abs_predicted_error": max(abs(r["predicted_error"]) for r in rows),
+        "max_abs_estimated_error": max(abs(r["estimated_error"]) for r in rows),
+    }
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -154,19 +171,9 @@ def main() -> int:
                              "estimated_speedup": estimate, "estimated_error": estimate / measured - 1})
                 shown = {k: round(v, 4) if isinstance(v, float) else v for k, v in rows[-1].items()}
                 print(json.dumps(shown), flush=True)
-    result = {
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "device": torch.cuda.get_device_name(0) if args.device.startswith("cuda") else platform.processor(),
-        "torch": torch.__version__,
-        "setup": {"models": "fixture target (Qwen3.5-style, float32) and a random DFlash drafter",
-                  "kernels": args.kernels,
-                  "block": args.block, "tokens": args.tokens, "prompt_tokens": len(prompt)},
-        "decode_step_s": decode_s,
-        "estimated_costs": estimated,
-        "runs": rows,
-        "max_abs_predicted_error": max(abs(r["predicted_error"]) for r in rows),
-    }
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
+                # Written after every run, so a run cut short still leaves what it measured.
+                result = summary(args, len(prompt), decode_s, estimated, rows)
+                args.out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {args.out}")
     return 0
 
