@@ -335,7 +335,8 @@ def offline_acceptance(drafter: DFlashDrafter, head: TargetHead, sequences: Iter
 # ----------------------------------------------------------------------------------------------
 
 def _oracle_mask(attn, start: int, block_size: int, device: torch.device) -> torch.Tensor | None:
-    """Visibility [bs, start + bs] of keys 0..start+bs-1 to queries start..start+bs-1 (z-lab's rule)."""
+    """Visibility [bs, start + bs] of keys 0..start+bs-1 to queries start..start+bs-1 (SGLang's rule,
+    as DFlashAttention applies it)."""
     if not attn.is_causal and attn.sliding_window is None:
         return None
     query = torch.arange(start, start + block_size, device=device)[:, None]

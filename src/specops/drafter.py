@@ -78,7 +78,9 @@ class DFlashAttention(nn.Module):
         self.k_norm = Qwen3RMSNorm(self.head_dim, eps=config.rms_norm_eps)
         layer_type = (getattr(config, "layer_types", None) or ["full_attention"] * (layer_idx + 1))[layer_idx]
         is_causal = getattr(config, "is_causal", None)
-        # z-lab's rule: sliding layers are causal unless the config says otherwise; full layers are not.
+        # SGLang's rule, which the scorer must match (tests/unit/test_drafter_sliding.py cites the source):
+        # sliding layers are causal with a window, full layers are not, unless the config sets is_causal.
+        # z-lab's reference at 44947fb makes every layer non-causal and ignores the window under sdpa.
         self.is_causal = layer_type == "sliding_attention" if is_causal is None else bool(is_causal)
         self.sliding_window = config.sliding_window if layer_type == "sliding_attention" else None
 

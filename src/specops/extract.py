@@ -392,7 +392,9 @@ def prepare(request: dict[str, Any]) -> Prepared:
             raise StageError(f"layer_ids must be a non-empty list of layer ids, got {req['layer_ids']!r}")
         target_ids = list(req["layer_ids"])
     elif req["drafter"]:
-        target_ids = drafter_layer_ids(req["drafter"], target.num_layers)
+        # Several drafters (checkpoints, rivals) share one window: capture the union of their layers.
+        drafters = req["drafter"] if isinstance(req["drafter"], list) else [req["drafter"]]
+        target_ids = list(dict.fromkeys(k for d in drafters for k in drafter_layer_ids(d, target.num_layers)))
     else:
         raise StageError("no layer ids: give drafter (its dflash_config.target_layer_ids are used) or "
                          "layer_ids")

@@ -4,23 +4,40 @@ Pure functions on plain data (lists of acceptance lengths, dicts), so they are t
 Acceptance length of one verify step = leading draft tokens equal to the target's + 1 (the bonus
 token); tau = total accepted tokens / verify steps, the same ratio as SGLang's spec_accept_length
 (completion_tokens / spec_verify_ct), so the offline and online figures compare directly.
+
+One drafter's report (`build_report`) is a section of the run's summary (`build_summary`), which
+sets several drafters side by side; the Markdown comes from the Jinja2 templates in
+specops/templates (layout there, figures here). The plots are drawn by specops.plots.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Mapping, Sequence
-from pathlib import Path
 from typing import Any
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 
+# One drafter's plots (in its own directory) and the summary's (in the score directory).
 PLOT_TAU_PER_PROMPT = "tau_per_prompt.png"
 PLOT_BY_POSITION = "acceptance_by_position.png"
 PLOT_HISTOGRAM = "acceptance_histogram.png"
 PLOT_FILES = (PLOT_TAU_PER_PROMPT, PLOT_BY_POSITION, PLOT_HISTOGRAM)
+PLOT_TAU_BY_DRAFTER = "tau_by_drafter.png"
+PLOT_TAU_TREND = "tau_trend.png"
+PLOT_TITLES = {
+    PLOT_TAU_PER_PROMPT: "tau per prompt",
+    PLOT_BY_POSITION: "acceptance by position in the block",
+    PLOT_HISTOGRAM: "acceptance-length histogram",
+    PLOT_TAU_BY_DRAFTER: "tau by drafter",
+    PLOT_TAU_TREND: "tau per drafter over past runs",
+}
+# Sections other stages add to report.json under their own key; each has a template
+# templates/sections/<key>.md.j2 and is shown only when the key is present.
+OPTIONAL_SECTIONS = ("window",)
 
-STATUSES = ("ok", "warning", "skipped")
+# inconclusive: the check ran but its figures cannot tell (e.g. every layer offset scores the same).
+STATUSES = ("ok", "warning", "inconclusive", "skipped")
 
 
 def tau(accept_lengths: Iterable[int]) -> float | None:
@@ -163,8 +180,9 @@ def build_report(
     online: Mapping[str, Mapping[str, Any]] | None = None,
     diagnostics: Sequence[Mapping[str, Any]] = (),
     comparison: Mapping[str, Any] | None = None,
+    name: str = "drafter",
 ) -> dict[str, Any]:
-    """report.json's content.
+    """One drafter's report (its section of report.json, and its own directory's report.json).
 
     drafter / reference: {"block_size": int, "sequences": [{"id": str, "accept_lengths": [int]}]};
     online: {id: {"tau", "verify_ct", "completion_tokens"}} from SGLang's meta_info;
@@ -194,6 +212,7 @@ def build_report(
         per_prompt.append(row)
     return {
         "schema_version": SCHEMA_VERSION,
+        "name": name,
         "run": dict(run),
         "overall": overall,
         "reference": reference_overall,
@@ -224,151 +243,115 @@ def verdict(report: Mapping[str, Any]) -> str:
     warned = [d["name"] for d in report["diagnostics"] if d["status"] == "warning"]
     if warned:
         line += f"; {len(warned)} diagnostic{'s' if len(warned) > 1 else ''} warn: {', '.join(warned)}"
+    causes = [d["details"]["cause"] for d in report["diagnostics"]
+              if d["status"] == "warning" and (d.get("details") or {}).get("cause")]
+    if causes:
+        line += f"; likely cause: {'; '.join(causes)}"
     return line
 
+
+
+
+def comparison_rows(reports: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """One row per drafter: the figures a user compares checkpoints or rivals by."""
+    rows = []
+    for report in reports:
+        by_pos = report["overall"]["acceptance_by_position"]["rate"]
+        speedup = report.get("speedup") or {}
+        rows.append({
+            "name": report["name"],
+            "tau": report["overall"]["tau"],
+            "ratio": report.get("ratio"),
+            "position_1": by_pos[0] if by_pos else None,
+            "expected_speedup": speedup.get("expected"),
+            "warnings": [d["name"] for d in report["diagnostics"] if d["status"] == "warning"],
+        })
+    return rows
+
+
+def summary_verdict(summary: Mapping[str, Any]) -> str:
+    """One line for the run: the single drafter's verdict, or the best of several."""
+    drafters = summary["drafters"]
+    if len(drafters) == 1:
+        return verdict(drafters[0])
+    best = max(drafters, key=lambda d: d["overall"]["tau"] or 0)
+    line = f"{len(drafters)} drafters; best {best['name']} tau {_fmt(best['overall']['tau'])}"
+    if summary.get("reference"):
+        line += f" vs reference {_fmt(summary['reference']['tau'])} ({_fmt(best.get('ratio'))}x)"
+    warned = [d["name"] for d in drafters if any(x["status"] == "warning" for x in d["diagnostics"])]
+    if warned:
+        line += f"; diagnostics warn for {', '.join(warned)}"
+    return line
+
+
+def build_summary(run: Mapping[str, Any], reports: Sequence[Mapping[str, Any]],
+                  speedup_model: Mapping[str, Any] | None = None,
+                  history: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """report.json of the run: every drafter's report, the comparison, the speedup model, the history.
+
+    The first drafter's figures also stand at the top level (overall, ratio, per_prompt,
+    diagnostics, warnings), where a single-drafter report keeps them.
+    """
+    if not reports:
+        raise ValueError("a summary needs at least one drafter's report")
+    first = reports[0]
+    summary = {
+        "schema_version": SCHEMA_VERSION,
+        "run": dict(run),
+        "drafters": [dict(r) for r in reports],
+        "comparison": comparison_rows(reports),
+        "reference": first.get("reference"),
+        "online": first.get("online"),
+        "online_comparison": next((r["online_comparison"] for r in reports if r.get("online_comparison")),
+                                  None),
+        "speedup_model": dict(speedup_model) if speedup_model else None,
+        "history": dict(history) if history else None,
+        "overall": first["overall"],
+        "ratio": first.get("ratio"),
+        "per_prompt": first["per_prompt"],
+        "diagnostics": first["diagnostics"],
+        "warnings": [f"{r['name']}: {w}" if len(reports) > 1 else w for r in reports for w in r["warnings"]],
+    }
+    summary["verdict"] = summary_verdict(summary)
+    return summary
+
+
+# ----------------------------------------------------------------------------------------------
+# Markdown: the layout lives in specops/templates
+# ----------------------------------------------------------------------------------------------
 
 def _cell(text: Any) -> str:
     return str(text).replace("|", "\\|").replace("\n", " ")
 
 
+def _environment():
+    import jinja2
+
+    env = jinja2.Environment(
+        loader=jinja2.PackageLoader("specops", "templates"),
+        undefined=jinja2.StrictUndefined,  # a misspelt field fails the render instead of printing ""
+        trim_blocks=True, lstrip_blocks=True, keep_trailing_newline=True, autoescape=False,
+    )
+    env.filters.update(fmt=_fmt, cell=_cell)
+    env.globals.update(verdict=verdict, titles=PLOT_TITLES,
+                       marks={"ok": "OK", "warning": "WARNING", "inconclusive": "INCONCLUSIVE",
+                              "skipped": "skipped"})
+    return env
+
+
 def render_markdown(report: Mapping[str, Any], plots: Sequence[str] = PLOT_FILES) -> str:
-    """report.md: the verdict first, then diagnostics, figures, plots (relative links), per prompt."""
-    run = report["run"]
-    overall, reference, online = report["overall"], report.get("reference"), report.get("online")
-    lines = [f"# Drafter acceptance: {_cell(run.get('drafter', 'drafter'))}", "",
-             f"**{verdict(report)}**", ""]
-    lines += [
-        f"- target: `{run.get('target')}`",
-        f"- drafter: `{run.get('drafter')}`",
-        f"- reference drafter: `{run.get('reference_drafter')}`" if run.get("reference_drafter")
-        else "- reference drafter: none",
-        f"- hidden states: `{run.get('hidden_states')}` (gated_delta_rule backend: "
-        f"{run.get('hidden_state_backend', {}).get('gated_delta_rule', 'unknown')})",
-        f"- scored on {run.get('device')} in {run.get('dtype')}, block size {overall['block_size']}",
-        "",
-        "## Diagnostics",
-        "",
-    ]
-    if not report["diagnostics"]:
-        lines.append("No diagnostics were run.")
-    for d in report["diagnostics"]:
-        mark = {"ok": "OK", "warning": "WARNING", "skipped": "skipped"}[d["status"]]
-        lines.append(f"- **{d['name']}: {mark}**: {d['message']}")
-    lines += ["", "## Overall", "", "| | tau | verify steps | accepted tokens |", "| --- | --- | --- | --- |"]
-    lines.append(f"| drafter | {_fmt(overall['tau'])} | {overall['steps']} | {overall['tokens']} |")
-    if reference:
-        lines.append(f"| reference | {_fmt(reference['tau'])} | {reference['steps']} | "
-                     f"{reference['tokens']} |")
-    if online:
-        plural = "s" if online["n_prompts"] != 1 else ""
-        lines.append(f"| SGLang online ({online['n_prompts']} prompt{plural}) | {_fmt(online['tau'])} | "
-                     f"{online['steps']} | {online['tokens']} |")
-    comparison = report.get("online_comparison")
-    if comparison:
-        lines.append(f"| {comparison['server_drafter']} offline, counted as SGLang counts "
-                     f"({comparison['n_prompts']} prompts) | {_fmt(comparison['expected_tau'], 4)} | "
-                     f"{comparison['expected_steps']} | {comparison['expected_tokens']} |")
-        lines += ["", "SGLang counts the prefill's token in completion_tokens but not in spec_verify_ct, so "
-                  "it reports offline tau + 1 / steps per completion "
-                  f"(the {comparison['server_drafter']}'s offline tau on these prompts: "
-                  f"{_fmt(comparison['offline_tau'], 4)})."]
-    titles = {
-        PLOT_TAU_PER_PROMPT: "tau per prompt",
-        PLOT_BY_POSITION: "acceptance by position in the block",
-        PLOT_HISTOGRAM: "acceptance-length histogram",
-    }
-    lines += ["", "## Plots", ""]
-    for name in plots:
-        lines += [f"![{titles.get(name, name)}]({name})", ""]
-    lines += ["## Acceptance by position", "", "| position | drafter | reference |", "| --- | --- | --- |"]
-    by_pos = overall["acceptance_by_position"]
-    ref_rate = reference["acceptance_by_position"]["rate"] if reference else [None] * len(by_pos["rate"])
-    for k, rate, ref in zip(by_pos["position"], by_pos["rate"], ref_rate, strict=False):
-        lines.append(f"| {k} | {_fmt(rate, 3)} | {_fmt(ref, 3)} |")
-    lines += ["", "## Per prompt", "", "| prompt | steps | tau | reference tau | ratio | SGLang online tau |",
-              "| --- | --- | --- | --- | --- | --- |"]
-    for row in report["per_prompt"]:
-        lines.append(f"| {_cell(row['id'])} | {row['steps']} | {_fmt(row['tau'])} | "
-                     f"{_fmt(row['reference_tau'])} "
-                     f"| {_fmt(row['ratio'])} | {_fmt(row['online_tau'])} |")
-    versions = run.get("versions") or {}
-    if versions:
-        lines += ["", "## Versions", "", ", ".join(f"{k} {v}" for k, v in sorted(versions.items()))]
-    return "\n".join(lines) + "\n"
+    """One drafter's report.md: the verdict first, then diagnostics, figures, plots, per prompt."""
+    return _environment().get_template("drafter.md.j2").render(report=report, plots=list(plots))
 
 
-def render_plots(report: Mapping[str, Any], out_dir: str | Path) -> list[str]:
-    """Write the three PNGs into out_dir (atomically) and return their file names."""
-    import io
+def render_summary(summary: Mapping[str, Any], plot_dirs: Mapping[str, str],
+                   plots: Sequence[str] = ()) -> str:
+    """The run's report.md: verdict, comparison, optional sections, speedup, history, each drafter.
 
-    import matplotlib
-
-    matplotlib.use("Agg")  # no display on the hosts that score
-    import matplotlib.pyplot as plt
-
-    from specops.manifest import atomic_write_bytes
-
-    out_dir = Path(out_dir)
-    overall, reference = report["overall"], report.get("reference")
-    drafter_label, reference_label = "drafter", "reference"
-
-    def save(fig, name: str) -> None:
-        buffer = io.BytesIO()
-        fig.tight_layout()
-        fig.savefig(buffer, format="png", dpi=110)
-        plt.close(fig)
-        atomic_write_bytes(out_dir / name, buffer.getvalue())
-
-    rows = report["per_prompt"]
-    fig, ax = plt.subplots(figsize=(max(6.0, 0.35 * len(rows) + 2), 4))
-    x = list(range(len(rows)))
-    width = 0.4 if reference else 0.8
-    ax.bar([i - width / 2 if reference else i for i in x], [r["tau"] or 0 for r in rows], width,
-           label=f"{drafter_label} (tau {_fmt(overall['tau'])})")
-    if reference:
-        ax.bar([i + width / 2 for i in x], [r["reference_tau"] or 0 for r in rows], width,
-               label=f"{reference_label} (tau {_fmt(reference['tau'])})")
-    online_points = [(i, r["online_tau"]) for i, r in zip(x, rows, strict=True)
-                     if r["online_tau"] is not None]
-    if online_points:
-        ax.scatter([p[0] for p in online_points], [p[1] for p in online_points], marker="D", color="black",
-                   zorder=3, label="SGLang online")
-    ax.set_xticks(x)
-    ax.set_xticklabels([str(r["id"]) for r in rows], rotation=60, ha="right", fontsize=7)
-    tallest = max([r["tau"] or 0 for r in rows] + [r["reference_tau"] or 0 for r in rows]
-                  + [p[1] for p in online_points] + [1.0])
-    ax.set_ylim(0, tallest * 1.3)  # headroom so the legend does not hide the bars
-    ax.set_ylabel("tau (accepted tokens per verify step)")
-    ax.set_title("tau per prompt")
-    ax.legend(fontsize=8, loc="upper right")
-    save(fig, PLOT_TAU_PER_PROMPT)
-
-    fig, ax = plt.subplots(figsize=(6, 4))
-    by_pos = overall["acceptance_by_position"]
-    ax.plot(by_pos["position"], [r or 0 for r in by_pos["rate"]], marker="o", label=drafter_label)
-    if reference:
-        ref_pos = reference["acceptance_by_position"]
-        ax.plot(ref_pos["position"], [r or 0 for r in ref_pos["rate"]], marker="s", label=reference_label)
-    ax.set_xticks(by_pos["position"])
-    ax.set_xlabel("draft position in the block")
-    ax.set_ylabel("share of verify steps accepting it")
-    ax.set_ylim(0, 1.02)
-    ax.set_title("acceptance by position")
-    ax.legend(fontsize=8)
-    save(fig, PLOT_BY_POSITION)
-
-    fig, ax = plt.subplots(figsize=(6, 4))
-    hist = overall["histogram"]
-    shares = [c / overall["steps"] if overall["steps"] else 0 for c in hist["count"]]
-    ax.bar([n - width / 2 if reference else n for n in hist["length"]], shares, width, label=drafter_label)
-    if reference:
-        ref_hist = reference["histogram"]
-        ref_shares = [c / reference["steps"] if reference["steps"] else 0 for c in ref_hist["count"]]
-        ax.bar([n + width / 2 for n in ref_hist["length"]], ref_shares, width, label=reference_label)
-    ax.set_xticks(hist["length"])
-    ax.set_xlabel("acceptance length (tokens per verify step, bonus included)")
-    ax.set_ylabel("share of verify steps")
-    ax.set_title("acceptance-length histogram")
-    ax.legend(fontsize=8)
-    save(fig, PLOT_HISTOGRAM)
-    return list(PLOT_FILES)
+    plot_dirs: drafter name -> its directory relative to report.md; plots: the summary's own PNGs.
+    """
+    env = _environment()
+    present = set(env.list_templates())
+    sections = [key for key in OPTIONAL_SECTIONS if summary.get(key) and f"sections/{key}.md.j2" in present]
+    return env.get_template("report.md.j2").render(
+        summary=summary, plot_dirs=plot_dirs, plots=list(plots), sections=sections)

@@ -1,24 +1,34 @@
-"""Score a DFlash drafter offline on extracted hidden states: `python -m specops.score --plan|--run`.
+"""Score DFlash drafters offline on extracted hidden states: `python -m specops.score --plan|--run`.
 
 Request (JSON on stdin, docs/architecture.md):
   hidden_states      extraction output directory (manifest.json + shards)            required
   target             target model directory (embed_tokens, lm_head, tokenizer)        required
-  drafter            drafter checkpoint directory (config.json + safetensors)         required
-  out_dir            where report.json, report.md, the PNGs and manifest.json go       required
+  drafter            drafter checkpoint directory (config.json + safetensors), or a
+                     list of them (checkpoints of a training run, or rivals)          required
+  out_dir            where report.json, report.md, the summary's PNGs, drafters/<name>/
+                     (each drafter's report and plots) and manifest.json go           required
   completions        completions directory; its SGLang spec_accept_length is shown     optional
   reference_drafter  a drafter to compare with (tau ratio)                             optional
-  server_drafter     which of them the SGLang server speculated with when it made the
-                     completions: drafter | reference | "" (unknown); when known, the
-                     online_agreement diagnostic compares SGLang's online tau with that
-                     drafter's offline tau (report.online_from_offline)                default ""
+  server_drafter     which drafter the SGLang server speculated with when it made the
+                     completions: drafter (the first) | reference | a drafter's name |
+                     "" (unknown); when known, the online_agreement diagnostic compares
+                     SGLang's online tau with that drafter's offline tau               default ""
   device             auto | cpu | cuda | cuda:N (auto: cuda when available)           default auto
   gpu_memory_gib     on a GPU, the most memory scoring may take; it fails at start when the
                      GPU has less free (the restarted server holds the rest); 0: no limit  default 0
-  dtype              float32 | bfloat16 | float16                                      default bfloat16
-  diagnostics        any of layer_offset, backend, vocabulary                          default all
+  dtype              auto | float32 | bfloat16 | float16 (auto: float32 on the CPU,
+                     and on a GPU where the head and drafters fit in float32)          default auto
+  diagnostics        any of acceptance, layer_offset, backend, vocabulary              default all
   layer_offset_tolerance  a shifted layer choice warns when its tau exceeds the configured
                      layers' tau by more than this fraction                            default 0.10
+  step_costs         {draft_cost, verify_cost} in target decode steps, measured
+                     (benchmarks/speedup_h200.py); without it they are estimated       optional
+  history            directory of past runs: this run is copied to history/<run_id>/
+                     and appended to history/index.jsonl; the report shows the trend  optional
   force              rescore even if the manifest says the report is up to date         default false
+
+A drafter's name is its directory's name (made unique with -2, -3, ... when two agree); its
+report and plots go to out_dir/drafters/<name>/.
 
 The inputs fingerprint covers the hidden-state and completions manifests, the drafters' files,
 the target's small files and the options; plan mode decides from it without loading a model.
@@ -28,13 +38,16 @@ from __future__ import annotations
 
 import importlib.metadata
 import json
-from collections.abc import Mapping
+import shutil
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from specops import diagnostics as diag
+from specops import history as hist
 from specops import report as rep
+from specops import speedup as spd
 from specops import window as win
 from specops.manifest import (
     atomic_write_json,
@@ -51,8 +64,12 @@ from specops.stage import StageError, log, serve
 STAGE = "score"
 REPORT_JSON = "report.json"
 REPORT_MD = "report.md"
-OUTPUT_FILES = (REPORT_JSON, REPORT_MD, *rep.PLOT_FILES)
-DTYPES = ("float32", "bfloat16", "float16")
+DRAFTERS_DIR = "drafters"
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+# dtype auto keeps float32 on a GPU while the head and drafters take at most this share of free memory.
+FLOAT32_MEMORY_SHARE = 0.25
+# Runs of the history the stage result (and so AWX) carries.
+TREND_RUNS = 20
 DEVICES = ("auto", "cpu", "cuda")
 # The target's files that identify it cheaply; its weights are tens of GB and the hidden-state
 # manifest already fingerprints the model they came from.
@@ -65,17 +82,61 @@ TARGET_IDENTITY_FILES = (
 class Options:
     hidden_states: Path
     target: Path
-    drafter: Path
+    drafter: tuple[Path, ...]
     out_dir: Path
     completions: Path | None = None
     reference_drafter: Path | None = None
     server_drafter: str = ""
     device: str = "auto"
     gpu_memory_gib: float = 0.0
-    dtype: str = "bfloat16"
+    dtype: str = "auto"
     diagnostics: tuple[str, ...] = diag.DIAGNOSTICS
     layer_offset_tolerance: float = diag.DEFAULT_LAYER_OFFSET_TOLERANCE
+    step_costs: tuple[tuple[str, float], ...] = ()
+    history: Path | None = None
     force: bool = False
+
+    @property
+    def names(self) -> list[str]:
+        return drafter_names(self.drafter)
+
+
+def drafter_names(paths: Sequence[Path]) -> list[str]:
+    """Each drafter's directory name, made unique (checkpoints often share a last component)."""
+    names: list[str] = []
+    for path in paths:
+        base = path.name or "drafter"
+        name, n = base, 1
+        while name in names:
+            n += 1
+            name = f"{base}-{n}"
+        names.append(name)
+    return names
+
+
+def _drafter_list(request: Mapping[str, Any]) -> tuple[Path, ...]:
+    value = request.get("drafter")
+    values = value if isinstance(value, list | tuple) else [value] if value else []
+    if not values:
+        raise StageError("'drafter' is required: the drafter checkpoint directory, or a list of them")
+    paths = []
+    for item in values:
+        path = _directory({"drafter": item}, "drafter", True, "config.json")
+        assert path is not None
+        paths.append(path)
+    return tuple(paths)
+
+
+def _step_costs(value: Any) -> tuple[tuple[str, float], ...]:
+    if not value:
+        return ()
+    if not isinstance(value, Mapping) or set(value) != {"draft_cost", "verify_cost"}:
+        raise StageError(f"step_costs {value!r} must be a mapping with draft_cost and verify_cost (in target "
+                         "decode steps, as benchmarks/speedup_h200.py measures them), or empty")
+    costs = {k: float(v) for k, v in value.items()}
+    if costs["draft_cost"] < 0 or costs["verify_cost"] <= 0:
+        raise StageError(f"step_costs {costs} must be positive: draft_cost >= 0, verify_cost > 0")
+    return tuple(sorted(costs.items()))
 
 
 def _directory(request: Mapping[str, Any], key: str, required: bool,
@@ -105,7 +166,7 @@ def parse_request(request: Mapping[str, Any]) -> Options:
     device = request.get("device") or "auto"
     if device not in DEVICES and not str(device).startswith("cuda:"):
         raise StageError(f"device {device!r} is not one of {', '.join(DEVICES)} (or cuda:N)")
-    dtype = request.get("dtype") or "bfloat16"
+    dtype = request.get("dtype") or "auto"
     if dtype not in DTYPES:
         raise StageError(f"dtype {dtype!r} is not one of {', '.join(DTYPES)}")
     checks = request.get("diagnostics")
@@ -113,10 +174,14 @@ def parse_request(request: Mapping[str, Any]) -> Options:
     bad = [c for c in checks if c not in diag.DIAGNOSTICS]
     if bad:
         raise StageError(f"unknown diagnostics {bad}: choose from {', '.join(diag.DIAGNOSTICS)}")
+    hidden_states = _directory(request, "hidden_states", True, "manifest.json")
+    target = _directory(request, "target", True, "config.json")
+    drafters = _drafter_list(request)
     server_drafter = request.get("server_drafter") or ""
-    if server_drafter not in rep.SERVER_DRAFTERS:
-        raise StageError(f"server_drafter {server_drafter!r} is not one of 'drafter', 'reference' or '' "
-                         "(unknown): name the drafter the SGLang server speculated with")
+    if server_drafter not in (*rep.SERVER_DRAFTERS, *drafter_names(drafters)):
+        raise StageError(f"server_drafter {server_drafter!r} is not one of 'drafter', 'reference', a "
+                         f"drafter's name ({', '.join(drafter_names(drafters))}) or '' (unknown): name the "
+                         "drafter the SGLang server speculated with")
     if server_drafter == "reference" and not request.get("reference_drafter"):
         raise StageError("server_drafter is 'reference' but no reference_drafter is given: pass the "
                          "reference drafter's directory, or the drafter the server really ran")
@@ -127,9 +192,9 @@ def parse_request(request: Mapping[str, Any]) -> Options:
     if tolerance < 0:
         raise StageError(f"layer_offset_tolerance {tolerance} is negative: use a fraction such as 0.1")
     return Options(
-        hidden_states=_directory(request, "hidden_states", True, "manifest.json"),
-        target=_directory(request, "target", True, "config.json"),
-        drafter=_directory(request, "drafter", True, "config.json"),
+        hidden_states=hidden_states,
+        target=target,
+        drafter=drafters,
         out_dir=Path(request["out_dir"]).expanduser(),
         completions=_directory(request, "completions", False, "manifest.json"),
         reference_drafter=_directory(request, "reference_drafter", False, "config.json"),
@@ -139,6 +204,8 @@ def parse_request(request: Mapping[str, Any]) -> Options:
         dtype=dtype,
         diagnostics=checks,
         layer_offset_tolerance=tolerance,
+        step_costs=_step_costs(request.get("step_costs")),
+        history=Path(request["history"]).expanduser() if request.get("history") else None,
         force=bool(request.get("force", False)),
     )
 
@@ -161,12 +228,13 @@ def inputs_of(opts: Options) -> dict[str, Any]:
         "completions": _stage_output_identity(opts.completions) if opts.completions else None,
         "target": {name: file_identity(opts.target / name)["sha256"]
                    for name in TARGET_IDENTITY_FILES if (opts.target / name).is_file()},
-        "drafter": _checkpoint_identity(opts.drafter),
+        "drafter": [_checkpoint_identity(path) for path in opts.drafter],
         "reference_drafter": _checkpoint_identity(opts.reference_drafter) if opts.reference_drafter else None,
         "window": win.read_window(opts.hidden_states),
         "options": {"device": opts.device, "dtype": opts.dtype, "diagnostics": sorted(opts.diagnostics),
                     "layer_offset_tolerance": opts.layer_offset_tolerance,
-                    "server_drafter": opts.server_drafter},
+                    "server_drafter": opts.server_drafter, "step_costs": dict(opts.step_costs),
+                    "history": str(opts.history) if opts.history else None},
     }
 
 
@@ -180,12 +248,21 @@ def key_figures(report: Mapping[str, Any], out_dir: Path, changed: bool) -> dict
         "online_tau": (report.get("online") or {}).get("tau"),
         "n_prompts": len(report["per_prompt"]),
         "steps": report["overall"]["steps"],
-        "verdict": rep.verdict(report),
+        "verdict": report.get("verdict") or rep.verdict(report),
         "warnings": report["warnings"],
+        "drafters": [{"name": row["name"], "tau": row["tau"], "ratio": row["ratio"],
+                      "expected_speedup": row["expected_speedup"], "warnings": row["warnings"]}
+                     for row in report.get("comparison") or []],
+        "expected_speedup": ((report.get("comparison") or [{}])[0]).get("expected_speedup"),
+        "history_index": (report.get("history") or {}).get("index"),
+        # The trend AWX shows: tau per drafter over the last runs of the index.
+        "trend": [{"run_id": r["run_id"], "tau": r["tau"], "reference_tau": r.get("reference_tau")}
+                  for r in ((report.get("history") or {}).get("runs") or [])[-TREND_RUNS:]],
+        "run_id": (report.get("history") or {}).get("run_id"),
         "out_dir": str(out_dir),
         "report_json": str(out_dir / REPORT_JSON),
         "report_md": str(out_dir / REPORT_MD),
-        "plots": [str(out_dir / name) for name in rep.PLOT_FILES],
+        "plots": [str(out_dir / name) for name in report.get("plots") or []],
     }
 
 
@@ -196,9 +273,10 @@ def plan(request: dict[str, Any]) -> dict[str, Any]:
         report = json.loads((opts.out_dir / REPORT_JSON).read_text())
         return {**key_figures(report, opts.out_dir, changed=False), "msg": "the report is up to date"}
     return {"changed": True, "out_dir": str(opts.out_dir),
-            "msg": f"would score {opts.drafter}"
+            "msg": f"would score {', '.join(map(str, opts.drafter))}"
                    + (f" against {opts.reference_drafter}" if opts.reference_drafter else "")
-                   + f" on {opts.hidden_states} and write {', '.join(OUTPUT_FILES)} to {opts.out_dir}"}
+                   + f" on {opts.hidden_states} and write {REPORT_MD}, {REPORT_JSON} and the plots to "
+                     f"{opts.out_dir}"}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -294,20 +372,35 @@ def limit_gpu_memory(device: str, gib: float) -> None:
     torch.cuda.set_per_process_memory_fraction(min(1.0, gib * 2**30 / total), torch.device(device))
 
 
+def resolve_dtype(dtype: str, device: str, target: Path, drafters: Sequence[Path]) -> str:
+    """auto: float32 (exact argmax ties, no bf16 drift) on the CPU, and on a GPU where it fits."""
+    if dtype != "auto":
+        return dtype
+    if not device.startswith("cuda"):
+        return "float32"
+    import torch
+
+    free, _ = torch.cuda.mem_get_info(torch.device(device))
+    head = spd.weight_bytes(target, "lm_head.weight") + spd.weight_bytes(target, "embed_tokens.weight")
+    # Weights are usually stored in 16 bits: float32 doubles them.
+    need = 2 * (head + sum(spd.weight_bytes(path) for path in drafters))
+    return "float32" if need <= FLOAT32_MEMORY_SHARE * free else "bfloat16"
+
+
 class Scorer:
     """Holds the target head and the hidden states; scores any drafter at any captured layer ids."""
 
     # Sequences handed to the engine at once: bounds host memory for the features of long runs.
     CHUNK = 32
 
-    def __init__(self, opts: Options, device: str):
+    def __init__(self, opts: Options, device: str, dtype: str):
         import torch
 
         from specops.hidden_states import open_hidden_states
         from specops.target_head import load_target_head
 
         self.device = device
-        self.dtype = getattr(torch, opts.dtype)
+        self.dtype = getattr(torch, dtype)
         self.hidden = open_hidden_states(opts.hidden_states)
         self.head = load_target_head(opts.target, device=device, dtype=self.dtype)
 
@@ -323,7 +416,8 @@ class Scorer:
                    "prompt_len": int(meta["prompt_tokens"])}
 
     def score(self, drafter, layer_ids: list[int]) -> dict[str, Any]:
-        """{"block_size", "sequences": [{"id", "accept_lengths"}]} for one drafter and layer choice."""
+        """{"block_size", "sequences": [{"id", "accept_lengths", "block_starts"}]} for one drafter and
+        layer choice."""
         from specops.acceptance import offline_acceptance
 
         scored: list[dict[str, Any]] = []
@@ -332,7 +426,8 @@ class Scorer:
 
         def flush() -> None:
             for result in offline_acceptance(drafter, self.head, chunk):
-                scored.append({"id": result.id, "accept_lengths": list(result.accept_lengths)})
+                scored.append({"id": result.id, "accept_lengths": list(result.accept_lengths),
+                               "block_starts": list(result.block_starts)})
             log(f"score: {len(scored)}/{total} sequences")
             chunk.clear()
 
@@ -344,6 +439,21 @@ class Scorer:
             flush()
         return {"block_size": drafter.block_size, "sequences": scored}
 
+    def margins(self, drafter, layer_ids: list[int], scores: Mapping[str, Any],
+                ids: Sequence[str]) -> dict[str, dict[str, Any]]:
+        """The closest call of every draft of the given prompts (specops.margins)."""
+        from specops.acceptance import as_input
+        from specops.margins import closest_call
+
+        walked = {seq["id"]: seq for seq in scores["sequences"]}
+        found = {}
+        for sequence in self.sequences(layer_ids):
+            if sequence["id"] in ids and sequence["id"] in walked:
+                seq = walked[sequence["id"]]
+                found[sequence["id"]] = closest_call(drafter, self.head, as_input(sequence),
+                                                     seq["block_starts"], seq["accept_lengths"])
+        return found
+
 
 def model_errors() -> tuple[type[Exception], ...]:
     """The engine's errors that name a fix; anything else is a crash with a traceback."""
@@ -354,40 +464,49 @@ def model_errors() -> tuple[type[Exception], ...]:
     return DrafterError, HiddenStatesError, TargetHeadError
 
 
-def score_all(opts: Options, device: str, captured: list[int], layer_ids: list[int],
-              reference_ids: list[int] | None) -> tuple[dict, dict | None, dict | None]:
-    """Drafter scores, reference scores and the layer-offset finding (None when not asked for)."""
-    log(f"score: loading the target head from {opts.target} on {device} ({opts.dtype})")
-    scorer = Scorer(opts, device)
-    drafter = scorer.load(opts.drafter)
-    log(f"score: scoring {opts.drafter} at target layers {layer_ids}")
-    drafter_scores = scorer.score(drafter, layer_ids)
-    if not drafter_scores["sequences"]:
-        raise StageError(f"the hidden states in {opts.hidden_states} hold no sequence: "
-                         "rerun extract_hidden_states")
-    reference_scores = None
-    if opts.reference_drafter:
-        log(f"score: scoring the reference {opts.reference_drafter} at target layers {reference_ids}")
-        reference_scores = scorer.score(scorer.load(opts.reference_drafter), reference_ids)
-    if "layer_offset" not in opts.diagnostics:
-        return drafter_scores, reference_scores, None
-    base_tau = rep.summarize(drafter_scores["sequences"], drafter_scores["block_size"])["tau"]
+def _layer_offset(scorer: Scorer, drafter, opts: Options, captured: list[int], layer_ids: list[int],
+                  base: Mapping[str, Any]) -> dict[str, Any]:
+    base_tau = rep.summarize(base["sequences"], base["block_size"])["tau"]
 
     def tau_at(ids: list[int]) -> float | None:
         log(f"score: layer-offset check at target layers {ids}")
         scores = scorer.score(drafter, ids)
         return rep.summarize(scores["sequences"], scores["block_size"])["tau"]
 
-    offset_finding = diag.layer_offset_check(tau_at, captured, layer_ids, base_tau,
-                                             tolerance=opts.layer_offset_tolerance)
-    return drafter_scores, reference_scores, offset_finding
+    return diag.layer_offset_check(tau_at, captured, layer_ids, base_tau,
+                                   tolerance=opts.layer_offset_tolerance)
+
+
+def _checked_config(path: Path, label: str, target: Path, target_config: Mapping[str, Any],
+                    captured: list[int]) -> tuple[dict[str, Any], list[int]]:
+    """A drafter's config and target layers, checked against the target and the hidden states before
+    any model loads (a bad mask id or layer would only crash the engine)."""
+    config = diag.read_json(path / "config.json") or {}
+    text = diag.text_config(target_config)
+    layer_ids = drafter_layer_ids(config, label)
+    require_layers(layer_ids, captured, label, text.get("num_hidden_layers"))
+    if text.get("hidden_size") and config.get("hidden_size") != text["hidden_size"]:
+        raise StageError(f"the {label}'s hidden_size {config.get('hidden_size')} differs from the "
+                         f"target's {text['hidden_size']}: the {label} was built for another target")
+    error = diag.mask_token_error(diag.vocabulary_check(config, target))
+    if error:
+        raise StageError(error.replace("the drafter's", f"the {label}'s"))
+    return config, layer_ids
+
+
+def _server_drafter_name(opts: Options) -> str:
+    """The name under which the server's drafter was scored: a drafter's name, or reference."""
+    if opts.server_drafter == "drafter":
+        return opts.names[0]
+    return opts.server_drafter
 
 
 def run(request: dict[str, Any]) -> dict[str, Any]:
     opts = parse_request(request)
     remove_stale_temporaries(opts.out_dir)
     inputs = inputs_of(opts)
-    if not opts.force and is_up_to_date(opts.out_dir, fingerprint(inputs)):
+    inputs_fingerprint = fingerprint(inputs)
+    if not opts.force and is_up_to_date(opts.out_dir, inputs_fingerprint):
         log(f"score: {opts.out_dir} is up to date, nothing to do")
         report = json.loads((opts.out_dir / REPORT_JSON).read_text())
         return key_figures(report, opts.out_dir, changed=False)
@@ -395,79 +514,168 @@ def run(request: dict[str, Any]) -> dict[str, Any]:
     hidden_manifest = load_manifest(opts.hidden_states) or {}
     captured = list(hidden_manifest.get("layer_ids") or [])
     target_config = diag.read_json(opts.target / "config.json") or {}
-    target_layers = diag.text_config(target_config).get("num_hidden_layers")
-    drafter_config = diag.read_json(opts.drafter / "config.json") or {}
-    layer_ids = drafter_layer_ids(drafter_config, "drafter")
-    require_layers(layer_ids, captured, "drafter", target_layers)
-    reference_config = None
+    names = opts.names
+    label = {name: "drafter" if len(names) == 1 else f"drafter {name}" for name in names}
+    configs = {name: _checked_config(path, label[name], opts.target, target_config, captured)
+               for name, path in zip(names, opts.drafter, strict=True)}
+    reference_config, reference_ids = None, None
     if opts.reference_drafter:
-        reference_config = diag.read_json(opts.reference_drafter / "config.json")
-    reference_ids = drafter_layer_ids(reference_config, "reference drafter") if reference_config else None
-    if reference_ids:
-        require_layers(reference_ids, captured, "reference drafter", target_layers)
-
-    target_hidden = diag.text_config(target_config).get("hidden_size")
-    for name, config in (("drafter", drafter_config), ("reference drafter", reference_config)):
-        if config and target_hidden and config.get("hidden_size") != target_hidden:
-            raise StageError(f"the {name}'s hidden_size {config.get('hidden_size')} differs from the "
-                             f"target's {target_hidden}: the {name} was built for another target")
-
-    # Config-level checks run before any model loads: a bad mask id would only crash the engine.
-    findings = []
-    vocabulary = diag.vocabulary_check(drafter_config, opts.target)
-    error = diag.mask_token_error(vocabulary)
-    if error:
-        raise StageError(error)
-    if reference_config:
-        ref_error = diag.mask_token_error(diag.vocabulary_check(reference_config, opts.target))
-        if ref_error:
-            raise StageError(ref_error.replace("the drafter's", "the reference drafter's"))
-    if "backend" in opts.diagnostics:
-        findings.append(diag.backend_check(hidden_manifest, target_config))
-    if "vocabulary" in opts.diagnostics:
-        findings.append(vocabulary)
+        reference_config, reference_ids = _checked_config(opts.reference_drafter, "reference drafter",
+                                                          opts.target, target_config, captured)
     online = online_acceptance(opts.completions)
-
     device = resolve_device(opts.device)
     limit_gpu_memory(device, opts.gpu_memory_gib)
+    scored_paths = [*opts.drafter, *([opts.reference_drafter] if opts.reference_drafter else [])]
+    dtype = resolve_dtype(opts.dtype, device, opts.target, scored_paths)
+    server_name = _server_drafter_name(opts)
+
+    log(f"score: loading the target head from {opts.target} on {device} ({dtype})")
+    reports = []
     try:
-        drafter_scores, reference_scores, offset_finding = score_all(
-            opts, device, captured, layer_ids, reference_ids)
+        scorer = Scorer(opts, device, dtype)
+        reference_model, reference_scores = None, None
+        server_check: tuple[dict | None, dict | None] | None = None
+        if opts.reference_drafter:
+            log(f"score: scoring the reference {opts.reference_drafter} at target layers {reference_ids}")
+            reference_model = scorer.load(opts.reference_drafter)
+            reference_scores = scorer.score(reference_model, reference_ids)
+        for name, path in zip(names, opts.drafter, strict=True):
+            config, layer_ids = configs[name]
+            drafter = scorer.load(path)
+            log(f"score: scoring {name} ({path}) at target layers {layer_ids}")
+            scores = scorer.score(drafter, layer_ids)
+            if not scores["sequences"]:
+                raise StageError(f"the hidden states in {opts.hidden_states} hold no sequence: "
+                                 "rerun extract_hidden_states")
+            findings = []
+            if "layer_offset" in opts.diagnostics:
+                findings.append(_layer_offset(scorer, drafter, opts, captured, layer_ids, scores))
+            comparison, margins = None, None
+            if server_name == name:
+                comparison, margins = _online_check(scorer, online, opts, drafter, scores, layer_ids)
+            elif server_name == "reference":
+                if server_check is None:  # the reference's check is the same for every drafter
+                    server_check = _online_check(scorer, online, opts, reference_model, reference_scores,
+                                                 reference_ids)
+                comparison, margins = server_check
+            run_info = {
+                "target": str(opts.target),
+                "drafter": str(path),
+                "reference_drafter": str(opts.reference_drafter) if opts.reference_drafter else None,
+                "hidden_states": str(opts.hidden_states),
+                "completions": str(opts.completions) if opts.completions else None,
+                "server_drafter": opts.server_drafter or None,
+                "hidden_state_backend": hidden_manifest.get("backend") or {},
+                "target_layer_ids": layer_ids,
+                "reference_target_layer_ids": reference_ids,
+                "device": device,
+                "dtype": dtype,
+                "versions": versions(),
+            }
+            report = rep.build_report(run_info, scores, reference_scores, online, [], comparison, name=name)
+            findings += _config_findings(opts, config, hidden_manifest, target_config, report)
+            if server_name in (name, "reference"):
+                findings.append(diag.online_agreement_check(comparison, opts.server_drafter, margins=margins))
+            if "acceptance" in opts.diagnostics:
+                findings.insert(0, diag.acceptance_pattern_check(report["overall"], report["reference"],
+                                                                 report["per_prompt"]))
+            report = rep.build_report(run_info, scores, reference_scores, online, findings, comparison,
+                                      name=name)
+            reports.append(report)
+            del drafter
     except model_errors() as error:
         raise StageError(str(error)) from error
-    if offset_finding:
-        findings.insert(0, offset_finding)
-    server_scores = {"drafter": drafter_scores, "reference": reference_scores}.get(opts.server_drafter)
-    comparison = rep.online_comparison(online, server_scores, opts.server_drafter)
-    if opts.server_drafter:
-        findings.append(diag.online_agreement_check(comparison, opts.server_drafter))
 
-    run_info = {
-        "target": str(opts.target),
-        "drafter": str(opts.drafter),
-        "reference_drafter": str(opts.reference_drafter) if opts.reference_drafter else None,
-        "hidden_states": str(opts.hidden_states),
-        "completions": str(opts.completions) if opts.completions else None,
-        "server_drafter": opts.server_drafter or None,
-        "hidden_state_backend": hidden_manifest.get("backend") or {},
-        "target_layer_ids": layer_ids,
-        "reference_target_layer_ids": reference_ids,
-        "device": device,
-        "dtype": opts.dtype,
-        "versions": versions(),
-    }
-    report = rep.build_report(run_info, drafter_scores, reference_scores, online, findings, comparison)
-    report["window"] = win.read_window(opts.hidden_states)
-    opts.out_dir.mkdir(parents=True, exist_ok=True)
-    rep.render_plots(report, opts.out_dir)
-    markdown = rep.render_markdown(report) + win.render_markdown(report["window"])
-    atomic_write_text(opts.out_dir / REPORT_MD, markdown)
-    atomic_write_json(opts.out_dir / REPORT_JSON, report)
-    figures = {"tau": report["overall"]["tau"], "reference_tau": (report.get("reference") or {}).get("tau"),
-               "ratio": report.get("ratio")}
-    write_manifest(opts.out_dir, STAGE, inputs, list(OUTPUT_FILES), figures=figures)
-    log(f"score: {rep.verdict(report)}; report in {opts.out_dir / REPORT_MD}")
-    return key_figures(report, opts.out_dir, changed=True)
+    return _write(opts, inputs, inputs_fingerprint, reports)
+
+
+def _online_check(scorer: Scorer, online: Mapping[str, Any], opts: Options, model, scores: Mapping[str, Any],
+                  layer_ids: list[int] | None) -> tuple[dict | None, dict | None]:
+    """SGLang's online figures against the server drafter's offline walk, with the logit margins of the
+    prompts that differ (to tell a near-tie from a configuration error)."""
+    comparison = rep.online_comparison(online, scores, opts.server_drafter)
+    if not comparison or not comparison["mismatched"]:
+        return comparison, None
+    log(f"score: measuring the logit margins of {len(comparison['mismatched'])} prompts whose online and "
+        "offline tau differ")
+    differing = [row["id"] for row in comparison["mismatched"]]
+    return comparison, scorer.margins(model, layer_ids, scores, differing)
+
+
+def _config_findings(opts: Options, config: Mapping[str, Any], hidden_manifest: Mapping[str, Any],
+                     target_config: Mapping[str, Any], report: Mapping[str, Any]) -> list[dict[str, Any]]:
+    findings = []
+    if "backend" in opts.diagnostics:
+        findings.append(diag.backend_check(hidden_manifest, target_config,
+                                           reference_tau=(report.get("reference") or {}).get("tau"),
+                                           drafter_tau=report["overall"]["tau"]))
+    if "vocabulary" in opts.diagnostics:
+        findings.append(diag.vocabulary_check(config, opts.target))
+    return findings
+
+
+def _speedup(opts: Options, reports: list[dict[str, Any]]) -> dict[str, Any]:
+    """Each drafter's expected speedup (into its report) and the model's statement for the summary."""
+    measured = dict(opts.step_costs)
+    for report, path in zip(reports, opts.drafter, strict=True):
+        costs = measured or spd.estimated_costs(opts.target, path)
+        report["speedup"] = {**costs, "source": "measured" if measured else "estimated",
+                             "expected": spd.expected_speedup(report["overall"]["tau"], **costs)}
+    model = spd.model_description("measured" if measured else "estimated", measured)
+    if opts.reference_drafter and reports[0].get("reference"):
+        costs = measured or spd.estimated_costs(opts.target, opts.reference_drafter)
+        model["reference_expected"] = spd.expected_speedup(reports[0]["reference"]["tau"], **costs)
+    return model
+
+
+def _write(opts: Options, inputs: dict[str, Any], inputs_fingerprint: str,
+           reports: list[dict[str, Any]]) -> dict[str, Any]:
+    """Every drafter's directory, then the summary; the history; the manifest last."""
+    from specops import plots
+
+    out = opts.out_dir
+    out.mkdir(parents=True, exist_ok=True)
+    model = _speedup(opts, reports)
+    files: list[str] = []
+    plot_dirs = {}
+    for report in reports:
+        directory = out / DRAFTERS_DIR / report["name"]
+        directory.mkdir(parents=True, exist_ok=True)
+        report["plots"] = plots.render_plots(report, directory)
+        atomic_write_text(directory / REPORT_MD, rep.render_markdown(report))
+        atomic_write_json(directory / REPORT_JSON, report)
+        plot_dirs[report["name"]] = f"{DRAFTERS_DIR}/{report['name']}/"
+        files += [f"{DRAFTERS_DIR}/{report['name']}/{name}" for name in (REPORT_MD, REPORT_JSON,
+                                                                          *report["plots"])]
+    # A drafter no longer in the list leaves no stale directory behind.
+    for stale in (out / DRAFTERS_DIR).iterdir():
+        if stale.name not in plot_dirs and stale.is_dir():
+            shutil.rmtree(stale)
+    run_info = {key: value for key, value in reports[0]["run"].items()
+                if key not in ("drafter", "target_layer_ids")}
+    summary = rep.build_summary(run_info, reports, model)
+    summary_plots = [plots.render_comparison(summary, out)]
+    run_id = None
+    if opts.history:
+        run_id = hist.new_run_id(inputs_fingerprint)
+        hist.append(opts.history, hist.entry(run_id, summary))
+        runs = hist.read(opts.history)
+        summary["history"] = hist.trend(runs, run_id, opts.history / hist.INDEX)
+        summary_plots.append(plots.render_trend(runs, summary["history"]["drafters"], out))
+    summary["plots"] = summary_plots
+    summary["window"] = win.read_window(opts.hidden_states)
+    atomic_write_text(out / REPORT_MD, rep.render_summary(summary, plot_dirs, summary_plots)
+                      + win.render_markdown(summary["window"]))
+    atomic_write_json(out / REPORT_JSON, summary)
+    files = [REPORT_JSON, REPORT_MD, *summary_plots, *files]
+    if opts.history and run_id:
+        hist.keep_run(opts.history, run_id, [out / name for name in (REPORT_JSON, REPORT_MD, *summary_plots)]
+                      + [out / DRAFTERS_DIR])
+    figures = {"tau": summary["overall"]["tau"], "reference_tau": (summary.get("reference") or {}).get("tau"),
+               "ratio": summary.get("ratio"), "drafters": {r["name"]: r["overall"]["tau"] for r in reports}}
+    write_manifest(out, STAGE, inputs, files, figures=figures)
+    log(f"score: {summary['verdict']}; report in {out / REPORT_MD}")
+    return key_figures(summary, out, changed=True)
 
 
 def main() -> int:

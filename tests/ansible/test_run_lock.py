@@ -1,4 +1,5 @@
-"""run_lock: one run at a time per run directory; a second run is told who holds it; no lock outlives its holder."""
+"""run_lock: one run at a time per run directory; a second run is told who holds it;
+no lock outlives its holder."""
 
 import json
 import os
@@ -19,7 +20,8 @@ def run_lock(args: dict, tree: Path) -> tuple[int, dict]:
     env = {**os.environ, "ANSIBLE_LOCALHOST_WARNING": "false", "ANSIBLE_CONFIG": str(ROOT / "ansible.cfg")}
     done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     result_file = tree / "localhost"
-    assert result_file.exists(), f"no result from ansible (exit {done.returncode}):\n{done.stdout}\n{done.stderr}"
+    assert result_file.exists(), (
+        f"no result from ansible (exit {done.returncode}):\n{done.stdout}\n{done.stderr}")
     result = json.loads(result_file.read_text())
     result_file.unlink()
     return done.returncode, result

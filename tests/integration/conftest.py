@@ -56,9 +56,9 @@ class LocalDefault:
         values.update(overrides)
         return values
 
-    def play(self, playbook: str, timeout: int = 900, **overrides) -> PlayResult:
+    def play(self, playbook: str, timeout: int = 900, args: tuple[str, ...] = (), **overrides) -> PlayResult:
         cmd = [str(ANSIBLE_PLAYBOOK), str(REPO / "playbooks" / playbook),
-               "-e", json.dumps(self.extra_vars(**overrides))]
+               "-e", json.dumps(self.extra_vars(**overrides)), *args]
         proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout,
                               env={**os.environ, "ANSIBLE_CONFIG": str(REPO / "ansible.cfg"),
                                    "ANSIBLE_NOCOLOR": "1", "ANSIBLE_FORCE_COLOR": "0"})

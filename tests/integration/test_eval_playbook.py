@@ -35,6 +35,25 @@ def test_eval_reports_the_service_window_with_its_stages(first_run, local_defaul
     assert "## Service window" in (local_default.run_dir / "score" / "report.md").read_text()
 
 
+def test_a_successful_run_prints_no_failure_looking_retry_lines(first_run):
+    assert "FAILED - RETRYING" not in first_run.output
+
+
+def test_the_scoring_run_is_kept_and_appended_to_the_history(first_run, local_default):
+    history = local_default.work_dir / "history"
+    runs = [json.loads(line) for line in (history / "index.jsonl").read_text().splitlines()]
+    assert runs and (history / runs[-1]["run_id"] / "report.md").is_file()
+
+
+def test_tags_score_rescores_without_touching_the_service(first_run, local_default):
+    pid_before = local_default.server_pid()
+    result = local_default.play("eval.yml", args=("--tags", "score"), score_drafter_force=True)
+    assert result.rc == 0, result.output[-6000:]
+    assert "Score the drafter on the extracted hidden states" in result.output
+    assert "sglang_service" not in result.output and "Extract the target" not in result.output
+    assert local_default.server_pid() == pid_before
+
+
 def test_eval_leaves_the_service_ready(first_run, local_default):
     assert local_default.health_generate_status() == 200
 
@@ -109,7 +128,8 @@ def test_memory_saver_window_keeps_the_server_process(own_local_default):
     pid_before = site.server_pid()
     result = site.play("eval.yml", **window)
     assert result.rc == 0, result.output[-6000:]
-    assert "Pause, drain and release the GPU memory" in result.output and "Resume the GPU memory" in result.output
+    assert "Pause, drain and release the GPU memory" in result.output
+    assert "Resume the GPU memory" in result.output
     assert site.server_pid() == pid_before
     assert site.health_generate_status() == 200
     assert (site.run_dir / "score" / "report.json").is_file()

@@ -127,3 +127,112 @@ def test_vocabulary_check_without_a_tokenizer_checks_sizes_only(fixture_models, 
     result = diag.vocabulary_check(drafter_config, target)
     assert result["status"] == "ok"
     assert result["details"]["tokenizer"] == "not found"
+
+
+def test_layer_offset_is_inconclusive_when_every_offset_scores_the_same():
+    result = diag.layer_offset_check(lambda ids: 1.0, [0, 1, 2, 3, 4, 5], [1, 4], base_tau=1.0)
+    assert result["status"] == "inconclusive"
+    assert "cannot tell" in result["message"] and "0: 1.00, -1: 1.00, +1: 1.00" in result["message"]
+
+
+def test_backend_fallback_of_an_aligned_transformers_does_not_warn():
+    manifest = {"backend": {"gated_delta_rule": "torch", "device": "cpu"},
+                "versions": {"transformers": "5.23.0"}}
+    result = diag.backend_check(manifest, HYBRID)
+    assert result["status"] == "ok" and "does not change this tau" in result["message"]
+
+
+def test_backend_fallback_does_not_warn_when_the_reference_scores_well_on_the_same_states():
+    manifest = {"backend": {"gated_delta_rule": "torch"}, "versions": {"transformers": "4.57.1"}}
+    result = diag.backend_check(manifest, HYBRID, reference_tau=4.15, drafter_tau=1.0)
+    assert result["status"] == "ok" and "does not explain" in result["message"]
+
+
+def test_backend_fallback_warns_when_nothing_shows_the_states_are_usable():
+    manifest = {"backend": {"gated_delta_rule": "torch"}, "versions": {"transformers": "4.57.1"}}
+    assert diag.backend_check(manifest, HYBRID, reference_tau=1.0, drafter_tau=1.0)["status"] == "warning"
+
+
+BLOCK = 4
+
+
+def overall_of(lengths: list[int], block: int = BLOCK) -> dict:
+    from specops import report as rep
+
+    return rep.summarize([{"id": "x", "accept_lengths": lengths}], block)
+
+
+def rows(ratios: dict[str, float]) -> list[dict]:
+    return [{"id": key, "ratio": value} for key, value in ratios.items()]
+
+
+def test_acceptance_names_position_one_near_zero_as_the_cause():
+    result = diag.acceptance_pattern_check(overall_of([1] * 40), overall_of([4] * 40), rows({"a": 0.25}))
+    assert result["status"] == "warning"
+    assert result["message"].startswith("position-1 acceptance is 0.000")
+    assert "mask_token_id" in result["message"] and "the reference scores tau 4.00" in result["message"]
+    assert result["details"]["cause"].startswith("position-1 acceptance 0.000")
+
+
+def test_acceptance_names_a_collapse_after_position_k():
+    # Every step accepts exactly 2 drafts: position 3 is never accepted once reached.
+    overall = overall_of([3] * 30, block=8)
+    result = diag.acceptance_pattern_check(overall, None, [])
+    assert result["status"] == "warning" and result["details"]["collapse_after"] == 2
+    assert "collapses after position 2" in result["message"] and "block size 3" in result["message"]
+
+
+def test_acceptance_tells_far_below_the_reference_on_every_prompt():
+    result = diag.acceptance_pattern_check(overall_of([2, 1, 2, 1]), overall_of([4] * 4),
+                                           rows({"a": 0.3, "b": 0.4}))
+    assert "on every prompt" in result["message"] and "systematic" in result["details"]["cause"]
+
+
+def test_acceptance_tells_far_below_the_reference_on_some_prompts():
+    result = diag.acceptance_pattern_check(overall_of([2, 1, 2, 1]), overall_of([4] * 4),
+                                           rows({"a": 0.3, "b": 0.95, "c": 1.0}))
+    assert "on 1 of 3 prompts (a)" in result["message"]
+    assert result["details"]["prompts_far_below_reference"] == ["a"]
+
+
+def test_acceptance_is_ok_without_a_telling_pattern():
+    result = diag.acceptance_pattern_check(overall_of([4, 3, 4, 2]), overall_of([4] * 4),
+                                           rows({"a": 0.9}))
+    assert result["status"] == "ok"
+
+
+def comparison(mismatched_ids: list[str]) -> dict:
+    return {"server_drafter": "reference", "n_prompts": 3, "online_tau": 4.0, "expected_tau": 4.1,
+            "offline_tau": 4.0, "expected_steps": 10, "expected_tokens": 41, "not_scored": [],
+            "mismatched": [{"id": i, "online_tau": 4.0, "expected_tau": 4.1, "online_verify_ct": 5,
+                            "expected_verify_ct": 4} for i in mismatched_ids]}
+
+
+def test_online_difference_at_near_ties_is_not_a_configuration_error():
+    margins = {"p1": {"closest": 0.02, "block_start": 30, "position": 3},
+               "p2": {"closest": 0.3, "block_start": 12, "position": 1}}
+    result = diag.online_agreement_check(comparison(["p1", "p2"]), "reference", margins=margins)
+    assert result["status"] == "ok" and result["details"]["classification"] == "near_tie"
+    assert "near-tie" in result["message"] and "smallest 0.020" in result["message"]
+
+
+def test_online_difference_without_a_near_tie_is_a_configuration_error():
+    margins = {"p1": {"closest": 0.02, "block_start": 30, "position": 3},
+               "p2": {"closest": 6.5, "block_start": 12, "position": 1}}
+    result = diag.online_agreement_check(comparison(["p1", "p2"]), "reference", margins=margins)
+    assert result["status"] == "warning" and result["details"]["classification"] == "configuration"
+    assert "prompt p2 had no draft within 0.5 logits" in result["message"]
+
+
+def test_online_difference_without_margins_says_it_could_not_tell():
+    result = diag.online_agreement_check(comparison(["p1"]), "reference")
+    assert result["status"] == "warning" and result["details"]["classification"] == "unmeasured"
+
+
+def test_online_difference_too_large_for_one_flip_is_a_configuration_error():
+    wide = comparison(["p1"])
+    wide["mismatched"][0]["online_tau"] = 8.0
+    margins = {"p1": {"closest": 0.01, "block_start": 30, "position": 3}}
+    result = diag.online_agreement_check(wide, "reference", margins=margins)
+    assert result["details"]["classification"] == "configuration"
+    assert "by more than 20% in tau" in result["message"]

@@ -7,6 +7,7 @@ import re
 
 import pytest
 
+from specops import plots
 from specops import report as rep
 
 BLOCK = 4
@@ -100,7 +101,7 @@ def test_warnings_list_only_warning_diagnostics(report):
 
 
 def test_unknown_diagnostic_status_is_refused():
-    with pytest.raises(ValueError, match="not one of ok, warning, skipped"):
+    with pytest.raises(ValueError, match="not one of ok, warning, inconclusive, skipped"):
         rep.build_report(RUN, scores({"a": [1]}), diagnostics=[diagnostic("backend", "bad")])
 
 
@@ -128,7 +129,7 @@ def test_markdown_has_one_table_row_per_prompt(report):
 
 
 def test_plots_are_written_as_png_files(report, tmp_path):
-    names = rep.render_plots(report, tmp_path)
+    names = plots.render_plots(report, tmp_path)
     assert names == list(rep.PLOT_FILES)
     for name in names:
         assert (tmp_path / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -137,5 +138,62 @@ def test_plots_are_written_as_png_files(report, tmp_path):
 
 def test_plots_are_written_without_reference_or_online_figures(tmp_path):
     report = rep.build_report(RUN, scores({"a": [1, 2], "b": [1]}))
-    rep.render_plots(report, tmp_path)
+    plots.render_plots(report, tmp_path)
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(rep.PLOT_FILES)
+
+
+def named(report: dict, name: str) -> dict:
+    return {**report, "name": name, "plots": list(rep.PLOT_FILES),
+            "speedup": {"expected": 1.5, "draft_cost": 0.2, "verify_cost": 1.0}}
+
+
+@pytest.fixture
+def summary(report) -> dict:
+    model = {"formula": "expected speedup = tau / (draft_cost + verify_cost)", "assumptions": ["greedy"],
+             "reference_expected": 3.0}
+    return rep.build_summary(RUN, [named(report, "step-1"), named(report, "step-2")], model)
+
+
+def test_summary_keeps_the_first_drafters_figures_at_the_top_level(summary, report):
+    assert summary["overall"] == report["overall"] and summary["per_prompt"] == report["per_prompt"]
+    assert [d["name"] for d in summary["drafters"]] == ["step-1", "step-2"]
+
+
+def test_comparison_has_one_row_per_drafter_with_position_one_and_speedup(summary):
+    row = summary["comparison"][0]
+    assert (row["name"], row["position_1"], row["expected_speedup"]) == ("step-1", 0.4, 1.5)
+    assert row["warnings"] == ["layer_offset"]
+
+
+def test_summary_verdict_names_the_best_of_several_drafters(summary):
+    assert summary["verdict"].startswith("2 drafters; best step-1 tau 1.80 vs reference 3.80")
+
+
+def test_summary_markdown_has_a_comparison_table_and_each_drafters_section(summary):
+    markdown = rep.render_summary(summary, {"step-1": "drafters/step-1/", "step-2": "drafters/step-2/"},
+                                  [rep.PLOT_TAU_BY_DRAFTER])
+    assert "| step-1 | 1.80 | 0.47x | 0.400 | 1.50x | layer_offset |" in markdown
+    assert "## Drafter step-1" in markdown and "## Drafter step-2" in markdown
+    assert "](drafters/step-2/tau_per_prompt.png)" in markdown
+    assert "expected speedup = tau / (draft_cost + verify_cost)" in markdown
+
+
+def test_an_optional_section_without_its_template_renders_nothing(summary):
+    plain = rep.render_summary(summary, {"step-1": "", "step-2": ""})
+    assert rep.render_summary({**summary, "window": {"seconds": 1}}, {"step-1": "", "step-2": ""}) == plain
+
+
+def test_verdict_names_the_likely_cause_a_diagnosis_found():
+    cause = {"name": "acceptance", "status": "warning", "message": "m",
+             "details": {"cause": "position-1 acceptance 0.000"}}
+    report = rep.build_report(RUN, scores({"a": [1, 1]}), scores({"a": [4, 4]}), diagnostics=[cause])
+    assert rep.verdict(report).endswith("; likely cause: position-1 acceptance 0.000")
+
+
+def test_comparison_and_trend_plots_are_png_files(summary, tmp_path):
+    assert plots.render_comparison(summary, tmp_path) == rep.PLOT_TAU_BY_DRAFTER
+    runs = [{"run_id": "1", "tau": {"step-1": 1.5}, "reference_tau": 3.8},
+            {"run_id": "2", "tau": {"step-1": 1.8, "step-2": 1.7}, "reference_tau": 3.8}]
+    assert plots.render_trend(runs, ["step-1", "step-2"], tmp_path) == rep.PLOT_TAU_TREND
+    for name in (rep.PLOT_TAU_BY_DRAFTER, rep.PLOT_TAU_TREND):
+        assert (tmp_path / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -39,9 +39,11 @@ options:
     required: true
   drafter:
     description:
-      - DFlash drafter directory; its C(dflash_config.target_layer_ids) are the layers to capture.
+      - DFlash drafter directory, or a list of them; the union of their C(dflash_config.target_layer_ids)
+        is captured once, so several drafters are scored on one extraction.
       - Required unless O(layer_ids) is given.
-    type: path
+    type: list
+    elements: path
   layer_ids:
     description:
       - Target layer ids to capture, overriding the drafter's. Layer V(k) is C(hidden_states[k + 1]) of
@@ -266,7 +268,7 @@ def main():
             target=dict(type="path", required=True),
             completions=dict(type="path", required=True),
             out_dir=dict(type="path", required=True),
-            drafter=dict(type="path"),
+            drafter=dict(type="list", elements="path"),
             layer_ids=dict(type="list", elements="int"),
             capture_offsets=dict(type="list", elements="int", default=[0]),
             dtype=dict(type="str", default="auto", choices=["auto", "bfloat16", "float16", "float32"]),

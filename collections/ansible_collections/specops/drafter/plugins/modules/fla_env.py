@@ -98,7 +98,7 @@ options:
     required: true
   specops_extras:
     description:
-      - Extras of the specops package to install with it (C(ml) brings tokenizers, matplotlib, einops).
+      - Extras of the specops package to install with it (C(ml) brings tokenizers, matplotlib, einops, jinja2).
     type: list
     elements: str
     default: [ml]

@@ -57,8 +57,12 @@ options:
     required: true
   drafter:
     description:
-      - The drafter checkpoint directory (C(config.json) with C(dflash_config), safetensors).
-    type: path
+      - The drafter checkpoint directory (C(config.json) with C(dflash_config), safetensors), or a list
+        of them (checkpoints of a training run, or rivals), all scored on the same hidden states.
+      - Each drafter is named by its directory's name; its report and plots go to
+        C(<out_dir>/drafters/<name>/), and C(report.md) compares them.
+    type: list
+    elements: path
     required: true
   reference_drafter:
     description:
@@ -72,13 +76,15 @@ options:
     type: path
   server_drafter:
     description:
-      - Which drafter the SGLang server speculated with when it made O(completions), V(drafter) or
-        V(reference) (then O(reference_drafter) is required); V("") when unknown.
+      - Which drafter the SGLang server speculated with when it made O(completions): V(drafter) (the
+        first of O(drafter)), a drafter's name, or V(reference) (then O(reference_drafter) is required);
+        V("") when unknown.
       - When known, the C(online_agreement) diagnostic compares SGLang's online tau with that
         drafter's offline tau plus the prefill token SGLang counts (offline tau + 1 / verify steps
-        per completion) and warns, naming both numbers, when they differ by more than 1e-9.
+        per completion). Prompts that differ are classified: a near-tie (a draft decided by a logit
+        margin under 0.5, which another kernel or dtype can flip) is reported as such; otherwise it
+        warns of a configuration error, naming both numbers.
     type: str
-    choices: ["", drafter, reference]
     default: ""
   out_dir:
     description:
@@ -101,17 +107,32 @@ options:
     default: 0.0
   dtype:
     description:
-      - Precision of the drafter and the target head while scoring.
+      - Precision of the drafter and the target head while scoring. V(auto) is V(float32) on the CPU
+        and on a GPU where the head and drafters fit in a quarter of free memory, else V(bfloat16).
     type: str
-    choices: [bfloat16, float16, float32]
-    default: bfloat16
+    choices: [auto, bfloat16, float16, float32]
+    default: auto
   diagnostics:
     description:
-      - Which diagnostics to run. C(layer_offset) scores the drafter twice more.
+      - Which diagnostics to run. C(acceptance) names the cause the acceptance figures point to
+        (position-1 acceptance near zero, a collapse after position k, far below the reference on
+        every prompt or on some). C(layer_offset) scores each drafter twice more.
     type: list
     elements: str
-    choices: [layer_offset, backend, vocabulary]
-    default: [layer_offset, backend, vocabulary]
+    choices: [acceptance, layer_offset, backend, vocabulary]
+    default: [acceptance, layer_offset, backend, vocabulary]
+  step_costs:
+    description:
+      - The cost of a drafter step and of a target verify step, in target decode steps, as measured by
+        C(benchmarks/speedup_h200.py) (keys C(draft_cost), C(verify_cost)). The expected speedup is
+        tau / (draft_cost + verify_cost). Empty to estimate them from the weights each step reads.
+    type: dict
+  history:
+    description:
+      - Directory of past runs. A run that scores copies its report to C(<history>/<run_id>/) and
+        appends a line to C(<history>/index.jsonl) (under a lock, safe for concurrent runs); the report
+        then plots tau per drafter over the runs.
+    type: path
   layer_offset_tolerance:
     description:
       - The layer-offset check warns when the drafter's tau with its target layers shifted by -1
@@ -206,6 +227,31 @@ steps:
   description: Verify steps the drafter was scored on.
   returned: always
   type: int
+drafters:
+  description: Per drafter, its name, tau, ratio to the reference, expected speedup and the diagnostics that warned.
+  returned: always
+  type: list
+  elements: dict
+  sample: [{"name": "step-2000", "tau": 3.02, "ratio": 0.24, "expected_speedup": 2.71, "warnings": []}]
+expected_speedup:
+  description: The first drafter's expected speedup over decoding without a drafter (the report states the model).
+  returned: always
+  type: float
+  sample: 2.71
+run_id:
+  description: This run's name in O(history), null without it or when nothing was scored.
+  returned: always
+  type: str
+history_index:
+  description: Path of the run index, null without O(history).
+  returned: always
+  type: str
+trend:
+  description: tau per drafter (and the reference's) over the last 20 runs of O(history), oldest first.
+  returned: always
+  type: list
+  elements: dict
+  sample: [{"run_id": "20261201T101500Z-3f2a9c1e", "tau": {"step-2000": 3.02}, "reference_tau": 12.41}]
 verdict:
   description: The report's first line.
   returned: always
@@ -253,6 +299,8 @@ REQUEST_KEYS = (
     "dtype",
     "diagnostics",
     "layer_offset_tolerance",
+    "step_costs",
+    "history",
     "force",
 )
 
@@ -264,6 +312,11 @@ FIGURES = {
     "n_prompts": None,
     "steps": None,
     "verdict": "",
+    "drafters": [],
+    "expected_speedup": None,
+    "run_id": None,
+    "history_index": None,
+    "trend": [],
     "diagnostic_warnings": [],
     "out_dir": None,
     "report_json": None,
@@ -301,17 +354,20 @@ def main():
             python=dict(type="path", required=True),
             hidden_states=dict(type="path", required=True),
             target=dict(type="path", required=True),
-            drafter=dict(type="path", required=True),
+            drafter=dict(type="list", elements="path", required=True),
             reference_drafter=dict(type="path"),
             completions=dict(type="path"),
-            server_drafter=dict(type="str", choices=["", "drafter", "reference"], default=""),
+            server_drafter=dict(type="str", default=""),
             out_dir=dict(type="path", required=True),
             device=dict(type="str", default="cpu"),
             gpu_memory_gib=dict(type="float", default=0.0),
-            dtype=dict(type="str", choices=["bfloat16", "float16", "float32"], default="bfloat16"),
-            diagnostics=dict(type="list", elements="str", choices=["layer_offset", "backend", "vocabulary"],
-                             default=["layer_offset", "backend", "vocabulary"]),
+            dtype=dict(type="str", choices=["auto", "bfloat16", "float16", "float32"], default="auto"),
+            diagnostics=dict(type="list", elements="str",
+                             choices=["acceptance", "layer_offset", "backend", "vocabulary"],
+                             default=["acceptance", "layer_offset", "backend", "vocabulary"]),
             layer_offset_tolerance=dict(type="float", default=0.1),
+            step_costs=dict(type="dict"),
+            history=dict(type="path"),
             force=dict(type="bool", default=False),
         ),
         required_if=[("server_drafter", "reference", ("reference_drafter",))],
