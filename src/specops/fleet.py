@@ -154,30 +154,44 @@ def render_markdown(fleet: Mapping[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+SCORED_KEYS = ("overall", "reference", "ratio", "online", "per_prompt", "diagnostics", "warnings")
+
+
+def scored_part(fleet: Mapping[str, Any]) -> dict[str, Any]:
+    """What the hosts' scores decide, without the rollout's timings."""
+    return {key: fleet.get(key) for key in SCORED_KEYS}
+
+
 def merge(request: Mapping[str, Any]) -> dict[str, Any]:
+    """{"hosts": [name], "shards_dir": dir of <host>.json reports, "windows": {host: figures},
+    "rollout": {...}, "out_dir"} -> the fleet's report.json and report.md in out_dir."""
     out_dir = Path(str(request.get("out_dir") or ""))
-    if not str(out_dir) or str(out_dir) == ".":
-        raise StageError("out_dir is required: the fleet report's directory")
+    shards_dir = Path(str(request.get("shards_dir") or ""))
+    if not request.get("out_dir") or not request.get("shards_dir"):
+        raise StageError("out_dir and shards_dir are required: where the fleet report goes, where the hosts' are")
+    windows = request.get("windows") or {}
     hosts = []
-    for shard in request.get("hosts") or []:
-        path = Path(str(shard["report"]))
+    for host in request.get("hosts") or []:
+        path = shards_dir / f"{host}.json"
         if not path.is_file():
-            raise StageError(f"host {shard['host']}'s report {path} does not exist: its scoring did not run; "
+            raise StageError(f"host {host}'s report {path} does not exist: its scoring did not run; "
                              "rerun the evaluation for that host")
-        hosts.append({"host": shard["host"], "report": json.loads(path.read_text()),
-                      "window": shard.get("window") or {}})
+        hosts.append({"host": host, "report": json.loads(path.read_text()), "window": windows.get(host) or {}})
     fleet = merge_reports(hosts, request.get("rollout") or {})
     figures = {"tau": fleet["overall"]["tau"], "reference_tau": (fleet["reference"] or {}).get("tau"),
-               "ratio": fleet["ratio"], "n_prompts": len(fleet["per_prompt"]), "n_hosts": len(hosts),
+               "ratio": fleet["ratio"], "online_tau": (fleet["online"] or {}).get("tau"),
+               "n_prompts": len(fleet["per_prompt"]), "n_hosts": len(hosts),
                "verdict": rep.verdict(fleet), "warnings": fleet["warnings"],
+               "wall_s": fleet["fleet"].get("wall_s"), "sum_window_s": fleet["fleet"]["sum_window_s"],
                "per_host": [{"host": r["host"], "tau": r["tau"], **r["window"]} for r in fleet["per_host"]],
-               "report_md": str(out_dir / FLEET_REPORT_MD), "report_json": str(out_dir / FLEET_REPORT_JSON)}
+               "report": str(out_dir / FLEET_REPORT_MD), "report_md": str(out_dir / FLEET_REPORT_MD),
+               "report_json": str(out_dir / FLEET_REPORT_JSON)}
     path = out_dir / FLEET_REPORT_JSON
-    # Window timings differ on every run: compare the scored content to decide whether anything changed.
     before = json.loads(path.read_text()) if path.is_file() else None
-    changed = before is None or {k: v for k, v in before.items() if k != "fleet"} != \
-        {k: v for k, v in json.loads(json.dumps(fleet)).items() if k != "fleet"} or \
-        any(r["window"] for r in fleet["per_host"])
+    # A run with windows has new timings to record; one without (nothing to extract) changes
+    # the report only if a host's scores changed.
+    had_windows = any(h["window"] for h in hosts)
+    changed = before is None or had_windows or scored_part(before) != scored_part(json.loads(json.dumps(fleet)))
     if changed and not request.get("check_mode"):
         out_dir.mkdir(parents=True, exist_ok=True)
         atomic_write_text(out_dir / FLEET_REPORT_MD, render_markdown(fleet))
