@@ -80,7 +80,8 @@ def merged_online(reports: Sequence[Mapping[str, Any]]) -> dict[str, Any] | None
             "n_prompts": sum(o["n_prompts"] for o in onlines)}
 
 
-def merge_reports(hosts: Sequence[Mapping[str, Any]], rollout: Mapping[str, Any] | None = None) -> dict[str, Any]:
+def merge_reports(hosts: Sequence[Mapping[str, Any]],
+                  rollout: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """hosts: [{"host", "report": <a host's report.json>, "window": {...}}] -> the fleet's report."""
     if not hosts:
         raise StageError("no host shard to merge: the fleet run scored nothing")
@@ -136,13 +137,15 @@ def render_markdown(fleet: Mapping[str, Any]) -> str:
              f"{info['n_hosts']} host(s), {len(fleet['per_prompt'])} prompt(s) split across them.", ""]
     if info.get("wall_s") is not None:
         lines += [f"Rollout wall time {_fmt(info['wall_s'], 1)} s; sum of the per-host windows "
-                  f"{_fmt(info.get('sum_window_s'), 1)} s (service down {_fmt(info.get('sum_downtime_s'), 1)} s "
+                  f"{_fmt(info.get('sum_window_s'), 1)} s "
+                  f"(service down {_fmt(info.get('sum_downtime_s'), 1)} s "
                   "in all).", ""]
     lines += ["| host | prompts | tau | reference tau | online tau | window s | service down s | warnings |",
               "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     for row in fleet["per_host"]:
         window = row["window"]
-        lines.append(f"| {row['host']} | {row['n_prompts']} | {_fmt(row['tau'])} | {_fmt(row['reference_tau'])} "
+        lines.append(f"| {row['host']} | {row['n_prompts']} | {_fmt(row['tau'])} "
+                     f"| {_fmt(row['reference_tau'])} "
                      f"| {_fmt(row['online_tau'])} | {_fmt(window.get('window_s'), 1)} "
                      f"| {_fmt(window.get('downtime_s'), 1)} | {len(row['warnings'])} |")
     lines += ["", "| prompt | host | tau | reference tau | ratio |", "| --- | --- | --- | --- | --- |"]
@@ -168,7 +171,8 @@ def merge(request: Mapping[str, Any]) -> dict[str, Any]:
     out_dir = Path(str(request.get("out_dir") or ""))
     shards_dir = Path(str(request.get("shards_dir") or ""))
     if not request.get("out_dir") or not request.get("shards_dir"):
-        raise StageError("out_dir and shards_dir are required: where the fleet report goes, where the hosts' are")
+        raise StageError("out_dir and shards_dir are required: where the fleet report goes, "
+                         "where the hosts' reports are")
     windows = request.get("windows") or {}
     hosts = []
     for host in request.get("hosts") or []:
@@ -176,7 +180,8 @@ def merge(request: Mapping[str, Any]) -> dict[str, Any]:
         if not path.is_file():
             raise StageError(f"host {host}'s report {path} does not exist: its scoring did not run; "
                              "rerun the evaluation for that host")
-        hosts.append({"host": host, "report": json.loads(path.read_text()), "window": windows.get(host) or {}})
+        hosts.append({"host": host, "report": json.loads(path.read_text()),
+                      "window": windows.get(host) or {}})
     fleet = merge_reports(hosts, request.get("rollout") or {})
     figures = {"tau": fleet["overall"]["tau"], "reference_tau": (fleet["reference"] or {}).get("tau"),
                "ratio": fleet["ratio"], "online_tau": (fleet["online"] or {}).get("tau"),
@@ -191,7 +196,8 @@ def merge(request: Mapping[str, Any]) -> dict[str, Any]:
     # A run with windows has new timings to record; one without (nothing to extract) changes
     # the report only if a host's scores changed.
     had_windows = any(h["window"] for h in hosts)
-    changed = before is None or had_windows or scored_part(before) != scored_part(json.loads(json.dumps(fleet)))
+    now = scored_part(json.loads(json.dumps(fleet)))
+    changed = before is None or had_windows or scored_part(before) != now
     if changed and not request.get("check_mode"):
         out_dir.mkdir(parents=True, exist_ok=True)
         atomic_write_text(out_dir / FLEET_REPORT_MD, render_markdown(fleet))

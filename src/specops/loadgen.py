@@ -130,7 +130,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     require_loopback(args.url)
     generator = LoadGenerator(args.url, args.concurrency, args.max_requests, args.max_seconds,
-                              args.max_new_tokens, args.timeout, Path(args.stop_file) if args.stop_file else None)
+                              args.max_new_tokens, args.timeout,
+                              Path(args.stop_file) if args.stop_file else None)
     rows = generator.run()
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

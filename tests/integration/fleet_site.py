@@ -122,7 +122,7 @@ class LocalFleet:
                 raise RuntimeError(f"the router lists {self.healthy_workers()} healthy, not {urls}")
             time.sleep(0.5)
 
-    def start_load(self, name: str, concurrency: int = 2, max_seconds: float = 900) -> None:
+    def start_load(self, name: str, concurrency: int = 1, max_seconds: float = 3600) -> None:
         self.stop_file(name).unlink(missing_ok=True)
         self.load = subprocess.Popen(
             [sys.executable, "-m", "specops.loadgen", "--url", self.router_url,

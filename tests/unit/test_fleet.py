@@ -3,6 +3,7 @@ of one scorer over every host's steps."""
 
 from __future__ import annotations
 
+import io
 import json
 
 import pytest
@@ -33,7 +34,8 @@ def test_split_writes_the_share_and_reports_no_change_on_a_rerun(tmp_path):
     request = {"prompts": str(prompts), "out": str(tmp_path / "run" / "share.jsonl"), "index": 1, "count": 2}
     first = split(request)
     assert first["changed"] and first["n_prompts"] == 2
-    assert [json.loads(line)["id"] for line in (tmp_path / "run" / "share.jsonl").read_text().splitlines()] == ["p1", "p3"]
+    written = (tmp_path / "run" / "share.jsonl").read_text().splitlines()
+    assert [json.loads(line)["id"] for line in written] == ["p1", "p3"]
     assert split(request)["changed"] is False
 
 
@@ -47,7 +49,8 @@ def test_split_refuses_a_fleet_larger_than_the_prompt_set(tmp_path):
 def test_merged_tau_equals_tau_over_every_hosts_steps():
     a = [{"id": "p0", "accept_lengths": [1, 2, 4]}, {"id": "p2", "accept_lengths": [3]}]
     b = [{"id": "p1", "accept_lengths": [1, 1, 1, 1, 2]}]
-    fleet = merge_reports([{"host": "h1", "report": host_report(a, a)}, {"host": "h2", "report": host_report(b, a)}])
+    fleet = merge_reports([{"host": "h1", "report": host_report(a, a)},
+                           {"host": "h2", "report": host_report(b, a)}])
     whole = rep.summarize(a + b, BLOCK)
     assert fleet["overall"] == whole
     assert fleet["overall"]["tau"] == pytest.approx(16 / 9)
@@ -72,7 +75,7 @@ def test_merge_names_the_host_whose_report_is_missing(tmp_path, capsys, monkeypa
     shards.mkdir()
     (shards / "h1.json").write_text(json.dumps(host_report([{"id": "p", "accept_lengths": [2]}])))
     request = {"hosts": ["h1", "h2"], "shards_dir": str(shards), "out_dir": str(tmp_path / "fleet")}
-    monkeypatch.setattr("sys.stdin", __import__("io").StringIO(json.dumps(request)))
+    monkeypatch.setattr("sys.stdin", io.StringIO(json.dumps(request)))
     assert main(["merge"]) == 2
     result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert result["failed"] and "host h2's report" in result["msg"]
@@ -82,11 +85,12 @@ def test_merge_writes_one_report_and_a_rerun_without_windows_changes_nothing(tmp
     shards = tmp_path / "shards"
     shards.mkdir()
     for host, ids in (("h1", ["p0"]), ("h2", ["p1"])):
-        (shards / f"{host}.json").write_text(json.dumps(host_report([{"id": i, "accept_lengths": [2, 1]} for i in ids])))
+        sequences = [{"id": i, "accept_lengths": [2, 1]} for i in ids]
+        (shards / f"{host}.json").write_text(json.dumps(host_report(sequences)))
     request = {"hosts": ["h1", "h2"], "shards_dir": str(shards), "out_dir": str(tmp_path / "fleet"),
                "windows": {"h1": {"window_s": 3.0}, "h2": {"window_s": 4.0}}}
     for expected_change, windows in ((True, request["windows"]), (False, {})):
-        monkeypatch.setattr("sys.stdin", __import__("io").StringIO(json.dumps({**request, "windows": windows})))
+        monkeypatch.setattr("sys.stdin", io.StringIO(json.dumps({**request, "windows": windows})))
         assert main(["merge"]) == 0
         result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
         assert result["changed"] is expected_change
