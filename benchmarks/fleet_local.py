@@ -33,7 +33,7 @@ LOAD_FIGURES = ("requests", "failed", "p50_s", "p99_s", "span_s")
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--baseline-seconds", type=float, default=120)
-    parser.add_argument("--concurrency", type=int, default=2)
+    parser.add_argument("--concurrency", type=int, default=1)
     parser.add_argument("--out", default=str(REPO / "benchmarks" / "fleet_local.json"))
     args = parser.parse_args()
     models = Path(os.environ.get("SPECOPS_TEST_MODELS", REPO / ".work" / "test-models"))

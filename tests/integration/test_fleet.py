@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import sys
 from pathlib import Path
 
@@ -80,3 +81,26 @@ def test_an_unreachable_router_fails_before_any_host_is_drained(rolling_run, fle
     assert "cannot be reached" in result.output and "no host was drained" in result.output
     assert "Drain the host" not in result.output
     assert {host: (fleet.work_dir / host / "sglang.pid").read_text() for host in pids} == pids
+
+
+def test_a_host_that_fails_its_window_is_put_back_and_the_rollout_stops(rolling_run, fleet, tmp_path):
+    # Truncated weights pass the plan and fail only when the extraction loads them, inside the window
+    # of the first host; the hosts after it must never be drained.
+    good = fleet.models_dir / "target"
+    broken = tmp_path / "truncated-target"
+    shutil.copytree(good, broken)
+    weights = broken / "model.safetensors"
+    with open(weights, "r+b") as handle:
+        handle.truncate(weights.stat().st_size // 2)
+    pids = {host: (fleet.work_dir / host / "sglang.pid").read_text() for host in HOSTS}
+    fleet.start_load("failing")
+    result = fleet.play("eval.yml", specops_run_dir="{{ specops_work_dir }}/run-broken",
+                        specops_target_model=str(broken), sglang_service_model_path=str(good))
+    load = fleet.stop_load("failing")
+    assert result.rc != 0
+    assert "specops stage 'extract' failed" in result.output, result.output[-4000:]
+    assert (fleet.work_dir / "replica1" / "sglang.pid").read_text() != pids["replica1"]
+    assert {h: (fleet.work_dir / h / "sglang.pid").read_text() for h in HOSTS[1:]} == \
+        {h: pids[h] for h in HOSTS[1:]}
+    assert fleet.healthy_workers() == set(fleet.worker_urls)
+    assert load["failed"] == 0, load["failures"]
