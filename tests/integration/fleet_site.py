@@ -73,7 +73,7 @@ class LocalFleet:
                 "specops_fleet_ports": self.replica_ports, "sglang_router_url": self.router_url,
                 "sglang_service_deadman": False, **overrides}
 
-    def play(self, playbook: str, timeout: int = 1200, **overrides: Any) -> Play:
+    def play(self, playbook: str, timeout: int = 3600, **overrides: Any) -> Play:
         cmd = [str(BIN / "ansible-playbook"), "-i", str(REPO / "inventory" / "fleet"),
                str(REPO / "playbooks" / playbook), "-e", json.dumps(self.extra_vars(**overrides))]
         began = time.monotonic()
