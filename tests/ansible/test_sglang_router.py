@@ -99,7 +99,8 @@ def run_role(tmp_path, actions, **variables):
     proc = subprocess.run([str(BIN / "ansible-playbook"), "-i", "localhost,", "-c", "local", str(playbook),
                            "-e", f"ansible_python_interpreter={sys.executable}"],
                           capture_output=True, text=True, timeout=300, cwd=ROOT,
-                          env={**os.environ, "ANSIBLE_CONFIG": str(ROOT / "ansible.cfg"), "ANSIBLE_NOCOLOR": "1"})
+                          env={**os.environ, "ANSIBLE_CONFIG": str(ROOT / "ansible.cfg"),
+                               "ANSIBLE_NOCOLOR": "1"})
     return proc.returncode, proc.stdout + proc.stderr
 
 
