@@ -30,7 +30,7 @@ def require_loopback(url: str) -> None:
     """Refuse any address that is not this machine: the generator is for local sites only."""
     host = urlsplit(url).hostname or ""
     try:
-        addresses = {info[4][0] for info in socket.getaddrinfo(host, None)}
+        addresses = {str(info[4][0]) for info in socket.getaddrinfo(host, None)}
     except socket.gaierror as error:
         raise SystemExit(f"cannot resolve {host!r} in {url}: {error}") from None
     if not addresses or not all(ipaddress.ip_address(a.split("%")[0]).is_loopback for a in addresses):
