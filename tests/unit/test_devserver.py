@@ -247,6 +247,29 @@ def test_flush_cache_is_refused_while_a_request_is_pending(server):
     assert status == 400 and "will not be performed" in body
 
 
+def test_get_load_counts_the_request_in_flight_then_none(server):
+    def in_flight() -> list[tuple[int, int, int]]:
+        status, ranks = call(server.url, "/get_load")
+        assert status == 200
+        return [(r["dp_rank"], r["num_reqs"], r["num_waiting_reqs"]) for r in ranks]
+
+    worker = threading.Thread(target=call, args=(server.url, "/generate", greedy(PROMPT_IDS[0], 300)))
+    worker.start()
+    try:
+        deadline = time.monotonic() + 30
+        while in_flight() == [(0, 0, 0)]:
+            assert time.monotonic() < deadline, "the long request never showed in /get_load"
+            time.sleep(0.02)
+        assert in_flight() == [(0, 1, 0)]
+    finally:
+        worker.join(600)
+    # The client may give up first on a loaded machine; the server still finishes the request.
+    deadline = time.monotonic() + 600
+    while in_flight() != [(0, 0, 0)]:
+        assert time.monotonic() < deadline, "the request never left /get_load"
+        time.sleep(0.2)
+
+
 def test_flush_cache_succeeds_when_idle(server):
     assert call(server.url, "/flush_cache", {}, method="POST")[0] == 200
 

@@ -109,6 +109,7 @@ class Handler(BaseHTTPRequestHandler):
                 "/get_server_info": self.server_info,
                 "/server_info": self.server_info,
                 "/get_weight_version": self.weight_version,
+                "/get_load": self.load,
                 "/flush_cache": self.flush_cache,
             }
         )
@@ -178,6 +179,12 @@ class Handler(BaseHTTPRequestHandler):
                 "version": "specops-devserver",
             },
         )
+
+    def load(self) -> None:
+        # One entry per data-parallel rank, as SGLang's GetLoadReqOutput (managers/io_struct.py):
+        # a router drain waits on it until no request is left in flight.
+        self._send(200, [{"dp_rank": 0, "num_reqs": self.app.engine.pending, "num_waiting_reqs": 0,
+                          "num_tokens": 0}])
 
     def flush_cache(self) -> None:
         # SGLang refuses to flush while requests run or wait, and answers plain text either way

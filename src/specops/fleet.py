@@ -1,0 +1,231 @@
+"""Divide an evaluation across a fleet of hosts and merge their shards into one report.
+
+`split`: host i of n keeps the prompts at positions i, i+n, i+2n ... of the prompt set, so every
+prompt is evaluated exactly once and each host prefetches and extracts only its share.
+`merge`: each host scored its own share; the fleet's figures are pooled over verify steps (tau =
+accepted tokens / steps), so the merged tau is exactly the tau of one scorer over every prompt.
+
+python -m specops.fleet split|merge --request FILE (or JSON on stdin); the last line of stdout is
+one JSON object, as in the stage protocol (docs/architecture.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import traceback
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from specops import report as rep
+from specops.manifest import atomic_write_json, atomic_write_text
+from specops.stage import StageError, log
+
+FLEET_REPORT_JSON = "report.json"
+FLEET_REPORT_MD = "report.md"
+
+
+# -- split ---------------------------------------------------------------------------------------
+def share(lines: Sequence[str], index: int, count: int) -> list[str]:
+    """The prompts host `index` of `count` evaluates: every count-th one, starting at index."""
+    if count < 1 or not 0 <= index < count:
+        raise StageError(f"host index {index} is outside a fleet of {count} host(s)")
+    return [line for position, line in enumerate(lines) if position % count == index]
+
+
+def split(request: Mapping[str, Any]) -> dict[str, Any]:
+    prompts = Path(str(request.get("prompts") or ""))
+    out = Path(str(request.get("out") or ""))
+    index, count = int(request.get("index", 0)), int(request.get("count", 1))
+    if not prompts.is_file():
+        raise StageError(f"prompt set {prompts} does not exist: set specops_prompts to a JSONL file")
+    lines = [line for line in prompts.read_text().splitlines() if line.strip()]
+    mine = share(lines, index, count)
+    if not mine:
+        raise StageError(f"{prompts} holds {len(lines)} prompt(s), too few for {count} hosts: "
+                         f"host {index} would get none; evaluate on fewer hosts or add prompts")
+    text = "\n".join(mine) + "\n"
+    changed = not out.is_file() or out.read_text() != text
+    if changed and not request.get("check_mode"):
+        out.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(out, text)
+    return {"changed": changed, "out": str(out), "n_prompts": len(mine), "n_total": len(lines)}
+
+
+# -- merge ---------------------------------------------------------------------------------------
+def pooled(summaries: Sequence[Mapping[str, Any] | None]) -> dict[str, Any] | None:
+    """One drafter's summary over every host: the histograms add up; tau and the acceptance by
+    position follow from the pooled histogram exactly (report.summarize on the same steps)."""
+    present = [s for s in summaries if s]
+    if not present:
+        return None
+    block_size = max(int(s["block_size"]) for s in present)
+    counts = [0] * block_size
+    for summary in present:
+        for length, count in zip(summary["histogram"]["length"], summary["histogram"]["count"], strict=True):
+            counts[int(length) - 1] += int(count)
+    lengths = [length for length, count in enumerate(counts, start=1) for _ in range(count)]
+    return rep.summarize([{"accept_lengths": lengths}], block_size)
+
+
+def merged_online(reports: Sequence[Mapping[str, Any]]) -> dict[str, Any] | None:
+    onlines = [r["online"] for r in reports if r.get("online")]
+    if not onlines:
+        return None
+    steps = sum(o["steps"] for o in onlines)
+    tokens = sum(o["tokens"] for o in onlines)
+    return {"tau": tokens / steps if steps else None, "steps": steps, "tokens": tokens,
+            "n_prompts": sum(o["n_prompts"] for o in onlines)}
+
+
+def merge_reports(hosts: Sequence[Mapping[str, Any]],
+                  rollout: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """hosts: [{"host", "report": <a host's report.json>, "window": {...}}] -> the fleet's report."""
+    if not hosts:
+        raise StageError("no host shard to merge: the fleet run scored nothing")
+    reports = [h["report"] for h in hosts]
+    overall = pooled([r["overall"] for r in reports])
+    reference = pooled([r.get("reference") for r in reports])
+    per_prompt = [{"host": h["host"], **row} for h in hosts for row in h["report"]["per_prompt"]]
+    per_host = []
+    for h in hosts:
+        r = h["report"]
+        per_host.append({
+            "host": h["host"],
+            "n_prompts": len(r["per_prompt"]),
+            "tau": r["overall"]["tau"],
+            "steps": r["overall"]["steps"],
+            "reference_tau": (r.get("reference") or {}).get("tau"),
+            "online_tau": (r.get("online") or {}).get("tau"),
+            "warnings": list(r.get("warnings") or []),
+            "window": dict(h.get("window") or {}),
+        })
+    diagnostics = []
+    for h in hosts:
+        for finding in h["report"].get("diagnostics") or []:
+            diagnostics.append({**finding, "name": f"{finding['name']}@{h['host']}"})
+    windows = [row["window"] for row in per_host if row["window"].get("window_s") is not None]
+    return {
+        "schema_version": rep.SCHEMA_VERSION,
+        "fleet": {
+            "hosts": [h["host"] for h in hosts],
+            "n_hosts": len(hosts),
+            "sum_window_s": round(sum(w["window_s"] for w in windows), 3) if windows else None,
+            "sum_downtime_s": round(sum(w.get("downtime_s") or 0 for w in windows), 3) if windows else None,
+            **dict(rollout or {}),
+        },
+        "overall": overall,
+        "reference": reference,
+        "ratio": rep.ratio(overall["tau"] if overall else None, reference["tau"] if reference else None),
+        "online": merged_online(reports),
+        "per_host": per_host,
+        "per_prompt": per_prompt,
+        "diagnostics": diagnostics,
+        "warnings": [f"{h['host']}: {w}" for h in hosts for w in h["report"].get("warnings") or []],
+    }
+
+
+def _fmt(value: Any, digits: int = 2) -> str:
+    return "-" if value is None else f"{value:.{digits}f}" if isinstance(value, float) else str(value)
+
+
+def render_markdown(fleet: Mapping[str, Any]) -> str:
+    info = fleet["fleet"]
+    lines = [f"# Fleet evaluation: {rep.verdict(fleet)}", "",
+             f"{info['n_hosts']} host(s), {len(fleet['per_prompt'])} prompt(s) split across them.", ""]
+    if info.get("wall_s") is not None:
+        lines += [f"Rollout wall time {_fmt(info['wall_s'], 1)} s; sum of the per-host windows "
+                  f"{_fmt(info.get('sum_window_s'), 1)} s "
+                  f"(service down {_fmt(info.get('sum_downtime_s'), 1)} s "
+                  "in all).", ""]
+    lines += ["| host | prompts | tau | reference tau | online tau | window s | service down s | warnings |",
+              "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for row in fleet["per_host"]:
+        window = row["window"]
+        lines.append(f"| {row['host']} | {row['n_prompts']} | {_fmt(row['tau'])} "
+                     f"| {_fmt(row['reference_tau'])} "
+                     f"| {_fmt(row['online_tau'])} | {_fmt(window.get('window_s'), 1)} "
+                     f"| {_fmt(window.get('downtime_s'), 1)} | {len(row['warnings'])} |")
+    lines += ["", "| prompt | host | tau | reference tau | ratio |", "| --- | --- | --- | --- | --- |"]
+    for row in fleet["per_prompt"]:
+        lines.append(f"| {row['id']} | {row['host']} | {_fmt(row['tau'])} | {_fmt(row.get('reference_tau'))} "
+                     f"| {_fmt(row.get('ratio'))} |")
+    if fleet["warnings"]:
+        lines += ["", "Warnings:", *[f"- {w}" for w in fleet["warnings"]]]
+    return "\n".join(lines) + "\n"
+
+
+SCORED_KEYS = ("overall", "reference", "ratio", "online", "per_prompt", "diagnostics", "warnings")
+
+
+def scored_part(fleet: Mapping[str, Any]) -> dict[str, Any]:
+    """What the hosts' scores decide, without the rollout's timings."""
+    return {key: fleet.get(key) for key in SCORED_KEYS}
+
+
+def merge(request: Mapping[str, Any]) -> dict[str, Any]:
+    """{"hosts": [name], "shards_dir": dir of <host>.json reports, "windows": {host: figures},
+    "rollout": {...}, "out_dir"} -> the fleet's report.json and report.md in out_dir."""
+    out_dir = Path(str(request.get("out_dir") or ""))
+    shards_dir = Path(str(request.get("shards_dir") or ""))
+    if not request.get("out_dir") or not request.get("shards_dir"):
+        raise StageError("out_dir and shards_dir are required: where the fleet report goes, "
+                         "where the hosts' reports are")
+    windows = request.get("windows") or {}
+    hosts = []
+    for host in request.get("hosts") or []:
+        path = shards_dir / f"{host}.json"
+        if not path.is_file():
+            raise StageError(f"host {host}'s report {path} does not exist: its scoring did not run; "
+                             "rerun the evaluation for that host")
+        hosts.append({"host": host, "report": json.loads(path.read_text()),
+                      "window": windows.get(host) or {}})
+    fleet = merge_reports(hosts, request.get("rollout") or {})
+    figures = {"tau": fleet["overall"]["tau"], "reference_tau": (fleet["reference"] or {}).get("tau"),
+               "ratio": fleet["ratio"], "online_tau": (fleet["online"] or {}).get("tau"),
+               "n_prompts": len(fleet["per_prompt"]), "n_hosts": len(hosts),
+               "verdict": rep.verdict(fleet), "warnings": fleet["warnings"],
+               "wall_s": fleet["fleet"].get("wall_s"), "sum_window_s": fleet["fleet"]["sum_window_s"],
+               "per_host": [{"host": r["host"], "tau": r["tau"], **r["window"]} for r in fleet["per_host"]],
+               "report": str(out_dir / FLEET_REPORT_MD), "report_md": str(out_dir / FLEET_REPORT_MD),
+               "report_json": str(out_dir / FLEET_REPORT_JSON)}
+    path = out_dir / FLEET_REPORT_JSON
+    before = json.loads(path.read_text()) if path.is_file() else None
+    # A run with windows has new timings to record; one without (nothing to extract) changes
+    # the report only if a host's scores changed.
+    had_windows = any(h["window"] for h in hosts)
+    now = scored_part(json.loads(json.dumps(fleet)))
+    changed = before is None or had_windows or scored_part(before) != now
+    if changed and not request.get("check_mode"):
+        out_dir.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(out_dir / FLEET_REPORT_MD, render_markdown(fleet))
+        atomic_write_json(path, fleet)
+        log(f"fleet: {figures['verdict']}; report in {out_dir / FLEET_REPORT_MD}")
+    return {"changed": changed, **figures}
+
+
+COMMANDS = {"split": split, "merge": merge}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m specops.fleet", description=__doc__.splitlines()[0])
+    parser.add_argument("command", choices=sorted(COMMANDS))
+    parser.add_argument("--request", default="-", help="JSON request file, - for stdin")
+    args = parser.parse_args(argv)
+    try:
+        raw = sys.stdin.read() if args.request == "-" else Path(args.request).read_text()
+        result = COMMANDS[args.command](json.loads(raw or "{}"))
+    except StageError as error:
+        print(json.dumps({"failed": True, "msg": f"fleet {args.command}: {error}"}))
+        return 2
+    except Exception:  # a crash: keep the traceback for the play to show
+        traceback.print_exc()
+        return 1
+    print(json.dumps(result, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,144 @@
+"""A bounded load generator for a loopback SGLang server or router: user traffic during a rollout.
+
+python -m specops.loadgen --url http://127.0.0.1:PORT --out results.jsonl --stop-file F
+sends greedy /generate requests from a few threads until the stop file appears, max_requests were
+sent or max_seconds passed; each answer is one JSON line (start, latency, status, error), and the
+last line of stdout is the summary (requests, failed, p50/p99 latency). Standard library only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ipaddress
+import json
+import math
+import socket
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+PROMPTS = ("def fibonacci(n):", "Write a function that reverses a string.", "class Stack:",
+           "import numpy as np\n", "Sort a list of tuples by their second item.")
+
+
+def require_loopback(url: str) -> None:
+    """Refuse any address that is not this machine: the generator is for local sites only."""
+    host = urlsplit(url).hostname or ""
+    try:
+        addresses = {str(info[4][0]) for info in socket.getaddrinfo(host, None)}
+    except socket.gaierror as error:
+        raise SystemExit(f"cannot resolve {host!r} in {url}: {error}") from None
+    if not addresses or not all(ipaddress.ip_address(a.split("%")[0]).is_loopback for a in addresses):
+        raise SystemExit(f"{url} is not a loopback address: the load generator only sends to this machine")
+
+
+def percentile(values: Sequence[float], q: float) -> float | None:
+    """Nearest-rank percentile (q in 0..100)."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    rank = max(1, math.ceil(q / 100 * len(ordered)))
+    return ordered[rank - 1]
+
+
+def summarize(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    ok = [r["latency_s"] for r in rows if r["ok"]]
+    failed = [r for r in rows if not r["ok"]]
+    starts = [r["start"] for r in rows]
+    return {
+        "requests": len(rows),
+        "failed": len(failed),
+        "failures": [{"status": r["status"], "error": r["error"]} for r in failed[:10]],
+        "p50_s": percentile(ok, 50),
+        "p99_s": percentile(ok, 99),
+        "mean_s": sum(ok) / len(ok) if ok else None,
+        "span_s": (max(starts) - min(starts)) if starts else 0.0,
+    }
+
+
+class LoadGenerator:
+    def __init__(self, url: str, concurrency: int, max_requests: int, max_seconds: float,
+                 max_new_tokens: int, timeout: float, stop_file: Path | None):
+        self.url = url.rstrip("/") + "/generate"
+        self.concurrency = concurrency
+        self.max_requests = max_requests
+        self.deadline = time.monotonic() + max_seconds
+        self.max_new_tokens = max_new_tokens
+        self.timeout = timeout
+        self.stop_file = stop_file
+        self.rows: list[dict[str, Any]] = []
+        self._lock = threading.Lock()
+        self._sent = 0
+
+    def _next(self) -> int | None:
+        with self._lock:
+            if self._sent >= self.max_requests or time.monotonic() >= self.deadline:
+                return None
+            if self.stop_file is not None and self.stop_file.exists():
+                return None
+            self._sent += 1
+            return self._sent - 1
+
+    def _one(self, number: int) -> dict[str, Any]:
+        body = {"text": PROMPTS[number % len(PROMPTS)],
+                "sampling_params": {"max_new_tokens": self.max_new_tokens, "temperature": 0}}
+        request = urllib.request.Request(self.url, data=json.dumps(body).encode(), method="POST",
+                                         headers={"Content-Type": "application/json"})
+        start, status, error = time.time(), -1, None
+        began = time.monotonic()
+        try:
+            with urllib.request.urlopen(request, timeout=self.timeout) as response:
+                status = response.status
+                json.loads(response.read())
+        except urllib.error.HTTPError as exc:
+            status, error = exc.code, exc.read()[:200].decode("utf-8", "replace")
+        except (OSError, ValueError) as exc:
+            error = f"{type(exc).__name__}: {exc}"
+        return {"n": number, "start": start, "latency_s": time.monotonic() - began, "status": status,
+                "ok": status == 200, "error": error}
+
+    def _worker(self) -> None:
+        while (number := self._next()) is not None:
+            row = self._one(number)
+            with self._lock:
+                self.rows.append(row)
+
+    def run(self) -> list[dict[str, Any]]:
+        threads = [threading.Thread(target=self._worker, daemon=True) for _ in range(self.concurrency)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        return sorted(self.rows, key=lambda r: r["n"])
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m specops.loadgen", description=__doc__.splitlines()[0])
+    parser.add_argument("--url", required=True, help="base URL of a loopback server or router")
+    parser.add_argument("--out", required=True, help="JSONL file for one line per request")
+    parser.add_argument("--stop-file", help="stop sending once this file exists")
+    parser.add_argument("--concurrency", type=int, default=2)
+    parser.add_argument("--max-requests", type=int, default=2000)
+    parser.add_argument("--max-seconds", type=float, default=900.0)
+    parser.add_argument("--max-new-tokens", type=int, default=8)
+    parser.add_argument("--timeout", type=float, default=120.0, help="seconds to wait for one answer")
+    args = parser.parse_args(argv)
+    require_loopback(args.url)
+    generator = LoadGenerator(args.url, args.concurrency, args.max_requests, args.max_seconds,
+                              args.max_new_tokens, args.timeout,
+                              Path(args.stop_file) if args.stop_file else None)
+    rows = generator.run()
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    print(json.dumps(summarize(rows)))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,155 @@
+"""The local fleet (inventory/fleet): three development servers behind a real sglang-router, a load
+generator sending through the router, and eval.yml rolling over them. Used by test_fleet.py and
+benchmarks/fleet_local.py. Loopback only; every process is started here and stopped here."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[2]
+BIN = Path(sys.executable).parent
+RECAP = re.compile(r"^(?P<host>\S+)\s*:\s*ok=(?P<ok>\d+)\s+changed=(?P<changed>\d+)\s+"
+                   r"unreachable=(?P<unreachable>\d+)\s+failed=(?P<failed>\d+)", re.M)
+HOSTS = ("replica1", "replica2", "replica3")
+
+
+def free_ports(count: int) -> list[int]:
+    sockets = [socket.socket() for _ in range(count)]
+    try:
+        for sock in sockets:
+            sock.bind(("127.0.0.1", 0))
+        return [sock.getsockname()[1] for sock in sockets]
+    finally:
+        for sock in sockets:
+            sock.close()
+
+
+def get_json(url: str, timeout: float = 10) -> Any:
+    with urllib.request.urlopen(url, timeout=timeout) as response:
+        return json.loads(response.read())
+
+
+@dataclass
+class Play:
+    rc: int
+    output: str
+    seconds: float
+    recap: dict[str, dict[str, int]] = field(default_factory=dict)
+
+
+@dataclass
+class LocalFleet:
+    work_dir: Path
+    models_dir: Path
+    ports: list[int] = field(default_factory=lambda: free_ports(5))
+    router: subprocess.Popen | None = None
+    load: subprocess.Popen | None = None
+
+    @property
+    def replica_ports(self) -> list[int]:
+        return self.ports[:3]
+
+    @property
+    def router_url(self) -> str:
+        return f"http://127.0.0.1:{self.ports[3]}"
+
+    @property
+    def worker_urls(self) -> list[str]:
+        return [f"http://127.0.0.1:{port}" for port in self.replica_ports]
+
+    def extra_vars(self, **overrides: Any) -> dict[str, Any]:
+        return {"specops_fleet_work_dir": str(self.work_dir), "specops_models_dir": str(self.models_dir),
+                "specops_fleet_ports": self.replica_ports, "sglang_router_url": self.router_url,
+                "sglang_service_deadman": False, **overrides}
+
+    def play(self, playbook: str, timeout: int = 3600, **overrides: Any) -> Play:
+        cmd = [str(BIN / "ansible-playbook"), "-i", str(REPO / "inventory" / "fleet"),
+               str(REPO / "playbooks" / playbook), "-e", json.dumps(self.extra_vars(**overrides))]
+        began = time.monotonic()
+        proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout,
+                              env={**os.environ, "ANSIBLE_CONFIG": str(REPO / "ansible.cfg"),
+                                   "ANSIBLE_NOCOLOR": "1", "ANSIBLE_FORCE_COLOR": "0"})
+        output = proc.stdout + proc.stderr
+        recap = {m["host"]: {k: int(m[k]) for k in ("ok", "changed", "unreachable", "failed")}
+                 for m in RECAP.finditer(output)}
+        return Play(proc.returncode, output, time.monotonic() - began, recap)
+
+    # -- the site ---------------------------------------------------------------------------
+    def build_models(self, ml_python: Path) -> None:
+        if not (self.models_dir / "fixtures.json").is_file():
+            subprocess.run([str(ml_python), "-m", "specops.fixtures", "--out", str(self.models_dir),
+                            "--prompts", str(REPO / "prompts" / "coding.jsonl")], check=True, cwd=REPO)
+
+    def start(self) -> None:
+        started = self.play("service.yml", sglang_service_state="started", timeout=600)
+        if started.rc != 0:
+            raise RuntimeError(f"the replicas did not start:\n{started.output[-4000:]}")
+        self.start_router()
+
+    def start_router(self) -> None:
+        log = open(self.work_dir / "router.log", "w")
+        self.router = subprocess.Popen(
+            [str(BIN / "python"), "-m", "sglang_router.launch_router", "--host", "127.0.0.1",
+             "--port", str(self.ports[3]), "--prometheus-host", "127.0.0.1", "--prometheus-port",
+             str(self.ports[4]), "--worker-urls", *self.worker_urls, "--policy", "round_robin",
+             # No retry: a request the drain failed to protect shows up as a failure.
+             "--disable-retries", "--health-check-interval-secs", "1", "--log-level", "warn"],
+            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        self.wait_for_workers(set(self.worker_urls), timeout=120)
+
+    def healthy_workers(self) -> set[str]:
+        try:
+            listing = get_json(f"{self.router_url}/workers")
+        except OSError:
+            return set()
+        return {w["url"] for w in listing.get("workers", []) if w.get("is_healthy")}
+
+    def wait_for_workers(self, urls: set[str], timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while self.healthy_workers() != urls:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the router lists {self.healthy_workers()} healthy, not {urls}")
+            time.sleep(0.5)
+
+    def start_load(self, name: str, concurrency: int = 1, max_seconds: float = 3600) -> None:
+        self.stop_file(name).unlink(missing_ok=True)
+        self.load = subprocess.Popen(
+            [sys.executable, "-m", "specops.loadgen", "--url", self.router_url,
+             "--out", str(self.work_dir / f"{name}.jsonl"), "--stop-file", str(self.stop_file(name)),
+             "--concurrency", str(concurrency), "--max-seconds", str(max_seconds), "--max-requests", "20000"],
+            stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": str(REPO / "src")})
+
+    def stop_file(self, name: str) -> Path:
+        return self.work_dir / f"{name}.stop"
+
+    def stop_load(self, name: str) -> dict[str, Any]:
+        assert self.load is not None
+        self.stop_file(name).touch()
+        out, _ = self.load.communicate(timeout=300)
+        self.load = None
+        return json.loads(out.strip().splitlines()[-1])
+
+    def stop(self) -> None:
+        if self.load is not None:
+            self.load.kill()
+            self.load.wait()
+        if self.router is not None:
+            os.killpg(self.router.pid, signal.SIGTERM)
+            try:
+                self.router.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.router.pid, signal.SIGKILL)
+                self.router.wait()
+            self.router = None
+        self.play("service.yml", sglang_service_state="stopped", timeout=300)

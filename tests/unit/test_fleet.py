@@ -1,0 +1,99 @@
+"""specops.fleet: the prompt split covers every prompt once; the merged report is exactly the report
+of one scorer over every host's steps."""
+
+from __future__ import annotations
+
+import io
+import json
+
+import pytest
+
+from specops import report as rep
+from specops.fleet import main, merge_reports, share, split
+from specops.stage import StageError
+
+BLOCK = 4
+
+
+def host_report(sequences, reference=None):
+    drafter = {"block_size": BLOCK, "sequences": sequences}
+    ref = {"block_size": BLOCK, "sequences": reference} if reference else None
+    return rep.build_report({}, drafter, ref, {}, [], None)
+
+
+def test_shares_of_all_hosts_cover_every_prompt_exactly_once():
+    lines = [f'{{"id": "p{k}"}}' for k in range(11)]
+    shares = [share(lines, index, 3) for index in range(3)]
+    assert sorted(line for s in shares for line in s) == sorted(lines)
+    assert [len(s) for s in shares] == [4, 4, 3]
+
+
+def test_split_writes_the_share_and_reports_no_change_on_a_rerun(tmp_path):
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(f'{{"id": "p{k}", "prompt": "x"}}\n' for k in range(5)))
+    request = {"prompts": str(prompts), "out": str(tmp_path / "run" / "share.jsonl"), "index": 1, "count": 2}
+    first = split(request)
+    assert first["changed"] and first["n_prompts"] == 2
+    written = (tmp_path / "run" / "share.jsonl").read_text().splitlines()
+    assert [json.loads(line)["id"] for line in written] == ["p1", "p3"]
+    assert split(request)["changed"] is False
+
+
+def test_split_refuses_a_fleet_larger_than_the_prompt_set(tmp_path):
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"id": "a"}\n{"id": "b"}\n')
+    with pytest.raises(StageError, match="too few for 3 hosts"):
+        split({"prompts": str(prompts), "out": str(tmp_path / "s.jsonl"), "index": 2, "count": 3})
+
+
+def test_merged_tau_equals_tau_over_every_hosts_steps():
+    a = [{"id": "p0", "accept_lengths": [1, 2, 4]}, {"id": "p2", "accept_lengths": [3]}]
+    b = [{"id": "p1", "accept_lengths": [1, 1, 1, 1, 2]}]
+    fleet = merge_reports([{"host": "h1", "report": host_report(a, a)},
+                           {"host": "h2", "report": host_report(b, a)}])
+    whole = rep.summarize(a + b, BLOCK)
+    assert fleet["overall"] == whole
+    assert fleet["overall"]["tau"] == pytest.approx(16 / 9)
+    assert [row["id"] for row in fleet["per_prompt"]] == ["p0", "p2", "p1"]
+    assert [row["host"] for row in fleet["per_prompt"]] == ["h1", "h1", "h2"]
+
+
+def test_merged_report_sums_the_per_host_windows():
+    seq = [{"id": "p", "accept_lengths": [2]}]
+    fleet = merge_reports([
+        {"host": "h1", "report": host_report(seq), "window": {"window_s": 10.0, "downtime_s": 6.0}},
+        {"host": "h2", "report": host_report(seq), "window": {"window_s": 12.5, "downtime_s": 7.0}},
+    ], {"wall_s": 30.0})
+    assert fleet["fleet"]["sum_window_s"] == 22.5
+    assert fleet["fleet"]["sum_downtime_s"] == 13.0
+    assert fleet["fleet"]["wall_s"] == 30.0
+    assert [row["window"]["window_s"] for row in fleet["per_host"]] == [10.0, 12.5]
+
+
+def test_merge_names_the_host_whose_report_is_missing(tmp_path, capsys, monkeypatch):
+    shards = tmp_path / "shards"
+    shards.mkdir()
+    (shards / "h1.json").write_text(json.dumps(host_report([{"id": "p", "accept_lengths": [2]}])))
+    request = {"hosts": ["h1", "h2"], "shards_dir": str(shards), "out_dir": str(tmp_path / "fleet")}
+    monkeypatch.setattr("sys.stdin", io.StringIO(json.dumps(request)))
+    assert main(["merge"]) == 2
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert result["failed"] and "host h2's report" in result["msg"]
+
+
+def test_merge_writes_one_report_and_a_rerun_without_windows_changes_nothing(tmp_path, capsys, monkeypatch):
+    shards = tmp_path / "shards"
+    shards.mkdir()
+    for host, ids in (("h1", ["p0"]), ("h2", ["p1"])):
+        sequences = [{"id": i, "accept_lengths": [2, 1]} for i in ids]
+        (shards / f"{host}.json").write_text(json.dumps(host_report(sequences)))
+    request = {"hosts": ["h1", "h2"], "shards_dir": str(shards), "out_dir": str(tmp_path / "fleet"),
+               "windows": {"h1": {"window_s": 3.0}, "h2": {"window_s": 4.0}}}
+    for expected_change, windows in ((True, request["windows"]), (False, {})):
+        monkeypatch.setattr("sys.stdin", io.StringIO(json.dumps({**request, "windows": windows})))
+        assert main(["merge"]) == 0
+        result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+        assert result["changed"] is expected_change
+    saved = json.loads((tmp_path / "fleet" / "report.json").read_text())
+    assert saved["fleet"]["sum_window_s"] == 7.0 and result["n_prompts"] == 2
+    assert "h1" in (tmp_path / "fleet" / "report.md").read_text()

@@ -1,0 +1,65 @@
+"""specops.loadgen: loopback only, bounded, and every answer counted."""
+
+from __future__ import annotations
+
+import json
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+
+from specops.loadgen import LoadGenerator, percentile, require_loopback, summarize
+
+
+def test_a_non_loopback_address_is_refused():
+    with pytest.raises(SystemExit, match="not a loopback address"):
+        require_loopback("http://192.0.2.1:30000")
+
+
+def test_loopback_addresses_are_accepted():
+    require_loopback("http://127.0.0.1:30000")
+    require_loopback("http://localhost:30000")
+
+
+def test_percentile_is_the_nearest_rank():
+    values = [float(v) for v in range(1, 101)]
+    assert percentile(values, 50) == 50.0
+    assert percentile(values, 99) == 99.0
+    assert percentile([], 50) is None
+
+
+class Flaky(BaseHTTPRequestHandler):
+    """Answers every third /generate with 503."""
+
+    count = 0
+    lock = threading.Lock()
+
+    def do_POST(self):
+        self.rfile.read(int(self.headers["Content-Length"]))
+        with Flaky.lock:
+            Flaky.count += 1
+            fail = Flaky.count % 3 == 0
+        body = json.dumps({"text": "x"}).encode()
+        self.send_response(503 if fail else 200)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args):
+        pass
+
+
+def test_the_generator_stops_at_max_requests_and_counts_failed_answers():
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Flaky)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}"
+        rows = LoadGenerator(url, concurrency=2, max_requests=9, max_seconds=30, max_new_tokens=1,
+                             timeout=5, stop_file=None).run()
+    finally:
+        server.shutdown()
+    summary = summarize(rows)
+    assert summary["requests"] == 9
+    assert summary["failed"] == 3
+    assert {f["status"] for f in summary["failures"]} == {503}
