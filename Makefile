@@ -54,7 +54,7 @@ system-deps:
 test: test-python test-ansible test-lint test-sanity test-units test-integration test-systemd
 
 test-python: $(ML_VENV)/.stamp
-	$(ML_VENV)/bin/ruff check src tests/unit benchmarks
+	$(ML_VENV)/bin/ruff check src tests benchmarks roles
 	$(ML_VENV)/bin/mypy
 	$(ML_VENV)/bin/pytest -q tests/unit
 
