@@ -379,6 +379,13 @@ class Prepared:
         return len(self.layer_ids) * self.target.hidden_size * self.dtype.itemsize + 8
 
 
+def drafter_list(value: Any) -> list[str]:
+    """The request's drafter: one path, a list of them, or none."""
+    if not value:
+        return []
+    return [str(v) for v in value] if isinstance(value, list | tuple) else [str(value)]
+
+
 def prepare(request: dict[str, Any]) -> Prepared:
     """Validate everything and fingerprint the inputs; loads no model."""
     req = parse_request(request)
@@ -393,16 +400,16 @@ def prepare(request: dict[str, Any]) -> Prepared:
         target_ids = list(req["layer_ids"])
     elif req["drafter"]:
         # Several drafters (checkpoints, rivals) share one window: capture the union of their layers.
-        drafters = req["drafter"] if isinstance(req["drafter"], list) else [req["drafter"]]
-        target_ids = list(dict.fromkeys(k for d in drafters for k in drafter_layer_ids(d, target.num_layers)))
+        target_ids = list(dict.fromkeys(k for d in drafter_list(req["drafter"])
+                                        for k in drafter_layer_ids(d, target.num_layers)))
     else:
         raise StageError("no layer ids: give drafter (its dflash_config.target_layer_ids are used) or "
                          "layer_ids")
     layer_ids, skipped = captured_layers(target_ids, req["capture_offsets"], target.num_layers)
     device, dtype = resolve_device_dtype(first_device(req), req["dtype"])
     require = resolve_require(req["require_backend"], device)
-    if req["drafter"]:
-        preflight.check_drafter(req["drafter"], target.path, target.vocab_size)
+    for drafter in drafter_list(req["drafter"]):
+        preflight.check_drafter(drafter, target.path, target.vocab_size)
     inputs = {
         "format_version": FORMAT_VERSION,
         "target": target.identity,

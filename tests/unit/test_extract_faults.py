@@ -156,3 +156,10 @@ def test_a_flipped_shard_byte_is_named_and_only_that_shard_is_redone(fixture_mod
     assert result["progress"]["shards_written"] == 1
     assert victim.read_bytes() == original and kept.stat().st_mtime_ns == kept_mtime
     assert len(list(open_hidden_states(out_dir))) == 3
+
+
+def test_every_drafter_of_a_list_is_checked_by_the_plan(fixture_models, completions, tmp_path):
+    drafter = drafter_with(fixture_models, tmp_path, vocab_size=512)
+    with pytest.raises(StageError, match=r"vocab_size 512 differs from the target's 400"):
+        extract.plan(request(fixture_models, completions, tmp_path / "out",
+                             drafter=[str(fixture_models.drafter), str(drafter)]))
