@@ -55,7 +55,7 @@ if mode == "launcher":
         os._exit(0)
     print("intermediate %d" % middle, flush=True)
     os.waitpid(middle, 0)
-    print("launcher %d" % os.getpid(), flush=True)
+    os.write(1, b"launcher %d\n" % os.getpid())
 else:
     handles = [open(path) for path in rest]
     print("ready %d" % os.getpid(), flush=True)
@@ -617,10 +617,10 @@ files = sys.argv[2:]
 if os.fork() == 0:
     os.setsid()
     handles = [open(path) for path in files]
-    print("worker %d" % os.getpid(), flush=True)
+    os.write(1, b"worker %d\n" % os.getpid())  # one write: the two processes share the output
 else:
     handles = [open(path) for path in files]
-    print("launcher %d" % os.getpid(), flush=True)
+    os.write(1, b"launcher %d\n" % os.getpid())
 while True:
     time.sleep(1)
 """
@@ -644,10 +644,11 @@ def two_tenants(procs, devices, tmp_path):
                                 "tree_file": str(run / "server.tree.json")}))
     assert _helper("start", "--spec", str(spec))["changed"] is True
     deadline = time.monotonic() + 20
-    while log.read_text().count("launcher") + log.read_text().count("worker") < 2:
+    # The launcher logs before its worker has started: wait for the worker's own line.
+    while not (found := re.search(r"worker (\d+)", log.read_text())):
         assert time.monotonic() < deadline, log.read_text()
         time.sleep(0.05)
-    worker = int(re.search(r"worker (\d+)", log.read_text()).group(1))
+    worker = int(found.group(1))
     procs.extra.append(pinned(worker))
     tenant = subprocess.Popen(
         [sys.executable, "-c", FAKE_SGLANG, "sglang.launch_server --port 31002", str(devices["paths"][1])],

@@ -76,12 +76,12 @@ options:
     type: path
   server_drafter:
     description:
-      - Which drafter the SGLang server speculated with when it made O(completions): V(drafter) (the
+      - Which drafter the SGLang server speculated with when it made O(completions), one of V(drafter) (the
         first of O(drafter)), a drafter's name, or V(reference) (then O(reference_drafter) is required);
         V("") when unknown.
       - When known, the C(online_agreement) diagnostic compares SGLang's online tau with that
         drafter's offline tau plus the prefill token SGLang counts (offline tau + 1 / verify steps
-        per completion). Prompts that differ are classified: a near-tie (a draft decided by a logit
+        per completion). Prompts that differ are classified, as a near-tie (a draft decided by a logit
         margin under 0.5, which another kernel or dtype can flip) is reported as such; otherwise it
         warns of a configuration error, naming both numbers.
     type: str
