@@ -17,7 +17,7 @@ export PYTHONDONTWRITEBYTECODE := 1
 # Tests exercise the working tree, not the copy of the package installed in the ML environment.
 test test-%: export PYTHONPATH := $(CURDIR)/src
 
-.PHONY: help demo demo-stop test test-python test-ansible test-lint test-sanity test-units \
+.PHONY: help demo demo-stop test test-in-order test-python test-ansible test-lint test-sanity test-units \
         test-integration test-systemd system-deps ml-env venv clean
 
 help:
@@ -51,7 +51,14 @@ system-deps:
 	@command -v debootstrap >/dev/null && command -v systemd-nspawn >/dev/null || \
 	  { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq debootstrap systemd-container; }
 
-test: test-python test-ansible test-lint test-sanity test-units test-integration test-systemd
+# The systemd suite mostly waits (debootstrap, a container booting systemd) and runs in its own
+# container: it runs beside the others, which run one after another. It keeps its own pytest
+# temporary root, so neither run's clean-up of old temporary directories removes the other's.
+test: system-deps $(VENV)/.stamp $(ML_VENV)/.stamp
+	$(MAKE) -j2 --output-sync=target test-in-order test-systemd
+
+test-in-order: $(VENV)/.stamp $(ML_VENV)/.stamp
+	$(MAKE) -j1 test-python test-ansible test-lint test-sanity test-units test-integration
 
 test-python: $(ML_VENV)/.stamp
 	$(ML_VENV)/bin/ruff check src tests benchmarks roles
@@ -74,7 +81,8 @@ test-integration: $(VENV)/.stamp $(ML_VENV)/.stamp
 	$(VENV)/bin/pytest -q tests/integration
 
 test-systemd: system-deps $(VENV)/.stamp $(ML_VENV)/.stamp
-	$(VENV)/bin/pytest -q tests/systemd
+	mkdir -p /tmp/specops-pytest-systemd
+	PYTEST_DEBUG_TEMPROOT=/tmp/specops-pytest-systemd $(VENV)/bin/pytest -q tests/systemd
 
 clean:
 	rm -rf .work

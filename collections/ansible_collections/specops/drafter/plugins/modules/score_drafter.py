@@ -283,6 +283,8 @@ plots:
   elements: str
 """
 
+import re
+
 from ansible.module_utils.basic import AnsibleModule
 from ansible_collections.specops.drafter.plugins.module_utils.stage_runner import run_stage
 
@@ -324,6 +326,8 @@ FIGURES = {
     "plots": [],
 }
 
+DEVICE_FORM = re.compile(r"^(auto|cpu|cuda(:[0-9]+)?)$")
+
 
 class ScoreDrafter(object):
     """Holds the module; turns the package's stage result into the module's result."""
@@ -333,6 +337,9 @@ class ScoreDrafter(object):
         self.params = module.params
 
     def run(self):
+        # Refused here, before the ML environment is started for nothing.
+        if not DEVICE_FORM.match(self.params["device"]):
+            self.module.fail_json(msg="device %r is not one of auto, cpu, cuda, cuda:N" % self.params["device"])
         request = dict((key, self.params[key]) for key in REQUEST_KEYS if self.params[key] is not None)
         outcome = run_stage(self.module, self.params["python"], "score", request)
         result = dict(FIGURES)

@@ -34,7 +34,7 @@ def test_missing_required_options_are_named(run_module):
 def test_an_unknown_device_is_rejected_with_the_choices(run_module, fake_python, tmp_path):
     with pytest.raises(AnsibleFailJson) as failure:
         run_module(score_drafter.main, args_for(fake_python, tmp_path, device="tpu"))
-    assert "auto, cpu, cuda" in failure.value.result["msg"]
+    assert "auto, cpu, cuda, cuda:N" in failure.value.result["msg"]
 
 
 def test_check_mode_asks_the_package_for_a_plan(run_module, fake_python, fake_stage, tmp_path):
