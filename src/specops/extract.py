@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from specops import preflight
+from specops import preflight, start_signal
 from specops.backend import NOT_USED, BackendMonitor, modeling_module_for, planned_backends
 from specops.extract_devices import first_device, plan_for, validate_request
 from specops.hidden_states import FORMAT_VERSION, ShardFile, shard_name
@@ -71,6 +71,8 @@ DEFAULTS: dict[str, Any] = {
     "fsync": True,
     # Bytes that must stay free on the output's file system once the shards are written.
     "disk_reserve_bytes": 0,
+    # A file the play writes "go" into once the GPUs are free (start_signal): prepare now, extract then.
+    "start_signal": None,
 }
 REQUIRED = ("target", "completions", "out_dir")
 
@@ -1200,6 +1202,7 @@ def run(request: dict[str, Any]) -> dict[str, Any]:
 
     modeling = modeling_module_for(AutoConfig.from_pretrained(str(prep.target.path)))
     force_torch = backend_plan(prep, modeling)
+    held = start_signal.hold(prep, load_model)  # None unless started ahead of its window
     prep.out_dir.mkdir(parents=True, exist_ok=True)
     state = ResumeState.open(prep.out_dir, fp, [s.name for s in prep.shards])
     disk_check(prep, [s for s in prep.shards if s.name not in state.shards])
@@ -1211,7 +1214,7 @@ def run(request: dict[str, Any]) -> dict[str, Any]:
         return run_on_devices(prep, devices, state, progress_log, force_torch)
     prep.device = resolve_device_dtype(devices.devices[0], prep.dtype_name)[0]
     started = time.perf_counter()
-    model = load_model(prep)
+    model = held.on_device(prep.device) if held else load_model(prep)
     load_s = time.perf_counter() - started
     log(f"loaded {prep.target.path} in {load_s:.1f}s on {prep.device} ({prep.dtype_name}); "
         f"capturing layers {prep.layer_ids}")
@@ -1248,7 +1251,7 @@ def run(request: dict[str, Any]) -> dict[str, Any]:
         completions={"path": str(prep.completions_path.resolve()), **prep.inputs["completions"]},
         backend=backend, versions=library_versions(), parity=parity,
         progress={**{k: round(v, 3) if isinstance(v, float) else v for k, v in stats.items()},
-                  "load_s": round(load_s, 3)},
+                  "load_s": round(load_s, 3), "prestart": held.figures if held else None},
         parallel=devices.describe())
     log(f"wrote {len(prep.shards)} shards to {prep.out_dir} ({stats['tokens_per_second']:.0f} tok/s)")
     return _summary(manifest, prep.out_dir, changed=True)

@@ -131,6 +131,13 @@ options:
     description: Bytes that must stay free on the output's file system once the planned shards are written.
     type: int
     default: 0
+  start_signal:
+    description:
+      - Start ahead of the GPU window; run as an async task. The extraction prepares (imports, inputs, the
+        target's weights in host memory), then waits until M(specops.drafter.start_signal) writes go into
+        this file; on abort, an expired lease or a missing file it exits having written nothing.
+    type: path
+    version_added: "0.2.0"
 attributes:
   check_mode:
     support: full
@@ -243,7 +250,7 @@ from ansible_collections.specops.drafter.plugins.module_utils.stage_runner impor
 REQUEST_KEYS = (
     "target", "completions", "out_dir", "drafter", "layer_ids", "capture_offsets", "dtype", "device",
     "devices", "parallel", "require_backend", "parity_samples", "parity_tolerance", "batch_tokens", "shard_tokens",
-    "writer_threads", "fsync", "progress_log", "disk_reserve_bytes",
+    "writer_threads", "fsync", "progress_log", "disk_reserve_bytes", "start_signal",
 )
 
 
@@ -284,6 +291,7 @@ def main():
             fsync=dict(type="bool", default=True),
             progress_log=dict(type="path"),
             disk_reserve_bytes=dict(type="int", default=0),
+            start_signal=dict(type="path"),
         ),
         required_one_of=[("drafter", "layer_ids")],
         supports_check_mode=True,
