@@ -67,8 +67,8 @@ options:
     default: /dev/nvidia*
   spare_pids:
     description:
-      - Processes never signalled though they hold a GPU, reported with the protected ones: the
-        extraction started ahead of the window, which waits for these GPUs holding their device files.
+      - Processes never signalled though they hold a GPU, reported with the protected ones (the
+        extraction started ahead of the window, which waits for these GPUs holding their device files).
     type: list
     elements: int
     default: []
