@@ -4,6 +4,7 @@ window fails before go: no extraction is left waiting."""
 from __future__ import annotations
 
 import json
+import shutil
 import threading
 import time
 from datetime import datetime
@@ -41,7 +42,7 @@ def test_extraction_waits_before_the_stop_goes_in_the_window_and_is_aborted_by_a
     watcher = threading.Thread(target=watch_waiting, args=(site, signal, stop, seen), daemon=True)
     watcher.start()
     try:
-        result = site.play("eval.yml", specops_run_dir=str(run_dir))
+        result = site.play("eval.yml", timeout=1800, specops_run_dir=str(run_dir))
     finally:
         stop.set()
         watcher.join()
@@ -60,6 +61,7 @@ def test_extraction_waits_before_the_stop_goes_in_the_window_and_is_aborted_by_a
 
     # A window that fails before go (here: the GPU release) aborts the waiting extraction.
     failed_dir = tmp_path / "failed"
+    shutil.copytree(run_dir / "completions", failed_dir / "completions")  # up to date: no second prefetch
     failed = site.play("eval.yml", specops_run_dir=str(failed_dir), gpu_release_nvml="sometimes")
     assert failed.rc != 0
     assert "specops stage 'release-gpus' failed" in failed.output, failed.output[-4000:]
