@@ -9,10 +9,7 @@ from typing import Any
 
 from specops.extract.request import STAGE
 from specops.extract.shards import ResumeState, ShardPlan
-from specops.manifest import (
-    MANIFEST_NAME,
-    write_manifest,
-)
+from specops.manifest import MANIFEST_NAME, write_manifest
 
 
 def library_versions() -> dict[str, str | None]:

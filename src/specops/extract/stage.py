@@ -26,12 +26,7 @@ from specops.extract.outputs import finish_manifest, library_versions, stage_res
 from specops.extract.parity import parity_probe
 from specops.extract.prepared import Prepared, prepare
 from specops.extract.shards import ResumeState, ShardPlan, resumable_shards
-from specops.manifest import (
-    fingerprint,
-    is_up_to_date,
-    load_manifest,
-    staleness,
-)
+from specops.manifest import fingerprint, is_up_to_date, load_manifest, staleness
 from specops.stage import StageError, log, serve
 
 

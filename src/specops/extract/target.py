@@ -10,9 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from specops import preflight
-from specops.manifest import (
-    sha256_file,
-)
+from specops.manifest import sha256_file
 from specops.stage import StageError
 
 
