@@ -10,9 +10,10 @@ from pathlib import Path
 import pytest
 from test_extract import completions, request, target  # noqa: F401  (shared module fixtures)
 
-from specops import extract, start_signal
+from specops import extract
+from specops.extract import start_signal
+from specops.extract.start_signal import NotStarted, read_signal, state_path, wait_for_go
 from specops.manifest import load_manifest
-from specops.start_signal import NotStarted, read_signal, state_path, wait_for_go
 
 pytestmark = pytest.mark.slow
 
