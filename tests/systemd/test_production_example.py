@@ -21,6 +21,7 @@ from nspawn_host import (
     FIXTURES,
     MACHINE,
     ROOT,
+    SETTINGS,
     container_pid,
     http_status,
     in_container,
@@ -202,6 +203,8 @@ def production_run(converged_host, tmp_path_factory) -> ProductionRun:
         in_container("chmod", root_home_mode, "/root")
         in_container("systemctl", "daemon-reload")
         in_container("systemctl", "start", f"{UNIT}.service")
+        # The other tests of the session find the scenario's server as converge left it: ready.
+        _wait_for_health(f"http://127.0.0.1:{SETTINGS['sglang_service_port']}/health_generate", 180)
 
 
 def test_the_example_ships_adopt_mode_with_become_for_the_unit_sglang_qwen(production_run):
