@@ -20,7 +20,7 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -61,12 +61,20 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + rotate_half(x) * sin
 
 
+def _config_int(config: Qwen3Config, name: str) -> int:
+    """A size transformers types as optional; Qwen3Config fills it in from the others when absent."""
+    value = getattr(config, name)
+    if not isinstance(value, int):
+        raise DrafterError(f"drafter config: {name} is {value!r}, not an integer: fix config.json")
+    return value
+
+
 class DFlashAttention(nn.Module):
     def __init__(self, config: Qwen3Config, layer_idx: int):
         super().__init__()
-        self.head_dim = config.head_dim
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = _config_int(config, "head_dim")
+        self.num_heads = _config_int(config, "num_attention_heads")
+        self.num_kv_heads = _config_int(config, "num_key_value_heads")
         self.groups = self.num_heads // self.num_kv_heads
         self.scaling = self.head_dim**-0.5
         bias = bool(getattr(config, "attention_bias", False))
@@ -91,13 +99,13 @@ class DFlashAttention(nn.Module):
         v = self.v_proj(x).view(shape).transpose(-2, -3)
         return apply_rope(k, cos.unsqueeze(-3), sin.unsqueeze(-3)), v
 
-    def block_visibility(self, block_size: int, device: torch.device) -> torch.Tensor | None:
-        """Which block keys each block query sees ([bs, bs] bool), or None when it sees all of them."""
+    def visibility(self, queries: torch.Tensor, keys: torch.Tensor) -> torch.Tensor | None:
+        """Which key positions each query position sees ([len(queries), len(keys)] bool), or None
+        when it sees all of them; the one statement of the rule, for the scorer and its oracle."""
         if not self.is_causal and self.sliding_window is None:
             return None
-        q = torch.arange(block_size, device=device)[:, None]
-        k = torch.arange(block_size, device=device)[None, :]
-        visible = torch.ones(block_size, block_size, dtype=torch.bool, device=device)
+        q, k = queries[:, None], keys[None, :]
+        visible = torch.ones(len(queries), len(keys), dtype=torch.bool, device=queries.device)
         if self.is_causal:
             visible &= k <= q
         if self.sliding_window is not None:
@@ -134,7 +142,8 @@ class DFlashAttention(nn.Module):
             query_pos = starts_ + torch.arange(bs, device=x.device)[:, None]
             ctx_hidden = ctx_hidden | (query_pos - key_pos >= self.sliding_window)
         ctx_hidden = ctx_hidden.expand(B, 1, m, 1, bs, T)
-        blk_visible = self.block_visibility(bs, x.device)
+        block = torch.arange(bs, device=x.device)
+        blk_visible = self.visibility(block, block)
         blk_hidden = (torch.zeros(bs, bs, dtype=torch.bool, device=x.device) if blk_visible is None
                       else ~blk_visible).expand(B, 1, m, 1, bs, bs)
         mask = torch.cat([ctx_hidden, blk_hidden], dim=-1)
@@ -182,6 +191,11 @@ class DFlashDrafter(nn.Module):
         self.rotary_emb = Qwen3RotaryEmbedding(config)
 
     @property
+    def decoder_layers(self) -> list[DFlashLayer]:
+        """The layers, typed (iterating an nn.ModuleList yields plain Modules)."""
+        return cast(list[DFlashLayer], list(self.layers))
+
+    @property
     def hidden_size(self) -> int:
         return self.config.hidden_size
 
@@ -208,7 +222,7 @@ class DFlashDrafter(nn.Module):
         ctx = self.project_context(features)
         positions = torch.arange(first_position, first_position + ctx.shape[-2], device=ctx.device)
         cos, sin = self.rope(positions, ctx)
-        return [layer.self_attn.kv(ctx, cos, sin) for layer in self.layers]
+        return [layer.self_attn.kv(ctx, cos, sin) for layer in self.decoder_layers]
 
     def block_embeddings(self, embed, anchor_tokens: torch.Tensor) -> torch.Tensor:
         """[token at s, MASK x (bs-1)] through the target's embedding: anchors [...] -> [..., bs, hidden]."""

@@ -42,7 +42,7 @@ import shutil
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, overload
 
 from specops import diagnostics as diag
 from specops import history as hist
@@ -139,6 +139,12 @@ def _step_costs(value: Any) -> tuple[tuple[str, float], ...]:
     return tuple(sorted(costs.items()))
 
 
+@overload
+def _directory(request: Mapping[str, Any], key: str, required: Literal[True],
+               must_hold: str | None = None) -> Path: ...
+@overload
+def _directory(request: Mapping[str, Any], key: str, required: bool,
+               must_hold: str | None = None) -> Path | None: ...
 def _directory(request: Mapping[str, Any], key: str, required: bool,
                must_hold: str | None = None) -> Path | None:
     value = request.get(key)
@@ -535,7 +541,7 @@ def run(request: dict[str, Any]) -> dict[str, Any]:
         scorer = Scorer(opts, device, dtype)
         reference_model, reference_scores = None, None
         server_check: tuple[dict | None, dict | None] | None = None
-        if opts.reference_drafter:
+        if opts.reference_drafter and reference_ids is not None:  # both set together above
             log(f"score: scoring the reference {opts.reference_drafter} at target layers {reference_ids}")
             reference_model = scorer.load(opts.reference_drafter)
             reference_scores = scorer.score(reference_model, reference_ids)
@@ -553,7 +559,8 @@ def run(request: dict[str, Any]) -> dict[str, Any]:
             comparison, margins = None, None
             if server_name == name:
                 comparison, margins = _online_check(scorer, online, opts, drafter, scores, layer_ids)
-            elif server_name == "reference":
+            # parse_request refuses server_drafter 'reference' without a reference drafter.
+            elif server_name == "reference" and reference_scores is not None and reference_ids is not None:
                 if server_check is None:  # the reference's check is the same for every drafter
                     server_check = _online_check(scorer, online, opts, reference_model, reference_scores,
                                                  reference_ids)
@@ -590,7 +597,7 @@ def run(request: dict[str, Any]) -> dict[str, Any]:
 
 
 def _online_check(scorer: Scorer, online: Mapping[str, Any], opts: Options, model, scores: Mapping[str, Any],
-                  layer_ids: list[int] | None) -> tuple[dict | None, dict | None]:
+                  layer_ids: list[int]) -> tuple[dict | None, dict | None]:
     """SGLang's online figures against the server drafter's offline walk, with the logit margins of the
     prompts that differ (to tell a near-tie from a configuration error)."""
     comparison = rep.online_comparison(online, scores, opts.server_drafter)
