@@ -27,20 +27,10 @@ from torch import nn
 from transformers import Qwen3Config
 from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RMSNorm, Qwen3RotaryEmbedding, rotate_half
 
+from specops.dflash_config import DrafterError, dflash_value, target_layer_ids
+
 SUPPORTED_ARCHITECTURES = ("DFlashDraftModel",)
 SUPPORTED_LAYER_TYPES = ("full_attention", "sliding_attention")
-
-
-class DrafterError(ValueError):
-    """A drafter checkpoint that cannot be used as it is; the message says what to fix."""
-
-
-def dflash_value(config: Mapping[str, Any], name: str, default: Any = None) -> Any:
-    """A DFlash setting from `dflash_config`, else from the top level (older layouts)."""
-    dflash = config.get("dflash_config") or {}
-    if name in dflash:
-        return dflash[name]
-    return config.get(name, default)
 
 
 def select_target_features(hidden_states: Sequence[torch.Tensor], layer_ids: Sequence[int]) -> torch.Tensor:
@@ -177,7 +167,7 @@ class DFlashDrafter(nn.Module):
         raw = config.to_dict()
         self.block_size = int(dflash_value(raw, "block_size"))
         self.mask_token_id = int(dflash_value(raw, "mask_token_id"))
-        self.target_layer_ids = [int(k) for k in dflash_value(raw, "target_layer_ids")]
+        self.target_layer_ids = target_layer_ids(raw)
         # Optional scalars of newer z-lab configs; 1.0 / None reproduce the original model.
         self.input_embedding_scale = float(dflash_value(raw, "input_embedding_scale", 1.0))
         self.output_multiplier = float(dflash_value(raw, "output_multiplier", 1.0))
@@ -261,11 +251,7 @@ def validate_config(config: Mapping[str, Any], where: str = "config.json") -> No
     if not isinstance(config.get("dflash_config"), Mapping):
         raise DrafterError(f"{where} has no dflash_config: a DFlash drafter's config needs "
                            "dflash_config {mask_token_id, target_layer_ids}")
-    layer_ids = dflash_value(config, "target_layer_ids")
-    if not layer_ids or not all(isinstance(k, int) and k >= 0 for k in layer_ids):
-        raise DrafterError(f"{where}: dflash_config.target_layer_ids is missing or not a list of layer "
-                           f"indices (got {layer_ids!r}); set it to the target layers the drafter was "
-                           "trained on")
+    target_layer_ids(config, where)
     if not isinstance(dflash_value(config, "mask_token_id"), int):
         raise DrafterError(f"{where}: dflash_config.mask_token_id is missing; set it to the id of the "
                            "mask token the drafter was trained with")

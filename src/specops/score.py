@@ -36,7 +36,6 @@ the target's small files and the options; plan mode decides from it without load
 
 from __future__ import annotations
 
-import importlib.metadata
 import json
 import shutil
 from collections.abc import Mapping, Sequence
@@ -49,6 +48,7 @@ from specops import history as hist
 from specops import report as rep
 from specops import speedup as spd
 from specops import window as win
+from specops.dflash_config import DrafterError, target_layer_ids
 from specops.manifest import (
     atomic_write_json,
     atomic_write_text,
@@ -60,6 +60,7 @@ from specops.manifest import (
     write_manifest,
 )
 from specops.stage import StageError, log, serve
+from specops.versions import installed_versions
 
 STAGE = "score"
 REPORT_JSON = "report.json"
@@ -318,11 +319,10 @@ def online_acceptance(completions_dir: Path | None) -> dict[str, dict[str, Any]]
 
 
 def drafter_layer_ids(config: Mapping[str, Any], name: str) -> list[int]:
-    ids = (config.get("dflash_config") or {}).get("target_layer_ids") or config.get("target_layer_ids")
-    if not ids:
-        raise StageError(f"the {name}'s config.json has no dflash_config.target_layer_ids: set the target "
-                         "layers it was trained on")
-    return list(ids)
+    try:
+        return target_layer_ids(config, f"the {name}'s config.json")
+    except DrafterError as error:
+        raise StageError(str(error)) from None
 
 
 def require_layers(needed: list[int], captured: list[int], name: str, target_layers: int | None) -> None:
@@ -343,16 +343,11 @@ def require_layers(needed: list[int], captured: list[int], name: str, target_lay
 # ----------------------------------------------------------------------------------------------
 
 def versions() -> dict[str, str]:
-    found = {}
-    for name in ("specops", "torch", "transformers", "fla-core", "flash-linear-attention", "safetensors"):
-        try:
-            found[name] = importlib.metadata.version(name)
-        except importlib.metadata.PackageNotFoundError:
-            continue
     from specops import __version__
 
-    found["specops"] = __version__
-    return found
+    libraries = ("torch", "transformers", "fla-core", "flash-linear-attention", "safetensors")
+    found = {name: version for name, version in installed_versions(libraries).items() if version}
+    return {"specops": __version__, **found}
 
 
 def resolve_device(device: str) -> str:

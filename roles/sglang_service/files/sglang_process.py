@@ -54,6 +54,9 @@ import uuid
 from urllib.error import HTTPError, URLError
 from urllib.request import Request, urlopen
 
+# Copied beside this file by the role (the collection's module_utils/procfs.py, also used by gpu_release).
+from procfs import read_stat
+
 WORK_TOKEN_VARIABLE = "SPECOPS_WINDOW_TOKEN"
 LOG_LINES = 40
 
@@ -123,23 +126,15 @@ def tail(path, lines=LOG_LINES):
 # --- /proc -----------------------------------------------------------------------------------
 
 
-def stat_fields(pid):
-    """The fields of /proc/<pid>/stat after the command name, or None when it is gone."""
-    try:
-        with open(f"/proc/{pid}/stat") as handle:
-            return handle.read().rsplit(")", 1)[1].split()
-    except (OSError, IndexError):
-        return None
-
-
 def start_time(pid):
-    fields = stat_fields(pid)
-    return fields[19] if fields else None
+    # A string, as the identity files of running servers already hold it.
+    stat = read_stat(pid)
+    return str(stat.starttime) if stat else None
 
 
 def is_zombie(pid):
-    fields = stat_fields(pid)
-    return fields is None or fields[0] in ("Z", "X")
+    stat = read_stat(pid)
+    return stat is None or stat.state in ("Z", "X")
 
 
 def cmdline(pid):
@@ -158,9 +153,9 @@ def parents():
     """{pid: ppid} of every visible process."""
     table = {}
     for pid in all_pids():
-        fields = stat_fields(pid)
-        if fields:
-            table[pid] = int(fields[1])
+        stat = read_stat(pid)
+        if stat:
+            table[pid] = stat.ppid
     return table
 
 
@@ -303,8 +298,8 @@ def group_alive(pgid):
 def other_members(pgid):
     members = []
     for pid in all_pids():
-        fields = stat_fields(pid)
-        if pid != pgid and fields and int(fields[2]) == pgid and fields[0] != "Z":
+        stat = read_stat(pid)
+        if pid != pgid and stat and stat.pgid == pgid and stat.state != "Z":
             members.append(pid)
     return members
 
@@ -737,13 +732,16 @@ def arm(spec, args):
         }
     env = dict(os.environ)
     env.pop(WORK_TOKEN_VARIABLE, None)  # the guard is not the window's work it watches
-    with (
-        open(os.devnull, "rb") as stdin,
-        open(os.devnull, "wb") as stdout,
-        open(spec["log_file"], "ab") as log,
-    ):
+    # One file per statement: a parenthesised group of context managers needs Python 3.10.
+    with open(spec["log_file"], "ab") as log:
         guard_process = subprocess.Popen(
-            argv, stdin=stdin, stdout=stdout, stderr=log, env=env, close_fds=True, start_new_session=True
+            argv,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=log,
+            env=env,
+            close_fds=True,
+            start_new_session=True,
         )
     return {
         "changed": True,
