@@ -89,10 +89,13 @@ def spec_digest(spec):
 
 
 def write_atomic(path, text):
+    """Readers see the old file or the whole new one, also after a crash (fsync before the rename)."""
     tmp = f"{path}.tmp-{os.getpid()}"
     with open(tmp, "w") as handle:
         handle.write(text)
-    os.rename(tmp, path)
+        handle.flush()
+        os.fsync(handle.fileno())
+    os.replace(tmp, path)
 
 
 def remove(path):
