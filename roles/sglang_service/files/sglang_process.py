@@ -2,7 +2,8 @@
 # GNU General Public License v3.0+ (see https://www.gnu.org/licenses/gpl-3.0.txt)
 """Host side of the sglang_service role: process backend, readiness, memory saver, window guard.
 
-The role copies this file to the host and runs it with the server's Python (>= 3.8, stdlib only).
+The role copies this file and procfs.py beside it to the host and runs it with the Python Ansible uses
+there (>= 3.8, stdlib only: requests may not be installed on the host).
 A JSON spec file (written by the role, like a systemd unit) describes the server:
     {"argv": [...], "environment": {...}, "working_dir": "/", "pid_file": "...", "log_file": "..."}
 
