@@ -48,6 +48,7 @@ from specops import history as hist
 from specops import report as rep
 from specops import speedup as spd
 from specops import window as win
+from specops.devices import resolve_device
 from specops.dflash_config import DrafterError, target_layer_ids
 from specops.manifest import (
     atomic_write_json,
@@ -350,16 +351,6 @@ def versions() -> dict[str, str]:
     return {"specops": __version__, **found}
 
 
-def resolve_device(device: str) -> str:
-    import torch
-
-    if device == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        raise StageError(f"device {device} was asked for but torch sees no CUDA GPU: use device cpu or auto")
-    return device
-
-
 def limit_gpu_memory(device: str, gib: float) -> None:
     """Keep scoring within `gib` on its GPU, and refuse to start where that much is not free."""
     if not gib or not device.startswith("cuda"):
@@ -524,7 +515,7 @@ def run(request: dict[str, Any]) -> dict[str, Any]:
         reference_config, reference_ids = _checked_config(opts.reference_drafter, "reference drafter",
                                                           opts.target, target_config, captured)
     online = online_acceptance(opts.completions)
-    device = resolve_device(opts.device)
+    device = str(resolve_device(opts.device))
     limit_gpu_memory(device, opts.gpu_memory_gib)
     scored_paths = [*opts.drafter, *([opts.reference_drafter] if opts.reference_drafter else [])]
     dtype = resolve_dtype(opts.dtype, device, opts.target, scored_paths)
