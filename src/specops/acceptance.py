@@ -42,12 +42,13 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-from specops.drafter import DFlashDrafter, apply_rope
+from specops.drafter import DFlashAttention, DFlashDrafter, apply_rope
 from specops.target_head import TargetHead
 
 MODES = ("frontier", "all-anchors")
@@ -161,14 +162,19 @@ def walk(prompt_len: int, length: int, block_size: int,
 # The batched engine
 # ----------------------------------------------------------------------------------------------
 
+def _run_at(row: list[int], prompt_len: int, start: int) -> int:
+    """The match run of the block at start, from a row that begins at the prompt's end."""
+    return row[start - prompt_len]
+
+
 def _elem(dtype: torch.dtype) -> int:
     return torch.finfo(dtype).bits // 8
 
 
 def _sequence_bytes(drafter: DFlashDrafter, length: int) -> int:
     """Resident memory of one sequence in a group: features, context and its K/V in every layer."""
-    cfg = drafter.config
-    kv = 2 * cfg.num_key_value_heads * cfg.head_dim * cfg.num_hidden_layers
+    cfg, attn = drafter.config, drafter.decoder_layers[0].self_attn
+    kv = 2 * attn.num_kv_heads * attn.head_dim * len(drafter.decoder_layers)
     per_token = kv + (len(drafter.target_layer_ids) + 1) * cfg.hidden_size
     return length * per_token * _elem(drafter.fc.weight.dtype)
 
@@ -292,9 +298,8 @@ def _all_anchors(group: _Group, ids_of: list[int], results: dict[int, SequenceAc
         runs[:, first:first + slots.shape[0]] = group.match_runs(starts).cpu()
     lengths, prompts = group.lengths.tolist(), group.prompts.tolist()
     for b, owner in enumerate(ids_of):
-        row = runs[b].tolist()
-        accept, starts_ = walk(prompts[b], lengths[b], drafter.block_size,
-                               lambda s, row=row, p=prompts[b]: row[s - p])
+        match_run = partial(_run_at, runs[b].tolist(), prompts[b])
+        accept, starts_ = walk(prompts[b], lengths[b], drafter.block_size, match_run)
         results[owner].accept_lengths, results[owner].block_starts = accept, starts_
 
 
@@ -334,21 +339,11 @@ def offline_acceptance(drafter: DFlashDrafter, head: TargetHead, sequences: Iter
 # The oracle
 # ----------------------------------------------------------------------------------------------
 
-def _oracle_mask(attn, start: int, block_size: int, device: torch.device) -> torch.Tensor | None:
-    """Visibility [bs, start + bs] of keys 0..start+bs-1 to queries start..start+bs-1 (SGLang's rule,
-    as DFlashAttention applies it)."""
-    if not attn.is_causal and attn.sliding_window is None:
-        return None
-    query = torch.arange(start, start + block_size, device=device)[:, None]
-    key = torch.arange(start + block_size, device=device)[None, :]
-    visible = torch.ones(block_size, start + block_size, dtype=torch.bool, device=device)
-    if attn.is_causal:
-        visible &= key <= query
-    if attn.sliding_window is not None:
-        visible &= query - key < attn.sliding_window
-        if not attn.is_causal:
-            visible &= key - query < attn.sliding_window
-    return visible
+def _oracle_mask(attn: DFlashAttention, start: int, block_size: int,
+                 device: torch.device) -> torch.Tensor | None:
+    """Visibility [bs, start + bs] of keys 0..start+bs-1 to queries start..start+bs-1."""
+    return attn.visibility(torch.arange(start, start + block_size, device=device),
+                           torch.arange(start + block_size, device=device))
 
 
 class SequentialDrafter:
@@ -361,9 +356,9 @@ class SequentialDrafter:
         self.drafter, self.head = drafter, head
         self.device, dtype = head.device, drafter.fc.weight.dtype
         self.features = features.to(device=self.device, dtype=dtype)
-        cfg = drafter.config
-        empty = torch.empty(1, cfg.num_key_value_heads, 0, cfg.head_dim, dtype=dtype, device=self.device)
-        self.cache = [(empty, empty) for _ in drafter.layers]
+        attn = drafter.decoder_layers[0].self_attn
+        empty = torch.empty(1, attn.num_kv_heads, 0, attn.head_dim, dtype=dtype, device=self.device)
+        self.cache = [(empty, empty) for _ in drafter.decoder_layers]
         self.cached = 0
 
     def block_hidden(self, token: int, start: int) -> torch.Tensor:
@@ -378,7 +373,7 @@ class SequentialDrafter:
             self.cached = start
         x = drafter.block_embeddings(self.head.embed, torch.tensor([token], device=device))  # [1, bs, hidden]
         cos, sin = drafter.rope(torch.arange(start, start + bs, device=device), x)
-        for layer, (k_ctx, v_ctx) in zip(drafter.layers, self.cache, strict=True):
+        for layer, (k_ctx, v_ctx) in zip(drafter.decoder_layers, self.cache, strict=True):
             attn = layer.self_attn
             y = layer.input_layernorm(x)
             q = attn.q_norm(attn.q_proj(y).view(1, bs, attn.num_heads, attn.head_dim)).transpose(1, 2)

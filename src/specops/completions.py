@@ -14,13 +14,18 @@ from __future__ import annotations
 import json
 import os
 import threading
-import urllib.error
-import urllib.request
 from collections import Counter
 from concurrent.futures import CancelledError, ThreadPoolExecutor, as_completed
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+import requests
+from requests.adapters import HTTPAdapter
+from urllib3 import BaseHTTPResponse
+from urllib3.exceptions import NewConnectionError
+from urllib3.exceptions import TimeoutError as Urllib3Timeout
+from urllib3.util.retry import Retry
 
 from specops.manifest import (
     MANIFEST_NAME,
@@ -255,65 +260,101 @@ def tokenize(prompts: list[Prompt], directory: Path, prompts_path: Path) -> dict
 
 
 # -- server ----------------------------------------------------------------------------------
+class StageRetry(Retry):
+    """urllib3's retry policy as the stage wants it: each retry is logged, the first one waits
+    `backoff` too (urllib3 retries it at once), and a wait ends when another request has failed."""
+
+    def __init__(self, *args: Any, abort: threading.Event | None = None, server: str = "", **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self.abort = abort or threading.Event()
+        self.server = server
+
+    def new(self, **kw: Any) -> StageRetry:
+        return super().new(abort=self.abort, server=self.server, **kw)
+
+    def get_backoff_time(self) -> float:
+        return float(min(self.backoff_factor * 2 ** (len(self.history) - 1), self.backoff_max))
+
+    def sleep(self, response: BaseHTTPResponse | None = None) -> None:
+        last = self.history[-1]
+        endpoint = f"{last.method} {self.server}{last.url}"
+        delay = self.get_backoff_time()
+        attempt = len(self.history)
+        what = f"HTTP {last.status}" if last.status else f"connection failed ({last.error})"
+        log(f"{endpoint}: {what}; retry {attempt}/{attempt + (self.total or 0)} in {delay:.1f} s")
+        if self.abort.wait(delay):
+            raise StageError(f"{endpoint}: stopped after another request failed")
+
+
+def _failure(error: requests.RequestException, timeout: float) -> str:
+    """What went wrong on the last attempt, in the words of the stage's errors."""
+    reason = error.args[0] if error.args else error
+    reason = getattr(reason, "reason", reason)  # MaxRetryError holds the last attempt's failure
+    if isinstance(reason, NewConnectionError):
+        return f"connection failed ({reason})"
+    if isinstance(error, requests.Timeout) or isinstance(reason, (TimeoutError, Urllib3Timeout)):
+        return f"no answer within {timeout:g} s"
+    return f"connection failed ({reason})"
+
+
 class ServerClient:
-    """JSON over HTTP with retries on connection errors, timeouts and 5xx; 4xx fails at once."""
+    """JSON over one pooled HTTP session; connection errors, timeouts and 5xx are retried with
+    exponential backoff, a 4xx fails at once."""
 
     def __init__(self, settings: Settings, abort: threading.Event | None = None):
         self.url = settings.server_url
         self.timeout = settings.timeout
         self.retries = settings.retries
-        self.backoff = settings.backoff
-        self.abort = abort or threading.Event()
-
-    def _once(self, method: str, path: str, body: Any) -> tuple[int, bytes]:
-        data = None if body is None else json.dumps(body).encode("utf-8")
-        request = urllib.request.Request(
-            self.url + path, data=data, method=method, headers={"Content-Type": "application/json"}
+        retry = StageRetry(
+            total=settings.retries,
+            status_forcelist=range(500, 600),
+            allowed_methods=None,  # POST /generate too: a greedy generation gives the same answer again
+            backoff_factor=settings.backoff,
+            backoff_max=MAX_BACKOFF_S,
+            raise_on_status=False,  # the last 5xx comes back, so its body can go into the error
+            respect_retry_after_header=False,
+            abort=abort,
+            server=self.url,
         )
-        try:
-            with urllib.request.urlopen(request, timeout=self.timeout) as response:
-                return response.status, response.read()
-        except urllib.error.HTTPError as error:
-            return error.code, error.read()
+        self.session = requests.Session()
+        adapter = HTTPAdapter(max_retries=retry, pool_maxsize=settings.concurrency)
+        self.session.mount("http://", adapter)
+        self.session.mount("https://", adapter)
+
+    def __enter__(self) -> ServerClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.session.close()
 
     def request(self, method: str, path: str, body: Any = None) -> Any:
         endpoint = f"{method} {self.url}{path}"
         attempts = self.retries + 1
-        last = ""
-        for attempt in range(attempts):
-            if attempt:
-                delay = min(self.backoff * 2 ** (attempt - 1), MAX_BACKOFF_S)
-                log(f"{endpoint}: {last}; retry {attempt}/{self.retries} in {delay:.1f} s")
-                if self.abort.wait(delay):
-                    raise StageError(f"{endpoint}: stopped after another request failed")
-            try:
-                status, raw = self._once(method, path, body)
-            except TimeoutError:
-                last = f"no answer within {self.timeout:g} s"
-                continue
-            except (urllib.error.URLError, ConnectionError, OSError) as error:
-                reason = getattr(error, "reason", error)
-                last = f"connection failed ({reason})"
-                continue
-            if status >= 500:
-                last = f"HTTP {status} {_snippet(raw)}".rstrip()
-                continue
-            if status >= 400:
-                hint = " (is this an SGLang server?)" if status in (404, 405) else ""
-                raise StageError(
-                    f"{endpoint} answered HTTP {status}{hint}: {_snippet(raw) or '(empty body)'}"
-                )
-            try:
-                return json.loads(raw)
-            except json.JSONDecodeError:
-                raise StageError(
-                    f"{endpoint} answered {status} with something that is not JSON "
-                    f"({_snippet(raw) or 'empty body'}): is {self.url} an SGLang server?"
-                ) from None
+        try:
+            response = self.session.request(method, self.url + path, json=body, timeout=self.timeout)
+            status, raw = response.status_code, response.content
+        except requests.RequestException as error:
+            last = _failure(error, self.timeout)
+        else:
+            if status < 500:
+                return self._answer(endpoint, status, raw)
+            last = f"HTTP {status} {_snippet(raw)}".rstrip()
         raise StageError(
             f"{endpoint} failed {attempts} time(s), last: {last}: check that SGLang is up "
             f"(GET {self.url}/health_generate answers 200), or raise timeout/retries"
         )
+
+    def _answer(self, endpoint: str, status: int, raw: bytes) -> Any:
+        if status >= 400:
+            hint = " (is this an SGLang server?)" if status in (404, 405) else ""
+            raise StageError(f"{endpoint} answered HTTP {status}{hint}: {_snippet(raw) or '(empty body)'}")
+        try:
+            return json.loads(raw)
+        except json.JSONDecodeError:
+            raise StageError(
+                f"{endpoint} answered {status} with something that is not JSON "
+                f"({_snippet(raw) or 'empty body'}): is {self.url} an SGLang server?"
+            ) from None
 
     def model_info(self) -> dict[str, Any]:
         """SGLang's /get_model_info (newer: /model_info): which weights produce the tokens."""
@@ -391,6 +432,13 @@ def check_generation(
 
 
 # -- partial output --------------------------------------------------------------------------
+def _matches(record: Any, prompt_ids: dict[str, list[int]]) -> bool:
+    """A stored record of one of these prompts, made from the same prompt tokens."""
+    if not isinstance(record, dict) or not isinstance(record.get("id"), str):
+        return False
+    return prompt_ids.get(record["id"]) == record.get("prompt_ids")
+
+
 def read_partial(path: Path, inputs_fingerprint: str, prompt_ids: dict[str, list[int]]) -> dict[str, dict]:
     """Records a previous run of the same inputs finished; a torn last line is dropped."""
     if not path.is_file():
@@ -410,7 +458,7 @@ def read_partial(path: Path, inputs_fingerprint: str, prompt_ids: dict[str, list
                 record = json.loads(line)
             except json.JSONDecodeError:
                 break  # written when the run was interrupted: everything before it is whole
-            if isinstance(record, dict) and prompt_ids.get(record.get("id")) == record.get("prompt_ids"):
+            if _matches(record, prompt_ids):
                 kept[record["id"]] = record
     return kept
 
@@ -449,7 +497,8 @@ def prepare(request: dict[str, Any]) -> Prepared:
     settings = parse_request(request)
     prompts = load_prompts(settings.prompts)
     identity = tokenizer_identity(settings.tokenizer)
-    model_info = ServerClient(settings).model_info()
+    with ServerClient(settings) as client:
+        model_info = client.model_info()
     inputs = {
         "prompts": {"sha256": sha256_file(settings.prompts), "size": settings.prompts.stat().st_size},
         "tokenizer": identity,
@@ -538,8 +587,7 @@ def intact_records(out: Path, inputs_fingerprint: str, prompt_ids: dict[str, lis
             record = json.loads(line)
         except json.JSONDecodeError:
             continue
-        if isinstance(record, dict) and recorded.get(record.get("id")) == digest \
-                and prompt_ids.get(record["id"]) == record.get("prompt_ids"):
+        if _matches(record, prompt_ids) and recorded.get(record["id"]) == digest:
             kept[record["id"]] = record
     return kept
 
@@ -563,7 +611,7 @@ def _generate(
         answer = client.request("POST", "/generate", body)
         return check_generation(answer, prompt, prompt_ids[prompt.id], settings.max_new_tokens, endpoint)
 
-    with ThreadPoolExecutor(max_workers=settings.concurrency, thread_name_prefix="completions") as pool:
+    with client, ThreadPoolExecutor(settings.concurrency, thread_name_prefix="completions") as pool:
         futures = [pool.submit(one, prompt) for prompt in pending]
         try:
             for count, future in enumerate(as_completed(futures), start=1):

@@ -87,8 +87,9 @@ def backend_check(hidden_manifest: Mapping[str, Any], target_config: Mapping[str
     layer_types = text_config(target_config).get("layer_types") or []
     hybrid = any(kind == "linear_attention" for kind in layer_types)
     versions = hidden_manifest.get("versions") or {}
+    transformers_version: str | None = versions.get("transformers")
     details = {"backend": backend, "target_has_linear_attention": hybrid,
-               "transformers": versions.get("transformers")}
+               "transformers": transformers_version}
     kernel = backend.get("gated_delta_rule")
     if not hybrid:
         return finding("backend", "ok", "the target has no Gated DeltaNet layers: the kernel backend does "
@@ -99,7 +100,7 @@ def backend_check(hidden_manifest: Mapping[str, Any], target_config: Mapping[str
                        f"on {backend.get('device', 'an unrecorded device')}, as drafters are trained",
                        **details)
     if kernel == "torch":
-        version = _version(details["transformers"])
+        version = _version(transformers_version)
         if version is not None and version >= FALLBACK_ALIGNED_TRANSFORMERS:
             return finding(
                 "backend", "ok", f"hidden states came from the torch fallback of gated_delta_rule with "
@@ -245,7 +246,8 @@ def layer_offset_check(
             "(extract_hidden_states) to run this check", **details)
     if base_tau is None:
         return finding("layer_offset", "skipped", "no verify step was scored, nothing to compare", **details)
-    best_key = max((k for k in taus if k != "0" and taus[k] is not None), key=lambda k: taus[k], default=None)
+    shifted = {k: tau for k, tau in taus.items() if k != "0" and tau is not None}
+    best_key = max(shifted, key=shifted.__getitem__, default=None)
     scores = ", ".join(f"{k}: {v:.2f}" for k, v in taus.items() if v is not None)
     scored = [v for v in taus.values() if v is not None]
     if max(scored) - min(scored) <= INCONCLUSIVE_SPREAD * max(scored):
@@ -254,12 +256,12 @@ def layer_offset_check(
             f"every layer offset scores the same (tau by offset {scores}): the check cannot tell which "
             "layers the drafter was trained on; a drafter that accepts nothing at any layer choice scores "
             "alike everywhere (see the acceptance diagnosis)", **details)
-    if best_key is not None and taus[best_key] > base_tau * (1 + tolerance):
+    if best_key is not None and shifted[best_key] > base_tau * (1 + tolerance):
         offset = int(best_key)
         return finding(
             "layer_offset", "warning",
             f"the drafter scores clearly higher with its target layers shifted by {best_key} "
-            f"(tau {taus[best_key]:.2f} vs {base_tau:.2f} at {list(target_layer_ids)}; {scores}): its "
+            f"(tau {shifted[best_key]:.2f} vs {base_tau:.2f} at {list(target_layer_ids)}; {scores}): its "
             f"training most likely read layer ids {shifted_layer_ids(target_layer_ids, offset)}, an "
             "off-by-one between a layer id and HF's hidden_states index (layer k is hidden_states[k + 1]); "
             "fix dflash_config.target_layer_ids or how the trainer indexes the hidden states", **details)

@@ -20,27 +20,17 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
 from transformers import Qwen3Config
 from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RMSNorm, Qwen3RotaryEmbedding, rotate_half
 
+from specops.dflash_config import DrafterError, dflash_value, target_layer_ids
+
 SUPPORTED_ARCHITECTURES = ("DFlashDraftModel",)
 SUPPORTED_LAYER_TYPES = ("full_attention", "sliding_attention")
-
-
-class DrafterError(ValueError):
-    """A drafter checkpoint that cannot be used as it is; the message says what to fix."""
-
-
-def dflash_value(config: Mapping[str, Any], name: str, default: Any = None) -> Any:
-    """A DFlash setting from `dflash_config`, else from the top level (older layouts)."""
-    dflash = config.get("dflash_config") or {}
-    if name in dflash:
-        return dflash[name]
-    return config.get(name, default)
 
 
 def select_target_features(hidden_states: Sequence[torch.Tensor], layer_ids: Sequence[int]) -> torch.Tensor:
@@ -61,12 +51,20 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + rotate_half(x) * sin
 
 
+def _config_int(config: Qwen3Config, name: str) -> int:
+    """A size transformers types as optional; Qwen3Config fills it in from the others when absent."""
+    value = getattr(config, name)
+    if not isinstance(value, int):
+        raise DrafterError(f"drafter config: {name} is {value!r}, not an integer: fix config.json")
+    return value
+
+
 class DFlashAttention(nn.Module):
     def __init__(self, config: Qwen3Config, layer_idx: int):
         super().__init__()
-        self.head_dim = config.head_dim
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = _config_int(config, "head_dim")
+        self.num_heads = _config_int(config, "num_attention_heads")
+        self.num_kv_heads = _config_int(config, "num_key_value_heads")
         self.groups = self.num_heads // self.num_kv_heads
         self.scaling = self.head_dim**-0.5
         bias = bool(getattr(config, "attention_bias", False))
@@ -91,13 +89,13 @@ class DFlashAttention(nn.Module):
         v = self.v_proj(x).view(shape).transpose(-2, -3)
         return apply_rope(k, cos.unsqueeze(-3), sin.unsqueeze(-3)), v
 
-    def block_visibility(self, block_size: int, device: torch.device) -> torch.Tensor | None:
-        """Which block keys each block query sees ([bs, bs] bool), or None when it sees all of them."""
+    def visibility(self, queries: torch.Tensor, keys: torch.Tensor) -> torch.Tensor | None:
+        """Which key positions each query position sees ([len(queries), len(keys)] bool), or None
+        when it sees all of them; the one statement of the rule, for the scorer and its oracle."""
         if not self.is_causal and self.sliding_window is None:
             return None
-        q = torch.arange(block_size, device=device)[:, None]
-        k = torch.arange(block_size, device=device)[None, :]
-        visible = torch.ones(block_size, block_size, dtype=torch.bool, device=device)
+        q, k = queries[:, None], keys[None, :]
+        visible = torch.ones(len(queries), len(keys), dtype=torch.bool, device=queries.device)
         if self.is_causal:
             visible &= k <= q
         if self.sliding_window is not None:
@@ -134,7 +132,8 @@ class DFlashAttention(nn.Module):
             query_pos = starts_ + torch.arange(bs, device=x.device)[:, None]
             ctx_hidden = ctx_hidden | (query_pos - key_pos >= self.sliding_window)
         ctx_hidden = ctx_hidden.expand(B, 1, m, 1, bs, T)
-        blk_visible = self.block_visibility(bs, x.device)
+        block = torch.arange(bs, device=x.device)
+        blk_visible = self.visibility(block, block)
         blk_hidden = (torch.zeros(bs, bs, dtype=torch.bool, device=x.device) if blk_visible is None
                       else ~blk_visible).expand(B, 1, m, 1, bs, bs)
         mask = torch.cat([ctx_hidden, blk_hidden], dim=-1)
@@ -168,7 +167,7 @@ class DFlashDrafter(nn.Module):
         raw = config.to_dict()
         self.block_size = int(dflash_value(raw, "block_size"))
         self.mask_token_id = int(dflash_value(raw, "mask_token_id"))
-        self.target_layer_ids = [int(k) for k in dflash_value(raw, "target_layer_ids")]
+        self.target_layer_ids = target_layer_ids(raw)
         # Optional scalars of newer z-lab configs; 1.0 / None reproduce the original model.
         self.input_embedding_scale = float(dflash_value(raw, "input_embedding_scale", 1.0))
         self.output_multiplier = float(dflash_value(raw, "output_multiplier", 1.0))
@@ -180,6 +179,11 @@ class DFlashDrafter(nn.Module):
         self.layers = nn.ModuleList(DFlashLayer(config, i) for i in range(config.num_hidden_layers))
         self.norm = Qwen3RMSNorm(hidden, eps=config.rms_norm_eps)
         self.rotary_emb = Qwen3RotaryEmbedding(config)
+
+    @property
+    def decoder_layers(self) -> list[DFlashLayer]:
+        """The layers, typed (iterating an nn.ModuleList yields plain Modules)."""
+        return cast(list[DFlashLayer], list(self.layers))
 
     @property
     def hidden_size(self) -> int:
@@ -208,7 +212,7 @@ class DFlashDrafter(nn.Module):
         ctx = self.project_context(features)
         positions = torch.arange(first_position, first_position + ctx.shape[-2], device=ctx.device)
         cos, sin = self.rope(positions, ctx)
-        return [layer.self_attn.kv(ctx, cos, sin) for layer in self.layers]
+        return [layer.self_attn.kv(ctx, cos, sin) for layer in self.decoder_layers]
 
     def block_embeddings(self, embed, anchor_tokens: torch.Tensor) -> torch.Tensor:
         """[token at s, MASK x (bs-1)] through the target's embedding: anchors [...] -> [..., bs, hidden]."""
@@ -247,11 +251,7 @@ def validate_config(config: Mapping[str, Any], where: str = "config.json") -> No
     if not isinstance(config.get("dflash_config"), Mapping):
         raise DrafterError(f"{where} has no dflash_config: a DFlash drafter's config needs "
                            "dflash_config {mask_token_id, target_layer_ids}")
-    layer_ids = dflash_value(config, "target_layer_ids")
-    if not layer_ids or not all(isinstance(k, int) and k >= 0 for k in layer_ids):
-        raise DrafterError(f"{where}: dflash_config.target_layer_ids is missing or not a list of layer "
-                           f"indices (got {layer_ids!r}); set it to the target layers the drafter was "
-                           "trained on")
+    target_layer_ids(config, where)
     if not isinstance(dflash_value(config, "mask_token_id"), int):
         raise DrafterError(f"{where}: dflash_config.mask_token_id is missing; set it to the id of the "
                            "mask token the drafter was trained with")

@@ -22,6 +22,7 @@ import time
 from typing import Any
 
 from specops.stage import StageError, log, serve
+from specops.versions import distribution_version
 
 BACKENDS = ("fla-cuda", "torch-cuda", "torch-cpu")
 REQUIRE_CHOICES = ("any", "fla-cuda")
@@ -79,15 +80,6 @@ def _version_of(module_name: str) -> str | None:
     except Exception:  # any import failure means "not usable", the error is reported separately
         return None
     return getattr(module, "__version__", None)
-
-
-def _distribution_version(name: str) -> str | None:
-    from importlib import metadata
-
-    try:
-        return metadata.version(name)
-    except metadata.PackageNotFoundError:
-        return None
 
 
 def driver_facts() -> dict[str, Any]:
@@ -195,7 +187,7 @@ def collect_facts() -> dict[str, Any]:
             "torch": torch.__version__,
             "torch_cuda": torch.version.cuda,
             "transformers": _version_of("transformers"),
-            "fla": _version_of("fla") if fla_importable else _distribution_version("fla-core"),
+            "fla": _version_of("fla") if fla_importable else distribution_version("fla-core"),
             "triton": triton_version,
             "specops": _version_of("specops"),
         },

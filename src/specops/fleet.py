@@ -13,15 +13,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
-import traceback
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from specops import report as rep
 from specops.manifest import atomic_write_json, atomic_write_text
-from specops.stage import StageError, log
+from specops.stage import StageError, log, read_request, respond
 
 FLEET_REPORT_JSON = "report.json"
 FLEET_REPORT_MD = "report.md"
@@ -214,17 +212,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("command", choices=sorted(COMMANDS))
     parser.add_argument("--request", default="-", help="JSON request file, - for stdin")
     args = parser.parse_args(argv)
-    try:
-        raw = sys.stdin.read() if args.request == "-" else Path(args.request).read_text()
-        result = COMMANDS[args.command](json.loads(raw or "{}"))
-    except StageError as error:
-        print(json.dumps({"failed": True, "msg": f"fleet {args.command}: {error}"}))
-        return 2
-    except Exception:  # a crash: keep the traceback for the play to show
-        traceback.print_exc()
-        return 1
-    print(json.dumps(result, default=str))
-    return 0
+    return respond(f"fleet {args.command}", lambda: COMMANDS[args.command](read_request(args.request)))
 
 
 if __name__ == "__main__":

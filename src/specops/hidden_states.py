@@ -92,7 +92,11 @@ class ShardFile:
                 self._digest.update(view)
                 self._write(view)
             return
-        hashed = hasher.submit(lambda: [self._digest.update(view) for view in views])
+        def digest() -> None:
+            for view in views:
+                self._digest.update(view)
+
+        hashed = hasher.submit(digest)
         try:
             for view in views:
                 self._write(view)

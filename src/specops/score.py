@@ -36,19 +36,20 @@ the target's small files and the options; plan mode decides from it without load
 
 from __future__ import annotations
 
-import importlib.metadata
 import json
 import shutil
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, overload
 
 from specops import diagnostics as diag
 from specops import history as hist
 from specops import report as rep
 from specops import speedup as spd
 from specops import window as win
+from specops.devices import resolve_device
+from specops.dflash_config import DrafterError, target_layer_ids
 from specops.manifest import (
     atomic_write_json,
     atomic_write_text,
@@ -60,6 +61,7 @@ from specops.manifest import (
     write_manifest,
 )
 from specops.stage import StageError, log, serve
+from specops.versions import installed_versions
 
 STAGE = "score"
 REPORT_JSON = "report.json"
@@ -139,6 +141,12 @@ def _step_costs(value: Any) -> tuple[tuple[str, float], ...]:
     return tuple(sorted(costs.items()))
 
 
+@overload
+def _directory(request: Mapping[str, Any], key: str, required: Literal[True],
+               must_hold: str | None = None) -> Path: ...
+@overload
+def _directory(request: Mapping[str, Any], key: str, required: bool,
+               must_hold: str | None = None) -> Path | None: ...
 def _directory(request: Mapping[str, Any], key: str, required: bool,
                must_hold: str | None = None) -> Path | None:
     value = request.get(key)
@@ -312,11 +320,10 @@ def online_acceptance(completions_dir: Path | None) -> dict[str, dict[str, Any]]
 
 
 def drafter_layer_ids(config: Mapping[str, Any], name: str) -> list[int]:
-    ids = (config.get("dflash_config") or {}).get("target_layer_ids") or config.get("target_layer_ids")
-    if not ids:
-        raise StageError(f"the {name}'s config.json has no dflash_config.target_layer_ids: set the target "
-                         "layers it was trained on")
-    return list(ids)
+    try:
+        return target_layer_ids(config, f"the {name}'s config.json")
+    except DrafterError as error:
+        raise StageError(str(error)) from None
 
 
 def require_layers(needed: list[int], captured: list[int], name: str, target_layers: int | None) -> None:
@@ -337,26 +344,11 @@ def require_layers(needed: list[int], captured: list[int], name: str, target_lay
 # ----------------------------------------------------------------------------------------------
 
 def versions() -> dict[str, str]:
-    found = {}
-    for name in ("specops", "torch", "transformers", "fla-core", "flash-linear-attention", "safetensors"):
-        try:
-            found[name] = importlib.metadata.version(name)
-        except importlib.metadata.PackageNotFoundError:
-            continue
     from specops import __version__
 
-    found["specops"] = __version__
-    return found
-
-
-def resolve_device(device: str) -> str:
-    import torch
-
-    if device == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        raise StageError(f"device {device} was asked for but torch sees no CUDA GPU: use device cpu or auto")
-    return device
+    libraries = ("torch", "transformers", "fla-core", "flash-linear-attention", "safetensors")
+    found = {name: version for name, version in installed_versions(libraries).items() if version}
+    return {"specops": __version__, **found}
 
 
 def limit_gpu_memory(device: str, gib: float) -> None:
@@ -523,7 +515,7 @@ def run(request: dict[str, Any]) -> dict[str, Any]:
         reference_config, reference_ids = _checked_config(opts.reference_drafter, "reference drafter",
                                                           opts.target, target_config, captured)
     online = online_acceptance(opts.completions)
-    device = resolve_device(opts.device)
+    device = str(resolve_device(opts.device))
     limit_gpu_memory(device, opts.gpu_memory_gib)
     scored_paths = [*opts.drafter, *([opts.reference_drafter] if opts.reference_drafter else [])]
     dtype = resolve_dtype(opts.dtype, device, opts.target, scored_paths)
@@ -535,7 +527,7 @@ def run(request: dict[str, Any]) -> dict[str, Any]:
         scorer = Scorer(opts, device, dtype)
         reference_model, reference_scores = None, None
         server_check: tuple[dict | None, dict | None] | None = None
-        if opts.reference_drafter:
+        if opts.reference_drafter and reference_ids is not None:  # both set together above
             log(f"score: scoring the reference {opts.reference_drafter} at target layers {reference_ids}")
             reference_model = scorer.load(opts.reference_drafter)
             reference_scores = scorer.score(reference_model, reference_ids)
@@ -553,7 +545,8 @@ def run(request: dict[str, Any]) -> dict[str, Any]:
             comparison, margins = None, None
             if server_name == name:
                 comparison, margins = _online_check(scorer, online, opts, drafter, scores, layer_ids)
-            elif server_name == "reference":
+            # parse_request refuses server_drafter 'reference' without a reference drafter.
+            elif server_name == "reference" and reference_scores is not None and reference_ids is not None:
                 if server_check is None:  # the reference's check is the same for every drafter
                     server_check = _online_check(scorer, online, opts, reference_model, reference_scores,
                                                  reference_ids)
@@ -590,7 +583,7 @@ def run(request: dict[str, Any]) -> dict[str, Any]:
 
 
 def _online_check(scorer: Scorer, online: Mapping[str, Any], opts: Options, model, scores: Mapping[str, Any],
-                  layer_ids: list[int] | None) -> tuple[dict | None, dict | None]:
+                  layer_ids: list[int]) -> tuple[dict | None, dict | None]:
     """SGLang's online figures against the server drafter's offline walk, with the logit margins of the
     prompts that differ (to tell a near-tie from a configuration error)."""
     comparison = rep.online_comparison(online, scores, opts.server_drafter)

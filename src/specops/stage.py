@@ -7,6 +7,7 @@ import json
 import sys
 import traceback
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 Handler = Callable[[dict[str, Any]], dict[str, Any]]
@@ -21,6 +22,27 @@ def log(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
 
+def read_request(source: str) -> Any:
+    """The JSON request from a file, or from stdin for '-'."""
+    raw = sys.stdin.read() if source == "-" else Path(source).read_text()
+    return json.loads(raw or "{}")
+
+
+def respond(name: str, work: Callable[[], dict[str, Any]]) -> int:
+    """Print work's result as the one JSON object on stdout; exit 0, 2 for a StageError (its message
+    prefixed with name) or 1 for a crash (its traceback on stderr)."""
+    try:
+        result = work()
+    except StageError as error:
+        print(json.dumps({"failed": True, "msg": f"{name}: {error}"}))
+        return 2
+    except Exception:  # a crash: keep the traceback for the module to show
+        traceback.print_exc()
+        return 1
+    print(json.dumps(result, default=str))
+    return 0
+
+
 def serve(stage: str, plan: Handler, run: Handler, argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog=f"python -m specops.{stage}")
     mode = parser.add_mutually_exclusive_group(required=True)
@@ -29,20 +51,14 @@ def serve(stage: str, plan: Handler, run: Handler, argv: list[str] | None = None
     parser.add_argument("--request", default="-", help="JSON request file, - for stdin")
     args = parser.parse_args(argv)
     try:
-        raw = sys.stdin.read() if args.request == "-" else open(args.request).read()
-        request = json.loads(raw or "{}")
+        request = read_request(args.request)
     except json.JSONDecodeError as error:
         print(json.dumps({"failed": True, "msg": f"{stage}: the request is not JSON: {error}"}))
         return 2
-    try:
+
+    def work() -> dict[str, Any]:
         if not isinstance(request, dict):
             raise StageError("the request must be a JSON object")
-        result = (plan if args.plan else run)(request)
-    except StageError as error:
-        print(json.dumps({"failed": True, "msg": f"{stage}: {error}"}))
-        return 2
-    except Exception:  # a crash: keep the traceback for the module to show
-        traceback.print_exc()
-        return 1
-    print(json.dumps(result, default=str))
-    return 0
+        return (plan if args.plan else run)(request)
+
+    return respond(stage, work)

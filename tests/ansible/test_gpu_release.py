@@ -31,6 +31,8 @@ ANSIBLE = ROOT / ".venv/bin/ansible"
 
 
 def _load_utils():
+    # gpu_release imports its sibling module_utils by their collection path, as Ansible ships them.
+    sys.path.insert(0, str(ROOT / "collections"))
     spec = importlib.util.spec_from_file_location("gpu_release_utils", UTILS_PATH)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)

@@ -346,6 +346,33 @@ def test_bad_requests_name_the_key_and_the_fix(fixture_models, tmp_path, overrid
     assert problem in str(error.value)
 
 
+# -- retry policy ------------------------------------------------------------------------------
+def _failed_once_more(retry: completions.StageRetry) -> completions.StageRetry:
+    return retry.increment(method="POST", url="/generate", error=ConnectionRefusedError("refused"))
+
+
+def test_retries_wait_backoff_first_then_double_up_to_the_cap():
+    retry = completions.StageRetry(total=10, backoff_factor=1.0, backoff_max=completions.MAX_BACKOFF_S)
+    waits = []
+    for _ in range(7):
+        retry = _failed_once_more(retry)
+        waits.append(retry.get_backoff_time())
+
+    assert waits == [1.0, 2.0, 4.0, 8.0, 16.0, 30.0, 30.0]
+
+
+def test_a_retry_wait_ends_at_once_when_another_request_has_failed():
+    abort = threading.Event()
+    retry = _failed_once_more(completions.StageRetry(total=3, backoff_factor=30.0, abort=abort,
+                                                     server="http://127.0.0.1:9"))
+    abort.set()
+    started = time.monotonic()
+
+    with pytest.raises(StageError, match=r"POST http://127.0.0.1:9/generate: stopped after another request"):
+        retry.sleep()
+    assert time.monotonic() - started < 5
+
+
 # -- unhelpful servers -----------------------------------------------------------------------
 def test_a_server_answering_503_for_a_while_then_200_is_waited_for(fixture_models, expected, tmp_path):
     with DevServerProcess(fixture_models.target, "--startup-delay", "3") as starting:

@@ -83,6 +83,51 @@ def wait_for(condition, timeout: float, step: float = 0.1) -> bool:
     return condition()
 
 
+# -- the server process ----------------------------------------------------------------------------
+def _live_members(pgid: int) -> list[int]:
+    members = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if os.getpgid(int(entry.name)) == pgid and _state(int(entry.name)) not in ("Z", "X", "gone"):
+                    members.append(int(entry.name))
+            except OSError:
+                continue
+    return members
+
+
+def test_a_second_start_with_the_same_spec_changes_nothing(site_factory):
+    site = site_factory([sys.executable, "-c", SLEEPER])
+    first = site.run("start")[1]
+    second = site.run("start")[1]
+
+    assert first["changed"] is True and second["changed"] is False
+    assert second["pid"] == first["pid"]
+
+
+def test_a_pid_file_naming_a_later_process_is_not_our_server(site_factory):
+    site = site_factory([sys.executable, "-c", SLEEPER])
+    ours = site.run("start")[1]["pid"]
+    pid_file = site.root / "server.pid"
+    pid_file.write_text(f"{os.getpid()}\n")  # alive, but started at another time: a recycled pid
+    try:
+        assert site.run("status")[1]["running"] is False
+    finally:
+        pid_file.write_text(f"{ours}\n")
+    assert site.pid() == ours
+
+
+def test_stop_ends_every_process_of_the_servers_group(site_factory):
+    site = site_factory([sys.executable, "-c", "import os, time; os.fork(); time.sleep(300)"])
+    pid = site.run("start")[1]["pid"]
+    assert wait_for(lambda: len(_live_members(pid)) == 2, 10)
+
+    rc, result = site.run("stop", "--timeout", "5")
+
+    assert rc == 0 and result["changed"] is True
+    assert wait_for(lambda: not _live_members(pid), 10)
+
+
 # -- readiness ---------------------------------------------------------------------------------
 def test_ready_fails_at_once_with_the_log_when_our_server_exits(site_factory):
     site = site_factory(

@@ -2,7 +2,8 @@
 # GNU General Public License v3.0+ (see https://www.gnu.org/licenses/gpl-3.0.txt)
 """Host side of the sglang_service role: process backend, readiness, memory saver, window guard.
 
-The role copies this file to the host and runs it with the server's Python (>= 3.8, stdlib only).
+The role copies this file and procfs.py beside it to the host and runs it with the Python Ansible uses
+there (>= 3.8, stdlib only: requests may not be installed on the host).
 A JSON spec file (written by the role, like a systemd unit) describes the server:
     {"argv": [...], "environment": {...}, "working_dir": "/", "pid_file": "...", "log_file": "..."}
 
@@ -54,6 +55,9 @@ import uuid
 from urllib.error import HTTPError, URLError
 from urllib.request import Request, urlopen
 
+# Copied beside this file by the role (the collection's module_utils/procfs.py, also used by gpu_release).
+from procfs import read_stat
+
 WORK_TOKEN_VARIABLE = "SPECOPS_WINDOW_TOKEN"
 LOG_LINES = 40
 
@@ -86,10 +90,13 @@ def spec_digest(spec):
 
 
 def write_atomic(path, text):
+    """Readers see the old file or the whole new one, also after a crash (fsync before the rename)."""
     tmp = f"{path}.tmp-{os.getpid()}"
     with open(tmp, "w") as handle:
         handle.write(text)
-    os.rename(tmp, path)
+        handle.flush()
+        os.fsync(handle.fileno())
+    os.replace(tmp, path)
 
 
 def remove(path):
@@ -123,23 +130,15 @@ def tail(path, lines=LOG_LINES):
 # --- /proc -----------------------------------------------------------------------------------
 
 
-def stat_fields(pid):
-    """The fields of /proc/<pid>/stat after the command name, or None when it is gone."""
-    try:
-        with open(f"/proc/{pid}/stat") as handle:
-            return handle.read().rsplit(")", 1)[1].split()
-    except (OSError, IndexError):
-        return None
-
-
 def start_time(pid):
-    fields = stat_fields(pid)
-    return fields[19] if fields else None
+    # A string, as the identity files of running servers already hold it.
+    stat = read_stat(pid)
+    return str(stat.starttime) if stat else None
 
 
 def is_zombie(pid):
-    fields = stat_fields(pid)
-    return fields is None or fields[0] in ("Z", "X")
+    stat = read_stat(pid)
+    return stat is None or stat.state in ("Z", "X")
 
 
 def cmdline(pid):
@@ -158,9 +157,9 @@ def parents():
     """{pid: ppid} of every visible process."""
     table = {}
     for pid in all_pids():
-        fields = stat_fields(pid)
-        if fields:
-            table[pid] = int(fields[1])
+        stat = read_stat(pid)
+        if stat:
+            table[pid] = stat.ppid
     return table
 
 
@@ -303,8 +302,8 @@ def group_alive(pgid):
 def other_members(pgid):
     members = []
     for pid in all_pids():
-        fields = stat_fields(pid)
-        if pid != pgid and fields and int(fields[2]) == pgid and fields[0] != "Z":
+        stat = read_stat(pid)
+        if pid != pgid and stat and stat.pgid == pgid and stat.state != "Z":
             members.append(pid)
     return members
 
@@ -737,13 +736,16 @@ def arm(spec, args):
         }
     env = dict(os.environ)
     env.pop(WORK_TOKEN_VARIABLE, None)  # the guard is not the window's work it watches
-    with (
-        open(os.devnull, "rb") as stdin,
-        open(os.devnull, "wb") as stdout,
-        open(spec["log_file"], "ab") as log,
-    ):
+    # One file per statement: a parenthesised group of context managers needs Python 3.10.
+    with open(spec["log_file"], "ab") as log:
         guard_process = subprocess.Popen(
-            argv, stdin=stdin, stdout=stdout, stderr=log, env=env, close_fds=True, start_new_session=True
+            argv,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=log,
+            env=env,
+            close_fds=True,
+            start_new_session=True,
         )
     return {
         "changed": True,

@@ -68,7 +68,8 @@ class Engine:
         started = time.monotonic()
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
         model = AutoModelForCausalLM.from_pretrained(self.model_path)
-        self.model = model.to(self.device).eval()
+        # transformers types .to() through a decorator whose stub takes the model as first argument.
+        self.model = model.to(self.device).eval()  # type: ignore[arg-type]
         self.stop_ids = self._eos_ids()
         if self.draft_model_path:
             self.speculator = DFlashSpeculator.load(

@@ -8,9 +8,9 @@ import socket
 import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
 from pathlib import Path
+
+import requests
 
 SRC_DIR = Path(__file__).resolve().parents[2]
 
@@ -21,14 +21,11 @@ def free_port(host: str = "127.0.0.1") -> int:
         return probe.getsockname()[1]
 
 
-def http_status(url: str, timeout: float = 30.0) -> int:
+def http_status(url: str, timeout: float = 30.0, session: requests.Session | None = None) -> int:
     """The HTTP status of a GET, or -1 when nothing answers (as Ansible's uri reports it)."""
     try:
-        with urllib.request.urlopen(url, timeout=timeout) as response:
-            return response.status
-    except urllib.error.HTTPError as error:
-        return error.code
-    except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
+        return (session or requests).get(url, timeout=timeout).status_code
+    except requests.RequestException:
         return -1
 
 
@@ -63,24 +60,26 @@ class DevServerProcess:
             *args,
         ]
         self.log_path = Path(log_path) if log_path else None
-        self._log = open(self.log_path, "wb") if self.log_path else subprocess.DEVNULL
-        self.process = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env)
+        self._log = open(self.log_path, "wb") if self.log_path else None
+        stdout = self._log if self._log else subprocess.DEVNULL
+        self.process = subprocess.Popen(cmd, stdout=stdout, stderr=subprocess.STDOUT, env=env)
 
     def wait_ready(self, timeout: float = 120.0, poll: float = 0.25) -> list[int]:
         """Poll /health_generate until 200; returns every status seen, to show what 'starting' looked like."""
         seen: list[int] = []
         deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise RuntimeError(
-                    f"devserver exited with {self.process.returncode} before it was ready"
-                    + (f": see {self.log_path}" if self.log_path else "")
-                )
-            status = http_status(self.url + "/health_generate")
-            seen.append(status)
-            if status == 200:
-                return seen
-            time.sleep(poll)
+        with requests.Session() as session:
+            while time.monotonic() < deadline:
+                if self.process.poll() is not None:
+                    raise RuntimeError(
+                        f"devserver exited with {self.process.returncode} before it was ready"
+                        + (f": see {self.log_path}" if self.log_path else "")
+                    )
+                status = http_status(self.url + "/health_generate", session=session)
+                seen.append(status)
+                if status == 200:
+                    return seen
+                time.sleep(poll)
         raise TimeoutError(
             f"devserver at {self.url} not ready within {timeout:g} s (statuses seen: {seen[-5:]})"
         )
@@ -93,7 +92,7 @@ class DevServerProcess:
             except subprocess.TimeoutExpired:
                 self.process.kill()
                 self.process.wait()
-        if self._log is not subprocess.DEVNULL:
+        if self._log:
             self._log.close()
         return self.process.returncode
 

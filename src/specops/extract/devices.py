@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from specops.devices import resolve_device
 from specops.stage import StageError
 
 MODES = ("auto", "single", "data", "split")
@@ -43,24 +44,7 @@ def first_device(req: dict[str, Any]) -> str:
 def resolve_device_dtype(device: str, dtype: str) -> tuple[Any, Any]:
     import torch
 
-    if device == "auto":
-        device = "cuda:0" if torch.cuda.is_available() else "cpu"
-    try:
-        resolved = torch.device(device)
-    except RuntimeError as error:
-        raise StageError(f"device {device!r} is not a torch device: use auto, cpu, cuda or cuda:N") from error
-    if resolved.type == "cuda":
-        if not torch.cuda.is_available():
-            raise StageError(f"device {device} asked for but CUDA is not available to torch "
-                             f"{torch.__version__}: "
-                             "install a CUDA build of torch (fla_env) or use device cpu")
-        index = 0 if resolved.index is None else resolved.index
-        if index >= torch.cuda.device_count():
-            raise StageError(f"device {device} does not exist: this host has {torch.cuda.device_count()} "
-                             f"GPUs")
-        resolved = torch.device("cuda", index)
-    elif resolved.type != "cpu":
-        raise StageError(f"device {device!r} is not supported: use auto, cpu, cuda or cuda:N")
+    resolved = resolve_device(device)
     if dtype == "auto":
         dtype = "bfloat16" if resolved.type == "cuda" else "float32"
     return resolved, getattr(torch, dtype)

@@ -58,7 +58,7 @@ def extract_shards(capture: LayerCapture, shards: Sequence[ShardPlan], out_dir: 
     writer = ShardWriter(out_dir, settings.writer_threads, state.add, metadata, layout, settings.fsync,
                          pending)
     times = {"forward_s": 0.0, "copy_issue_s": 0.0}
-    checked = monitor is None
+    unchecked = monitor  # the backend is checked once, after the first forward
     waited_before = copier.waited_s
     device_timer = DeviceTimer(settings.device)
     started = time.perf_counter()
@@ -82,9 +82,9 @@ def extract_shards(capture: LayerCapture, shards: Sequence[ShardPlan], out_dir: 
                 del stacked
                 times["forward_s"] += t1 - t0
                 times["copy_issue_s"] += time.perf_counter() - t1
-                if not checked:  # after the first forward, before anything reaches the disk
-                    check_backend(settings.require, monitor.summary())
-                    checked = True
+                if unchecked is not None:  # after the first forward, before anything reaches the disk
+                    check_backend(settings.require, unchecked.summary())
+                    unchecked = None
                 writer.submit(shard, BatchResult(batch, ids, host, ready, release),
                               last=number == len(shard.batches) - 1)
                 progress.advance(sum(r.num_tokens for r in batch))

@@ -7,22 +7,32 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from specops.extract.prepared import Prepared
 from specops.extract.request import STAGE
 from specops.extract.shards import ResumeState, ShardPlan
 from specops.manifest import MANIFEST_NAME, write_manifest
+from specops.versions import installed_versions
 
 
 def library_versions() -> dict[str, str | None]:
-    from importlib import metadata
+    libraries = ("torch", "transformers", "safetensors", "triton", "fla-core", "flash-linear-attention",
+                 "causal-conv1d", "numpy")
+    return {"python": platform.python_version(), **installed_versions(libraries)}
 
-    versions: dict[str, str | None] = {"python": platform.python_version()}
-    for name in ("torch", "transformers", "safetensors", "triton", "fla-core", "flash-linear-attention",
-                 "causal-conv1d", "numpy"):
-        try:
-            versions[name] = metadata.version(name)
-        except metadata.PackageNotFoundError:
-            versions[name] = None
-    return versions
+
+def write_extraction_manifest(prep: Prepared, state: ResumeState, backend: dict[str, Any], parity: Any,
+                              progress: dict[str, Any], parallel: dict[str, Any]) -> dict[str, Any]:
+    """The manifest of a finished extraction, on one device or several."""
+    return finish_manifest(
+        prep.out_dir, prep.shards, state, prep.inputs,
+        layer_ids=prep.layer_ids, target_layer_ids=prep.target_layer_ids,
+        capture_offsets=prep.req["capture_offsets"], skipped_layer_ids=prep.skipped_layer_ids,
+        dtype=prep.dtype_name, hidden_size=prep.target.hidden_size, num_layers=prep.target.num_layers,
+        target={"path": str(prep.target.path), **prep.target.identity},
+        completions={"path": str(prep.completions_path.resolve()), **prep.inputs["completions"]},
+        backend=backend, versions=library_versions(), parity=parity,
+        progress={k: round(v, 3) if isinstance(v, float) else v for k, v in progress.items()},
+        parallel=parallel)
 
 
 def finish_manifest(out_dir: Path, shards: Sequence[ShardPlan], state: ResumeState, inputs: dict[str, Any],

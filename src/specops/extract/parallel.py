@@ -24,7 +24,7 @@ from specops.extract.backend_guard import check_backend
 from specops.extract.capture import LayerCapture, decoder_body
 from specops.extract.devices import DevicePlan, assign_shards, describe_device, truncated_config
 from specops.extract.extraction import ExtractionSettings, extract_shards
-from specops.extract.outputs import finish_manifest, library_versions, stage_result
+from specops.extract.outputs import stage_result, write_extraction_manifest
 from specops.extract.parity import parity_probe
 from specops.extract.pipeline import Progress
 from specops.extract.prepared import Prepared
@@ -93,16 +93,7 @@ def _combined_backend(used: dict[str, dict[str, str]], prep: Prepared, force_tor
 
 def _write_manifest(prep: Prepared, state: ResumeState, backend: dict[str, Any], parity: Any,
                     progress: dict[str, Any], plan: DevicePlan) -> dict[str, Any]:
-    return finish_manifest(
-        prep.out_dir, prep.shards, state, prep.inputs,
-        layer_ids=prep.layer_ids, target_layer_ids=prep.target_layer_ids,
-        capture_offsets=prep.req["capture_offsets"], skipped_layer_ids=prep.skipped_layer_ids,
-        dtype=prep.dtype_name, hidden_size=prep.target.hidden_size, num_layers=prep.target.num_layers,
-        target={"path": str(prep.target.path), **prep.target.identity},
-        completions={"path": str(prep.completions_path.resolve()), **prep.inputs["completions"]},
-        backend=backend, versions=library_versions(), parity=parity,
-        progress={k: round(v, 3) if isinstance(v, float) else v for k, v in progress.items()},
-        parallel=plan.describe())
+    return write_extraction_manifest(prep, state, backend, parity, progress, plan.describe())
 
 
 def run_on_devices(prep: Prepared, plan: DevicePlan, state: ResumeState, progress_log: Path,

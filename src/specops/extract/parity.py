@@ -48,7 +48,8 @@ def parity_probe(capture: LayerCapture, records: Sequence[Record], samples: int,
     chosen = list(records)[::step][:samples]
     last = capture.last
     beyond_last = lambda name: name.startswith("layers.") and int(name.split(".")[1]) > last  # noqa: E731
-    sums: dict[str, list[list[float]]] = {"primary": [], "floor": []}
+    # Per record, per captured layer: (cosine, relative error).
+    sums: dict[str, list[list[tuple[float, float]]]] = {"primary": [], "floor": []}
     started = time.perf_counter()
     for record in chosen:
         ids = torch.from_numpy(record.input_ids)[None].to(device)

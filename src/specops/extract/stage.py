@@ -23,7 +23,7 @@ from specops.extract.backend_guard import backend_plan, check_backend
 from specops.extract.capture import LayerCapture, decoder_body
 from specops.extract.devices import DevicePlan, describe_device, plan_for, resolve_device_dtype
 from specops.extract.extraction import ExtractionSettings, extract_shards
-from specops.extract.outputs import finish_manifest, library_versions, stage_result
+from specops.extract.outputs import stage_result, write_extraction_manifest
 from specops.extract.parity import parity_probe
 from specops.extract.prepared import Prepared, prepare
 from specops.extract.shards import ResumeState, ShardPlan, resumable_shards
@@ -171,17 +171,9 @@ def run_single(prep: Prepared, devices: DevicePlan, state: ResumeState, progress
     check_backend(prep.require, used)
     backend = {**used, "device": describe_device(prep.device), "dtype": prep.dtype_name,
                "required": prep.require, "forced_torch": force_torch}
-    manifest = finish_manifest(
-        prep.out_dir, prep.shards, state, prep.inputs,
-        layer_ids=prep.layer_ids, target_layer_ids=prep.target_layer_ids,
-        capture_offsets=prep.req["capture_offsets"], skipped_layer_ids=prep.skipped_layer_ids,
-        dtype=prep.dtype_name, hidden_size=prep.target.hidden_size, num_layers=prep.target.num_layers,
-        target={"path": str(prep.target.path), **prep.target.identity},
-        completions={"path": str(prep.completions_path.resolve()), **prep.inputs["completions"]},
-        backend=backend, versions=library_versions(), parity=parity,
-        progress={**{k: round(v, 3) if isinstance(v, float) else v for k, v in stats.items()},
-                  "load_s": round(load_s, 3), "prestart": held.figures if held else None},
-        parallel=devices.describe())
+    manifest = write_extraction_manifest(
+        prep, state, backend, parity,
+        {**stats, "load_s": load_s, "prestart": held.figures if held else None}, devices.describe())
     log(f"wrote {len(prep.shards)} shards to {prep.out_dir} ({stats['tokens_per_second']:.0f} tok/s)")
     return stage_result(manifest, prep.out_dir, changed=True)
 

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from specops import preflight
+from specops.dflash_config import DrafterError, target_layer_ids
 from specops.manifest import sha256_file
 from specops.stage import StageError
 
@@ -135,15 +136,15 @@ def drafter_layer_ids(drafter: str | os.PathLike[str], num_layers: int) -> list[
         raise StageError(f"drafter config {path} does not exist: set drafter to the DFlash drafter directory "
                          "or give layer_ids")
     config = preflight.read_config(path, "drafter config")
-    ids = (config.get("dflash_config") or {}).get("target_layer_ids")
-    if not isinstance(ids, list) or not ids:
-        raise StageError(f"{path} has no dflash_config.target_layer_ids: not a DFlash drafter; give "
-                         f"layer_ids")
+    try:
+        ids = target_layer_ids(config, str(path))
+    except DrafterError as error:
+        raise StageError(f"{error}, or give layer_ids") from None
     trained_for = config.get("num_target_layers")
     if trained_for is not None and int(trained_for) != num_layers:
         raise StageError(f"the drafter was trained on a {trained_for}-layer target but the target has "
                          f"{num_layers} layers: check that target and drafter belong together")
-    return [int(k) for k in ids]
+    return ids
 
 
 def captured_layers(target_ids: Sequence[int], offsets: Sequence[int], num_layers: int) -> tuple[list[int],

@@ -27,6 +27,8 @@ import signal
 import time
 import traceback
 
+from ansible_collections.specops.drafter.plugins.module_utils.procfs import read_stat
+
 try:
     import pynvml
 
@@ -118,17 +120,6 @@ class Proc(object):
 def _read(path, mode="r"):
     with open(path, mode) as handle:
         return handle.read()
-
-
-def read_stat(pid, proc_root="/proc"):
-    """(state, ppid, pgid, sid, starttime) of a pid, or None when it is gone."""
-    try:
-        raw = _read("%s/%d/stat" % (proc_root, pid))
-    except (IOError, OSError):
-        return None
-    # comm may hold spaces and parentheses; the fields after the last ')' are fixed.
-    fields = raw[raw.rindex(")") + 2:].split()
-    return fields[0], int(fields[1]), int(fields[2]), int(fields[3]), int(fields[19])
 
 
 def read_proc(pid, proc_root="/proc"):

@@ -475,6 +475,13 @@ class FlaEnv(object):
             self.module.fail_json(msg="could not create %s with %s%s: %s" % (self.venv, base["path"], hint,
                                                                              err.strip()), **self.result)
 
+    def _replace(self, path, text):
+        """Write text to a temporary file beside path, then move it over path with Ansible's atomic_move."""
+        fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=".%s." % os.path.basename(path))
+        with os.fdopen(fd, "w") as handle:
+            handle.write(text)
+        self.module.atomic_move(tmp, path)
+
     def _set_system_site_packages(self):
         path = os.path.join(self.venv, "pyvenv.cfg")
         wanted = "true" if self.params["system_site_packages"] else "false"
@@ -482,10 +489,7 @@ class FlaEnv(object):
             lines = handle.readlines()
         lines = [line for line in lines if not line.split("=", 1)[0].strip() == "include-system-site-packages"]
         lines.insert(1 if lines else 0, "include-system-site-packages = %s\n" % wanted)
-        tmp = path + ".tmp"
-        with open(tmp, "w") as handle:
-            handle.writelines(lines)
-        os.rename(tmp, path)
+        self._replace(path, "".join(lines))
 
     def _site_packages(self):
         rc, out, err = self.module.run_command(
@@ -512,9 +516,7 @@ class FlaEnv(object):
             return False
         if not check:
             if content:
-                with open(path + ".tmp", "w") as handle:
-                    handle.write(content)
-                os.rename(path + ".tmp", path)
+                self._replace(path, content)
             else:
                 os.remove(path)
         return True
@@ -553,10 +555,8 @@ class FlaEnv(object):
 
     def _store_fingerprint(self, value):
         path = os.path.join(self.venv, FINGERPRINT_FILE)
-        tmp = path + ".tmp"
-        with open(tmp, "w") as handle:
-            json.dump({"fingerprint": value, "source": self.source, "extras": self.params["specops_extras"]}, handle)
-        os.rename(tmp, path)
+        self._replace(path, json.dumps({"fingerprint": value, "source": self.source,
+                                        "extras": self.params["specops_extras"]}))
 
     # -- pip -------------------------------------------------------------------------------------
 
@@ -739,9 +739,7 @@ class FlaEnv(object):
         directory = os.path.dirname(path)
         if not os.path.isdir(directory):
             os.makedirs(directory)
-        with open(path + ".tmp", "w") as handle:
-            json.dump(report, handle)
-        os.rename(path + ".tmp", path)
+        self._replace(path, json.dumps(report))
 
     def _message(self, check, installing, remove, complete):
         prefix = "check mode: would " if check else ""

@@ -1,0 +1,1 @@
+../../../collections/ansible_collections/specops/drafter/plugins/module_utils/procfs.py
