@@ -15,6 +15,8 @@ import torch
 
 from specops import extract, preflight
 from specops.backend import BackendMonitor, implementation_of, planned_backends
+from specops.extract import backend_guard
+from specops.extract import stage as extract_stage
 from specops.hidden_states import HiddenStatesError, open_hidden_states
 from specops.stage import StageError
 
@@ -213,7 +215,7 @@ def test_progress_log_reports_tokens_done_and_rate(extracted):
 def test_rerun_with_unchanged_inputs_is_unchanged_and_loads_no_model(extracted, fixture_models, completions,
                                                                     monkeypatch):
     out_dir, _ = extracted
-    monkeypatch.setattr(extract, "load_model", lambda prep: pytest.fail("the model was loaded"))
+    monkeypatch.setattr(extract_stage, "load_model", lambda prep: pytest.fail("the model was loaded"))
     result = extract.run(request(fixture_models, completions, out_dir))
     assert result["changed"] is False
     assert extract.plan(request(fixture_models, completions, out_dir))["changed"] is False
@@ -234,14 +236,15 @@ def test_plan_changes_nothing(fixture_models, completions, tmp_path):
 KILL_AFTER_FIRST_SHARD = """
 import os, signal, sys
 import specops.extract as extract
-finish = extract.ShardFile.finish
+import specops.hidden_states as hidden_states
+finish = hidden_states.ShardFile.finish
 finished = []
 def finish_then_die(self):
     if finished:
         os.kill(os.getpid(), signal.SIGKILL)  # half of the second shard is on disk under a temporary name
     finished.append(self.path)
     return finish(self)
-extract.ShardFile.finish = finish_then_die
+hidden_states.ShardFile.finish = finish_then_die
 sys.exit(extract.main(["--run"]))
 """
 
@@ -338,7 +341,7 @@ def test_malformed_completions_name_the_line(fixture_models, completions, tmp_pa
 
 def test_not_enough_disk_space_fails_before_loading(fixture_models, completions, tmp_path, monkeypatch):
     monkeypatch.setattr(preflight.shutil, "disk_usage", lambda path: types.SimpleNamespace(free=1000))
-    monkeypatch.setattr(extract, "load_model", lambda prep: pytest.fail("the model was loaded"))
+    monkeypatch.setattr(extract_stage, "load_model", lambda prep: pytest.fail("the model was loaded"))
     run_fails(request(fixture_models, completions, tmp_path), r"not enough disk space .* KiB, 1000 bytes are "
                                                               r"free")
 
@@ -449,7 +452,7 @@ def test_forcing_torch_bypasses_the_kernel(monkeypatch, target):
 def test_cpu_with_a_gpu_kernel_installed_fails_before_loading(fixture_models, completions, tmp_path,
                                                               monkeypatch):
     fake_kernel_wrapper(monkeypatch, correct_kernel)
-    monkeypatch.setattr(extract, "load_model", lambda prep: pytest.fail("the model was loaded"))
+    monkeypatch.setattr(extract_stage, "load_model", lambda prep: pytest.fail("the model was loaded"))
     run_fails(request(fixture_models, completions, tmp_path),
               r"fakefla is installed .* need a CUDA GPU, and the device is cpu.*require_backend: torch")
 
@@ -491,7 +494,7 @@ def test_parity_probe_in_bf16_measures_the_noise_floor(fixture_models, completio
 def test_parity_probe_fails_on_a_wrong_kernel(fixture_models, completions, tmp_path, monkeypatch):
     fake_kernel_wrapper(monkeypatch, wrong_kernel)
     # Past the CPU guard: pretend the planned backend is the reference one, as a mis-detection would.
-    monkeypatch.setattr(extract, "planned_backends", lambda modeling: {})
+    monkeypatch.setattr(backend_guard, "planned_backends", lambda modeling: {})
     # In fp32 the reference agrees to ~1e-7, so a tight tolerance is fair; the fixture's residual
     # stream is large against its tiny attention outputs, so a wrong kernel moves states by ~0.4%.
     run_fails(request(fixture_models, completions, tmp_path, parity_samples=2, parity_tolerance=1e-3),

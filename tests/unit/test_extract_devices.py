@@ -1,11 +1,11 @@
-"""extract_devices: which devices extraction runs on and how, decided from memory alone (no GPU needed)."""
+"""extract.devices: which devices extraction runs on and how, decided from memory alone (no GPU needed)."""
 
 from __future__ import annotations
 
 import pytest
 
 from specops import extract
-from specops.extract_devices import (
+from specops.extract.devices import (
     GIB,
     Footprint,
     activation_reserve,

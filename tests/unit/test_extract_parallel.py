@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from specops import extract, extract_parallel
+from specops import extract
+from specops.extract import parallel as extract_parallel
 from specops.hidden_states import open_hidden_states
 from specops.stage import StageError
 

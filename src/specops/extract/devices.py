@@ -40,11 +40,49 @@ def first_device(req: dict[str, Any]) -> str:
     return req["devices"][0] if isinstance(req["devices"], list) else req["device"]
 
 
+def resolve_device_dtype(device: str, dtype: str) -> tuple[Any, Any]:
+    import torch
+
+    if device == "auto":
+        device = "cuda:0" if torch.cuda.is_available() else "cpu"
+    try:
+        resolved = torch.device(device)
+    except RuntimeError as error:
+        raise StageError(f"device {device!r} is not a torch device: use auto, cpu, cuda or cuda:N") from error
+    if resolved.type == "cuda":
+        if not torch.cuda.is_available():
+            raise StageError(f"device {device} asked for but CUDA is not available to torch "
+                             f"{torch.__version__}: "
+                             "install a CUDA build of torch (fla_env) or use device cpu")
+        index = 0 if resolved.index is None else resolved.index
+        if index >= torch.cuda.device_count():
+            raise StageError(f"device {device} does not exist: this host has {torch.cuda.device_count()} "
+                             f"GPUs")
+        resolved = torch.device("cuda", index)
+    elif resolved.type != "cpu":
+        raise StageError(f"device {device!r} is not supported: use auto, cpu, cuda or cuda:N")
+    if dtype == "auto":
+        dtype = "bfloat16" if resolved.type == "cuda" else "float32"
+    return resolved, getattr(torch, dtype)
+
+
+def resolve_require(require: str, device: Any) -> str:
+    if require == "auto":
+        return "fla" if device.type == "cuda" else "any"
+    return require
+
+
+def describe_device(device: Any) -> str:
+    if device.type == "cuda":
+        import torch
+
+        return f"{device} ({torch.cuda.get_device_name(device)})"
+    return "cpu"
+
+
 def resolve_devices(devices: str | list[str], device: str) -> list[Any]:
     """torch devices to choose from: every visible GPU for devices auto + device auto, else those named."""
     import torch
-
-    from specops.extract import resolve_device_dtype
 
     if devices == "auto":
         if device == "auto" and torch.cuda.is_available():
@@ -93,7 +131,7 @@ def footprint(config: Any, dtype: Any) -> Footprint:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from specops.extract import decoder_body
+    from specops.extract.capture import decoder_body
 
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)

@@ -20,23 +20,15 @@ from pathlib import Path
 from typing import Any
 
 from specops.backend import BackendMonitor
-from specops.extract import (
-    ExtractionSettings,
-    LayerCapture,
-    Prepared,
-    Progress,
-    ResumeState,
-    ShardPlan,
-    _summary,
-    check_backend,
-    decoder_body,
-    describe_device,
-    extract_shards,
-    finish_manifest,
-    library_versions,
-    parity_probe,
-)
-from specops.extract_devices import DevicePlan, assign_shards, truncated_config
+from specops.extract.backend_guard import check_backend
+from specops.extract.capture import LayerCapture, decoder_body
+from specops.extract.devices import DevicePlan, assign_shards, describe_device, truncated_config
+from specops.extract.extraction import ExtractionSettings, extract_shards
+from specops.extract.outputs import finish_manifest, library_versions, stage_result
+from specops.extract.parity import parity_probe
+from specops.extract.pipeline import Progress
+from specops.extract.prepared import Prepared
+from specops.extract.shards import ResumeState, ShardPlan
 from specops.stage import StageError, log
 
 # How often the parent looks at its workers while no message arrives.
@@ -122,7 +114,7 @@ def run_on_devices(prep: Prepared, plan: DevicePlan, state: ResumeState, progres
     manifest = _write_manifest(prep, state, backend, parity, stats, plan)
     log(f"wrote {len(prep.shards)} shards to {prep.out_dir} on {', '.join(plan.devices)} ({plan.mode}, "
         f"{stats['tokens_per_second']:.0f} tok/s)")
-    result = _summary(manifest, prep.out_dir, changed=True)
+    result = stage_result(manifest, prep.out_dir, changed=True)
     result["parallel"] = manifest.get("parallel")
     return result
 

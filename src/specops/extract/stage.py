@@ -1,0 +1,188 @@
+"""Stage extract_hidden_states: the target's hidden states at the drafter's layers, streamed to shards.
+
+`python -m specops.extract --plan|--run` with a JSON request on stdin (docs/architecture.md).
+Only the captured layers run: forward hooks record them and the hook of the last one stops the
+forward, so later layers and the lm_head never run. Records are sorted by length and packed into
+right-padded batches (padding cannot reach earlier tokens: every layer is causal). Shards are planned
+up front from the lengths alone, written atomically by writer threads while the GPU computes, and
+recorded in a resume file, so a killed run continues where it stopped.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from specops import preflight
+from specops.backend import BackendMonitor, modeling_module_for
+from specops.extract.backend_guard import backend_plan, check_backend
+from specops.extract.capture import LayerCapture, decoder_body
+from specops.extract.devices import DevicePlan, describe_device, plan_for, resolve_device_dtype
+from specops.extract.extraction import ExtractionSettings, extract_shards
+from specops.extract.outputs import finish_manifest, library_versions, stage_result
+from specops.extract.parity import parity_probe
+from specops.extract.prepared import Prepared, prepare
+from specops.extract.shards import ResumeState, ShardPlan, resumable_shards
+from specops.manifest import fingerprint, is_up_to_date, load_manifest, staleness
+from specops.stage import StageError, log, serve
+
+
+def disk_check(prep: Prepared, todo: Sequence[ShardPlan]) -> int:
+    """Refuse an extraction whose shards would not fit; returns the bytes they need."""
+    needed = preflight.shard_bytes(sum(s.num_tokens for s in todo), sum(len(s.records) for s in todo),
+                                   len(todo), prep.bytes_per_token)
+    preflight.check_disk(prep.out_dir, needed, prep.req["disk_reserve_bytes"])
+    return needed
+
+
+def load_model(prep: Prepared) -> Any:
+    from transformers import AutoModelForCausalLM
+
+    try:
+        model = AutoModelForCausalLM.from_pretrained(
+            str(prep.target.path), dtype=prep.dtype,
+            device_map=str(prep.device) if prep.device.type == "cuda" else None)
+    except (OSError, ValueError) as error:
+        raise StageError(f"cannot load the target from {prep.target.path}: {error}") from error
+    return model.eval()
+
+
+def plan(request: dict[str, Any]) -> dict[str, Any]:
+    prep = prepare(request)
+    fp = fingerprint(prep.inputs)
+    reason = staleness(prep.out_dir, fp)
+    if reason is None:
+        return {**stage_result(load_manifest(prep.out_dir) or {}, prep.out_dir, changed=False),
+                "estimated_seconds": 0.0}
+    resumable = resumable_shards(prep, fp)
+    # What the run would refuse after the service is down, refused now.
+    from transformers import AutoConfig
+
+    backend_plan(prep, modeling_module_for(AutoConfig.from_pretrained(str(prep.target.path))))
+    todo = [s for s in prep.shards if s.name not in resumable]
+    needed = disk_check(prep, todo)
+    return {
+        "changed": True,
+        "reason": reason,
+        "out_dir": str(prep.out_dir),
+        "layer_ids": prep.layer_ids,
+        "records": len(prep.records),
+        "tokens": sum(r.num_tokens for r in prep.records),
+        "shards": [s.name for s in prep.shards],
+        "resumable_shards": resumable,
+        "device": str(prep.device),
+        "dtype": prep.dtype_name,
+        "require_backend": prep.require,
+        "parallel": plan_for(prep, free=False).describe(),  # at run time the choice uses free memory
+        "estimated_bytes": needed,
+        "estimated_seconds": round(estimated_seconds(prep, todo, needed), 1),
+    }
+
+
+def estimated_seconds(prep: Prepared, todo: Sequence[ShardPlan], write_bytes: int) -> float:
+    """A pessimistic duration of the run (preflight.estimate_seconds), for the window's guard."""
+    weights = sum(w["size"] for w in prep.target.identity["weights"])
+    text = prep.target.config.get("text_config") or prep.target.config
+    stored = str(text.get("dtype") or text.get("torch_dtype") or prep.target.config.get("dtype")
+                 or prep.target.config.get("torch_dtype") or "bfloat16")
+    itemsize = 4 if stored == "float32" else 2
+    samples = prep.records[:: max(1, len(prep.records) // max(prep.req["parity_samples"], 1))]
+    parity_tokens = sum(r.num_tokens for r in samples[: prep.req["parity_samples"]])
+    return preflight.estimate_seconds(
+        prep.device.type, weights, itemsize, max(prep.layer_ids) + 1, prep.target.num_layers,
+        sum(s.num_tokens for s in todo), sum(len(s.batches) for s in todo), parity_tokens, write_bytes)
+
+
+def run(request: dict[str, Any]) -> dict[str, Any]:
+    prep = prepare(request)
+    fp = fingerprint(prep.inputs)
+    if is_up_to_date(prep.out_dir, fp):
+        log(f"{prep.out_dir} is up to date: nothing to extract")
+        return stage_result(load_manifest(prep.out_dir) or {}, prep.out_dir, changed=False)
+    modeling = target_modeling(prep)
+    force_torch = backend_plan(prep, modeling)
+    state = open_resume_state(prep, fp)
+    progress_log = Path(prep.req["progress_log"] or prep.out_dir / "progress.log")
+    devices = plan_for(prep)  # from the devices' free memory
+    if devices.mode != "single":
+        from specops.extract.parallel import run_on_devices
+
+        return run_on_devices(prep, devices, state, progress_log, force_torch)
+    return run_single(prep, devices, state, progress_log, force_torch, modeling)
+
+
+def target_modeling(prep: Prepared) -> Any:
+    """The transformers modeling module of the target, from its config alone."""
+    from transformers import AutoConfig
+
+    return modeling_module_for(AutoConfig.from_pretrained(str(prep.target.path)))
+
+
+def open_resume_state(prep: Prepared, fp: str) -> ResumeState:
+    """The output directory with the finished shards of these inputs kept; refuses a disk too small."""
+    prep.out_dir.mkdir(parents=True, exist_ok=True)
+    state = ResumeState.open(prep.out_dir, fp, [s.name for s in prep.shards])
+    disk_check(prep, [s for s in prep.shards if s.name not in state.shards])
+    return state
+
+
+def probe_parity(cap: LayerCapture, prep: Prepared, modeling: Any,
+                 monitor: BackendMonitor) -> dict[str, Any] | None:
+    """The parity probe (when asked) and the backend guard on what it ran; refuses wrong hidden states."""
+    if not prep.req["parity_samples"]:
+        return None
+    parity = parity_probe(cap, prep.records, prep.req["parity_samples"], prep.device, prep.dtype,
+                          modeling, prep.req["parity_tolerance"])
+    check_backend(prep.require, monitor.summary())
+    worst = max(parity["layers"], key=lambda layer: layer["rel_error"] / layer["limit"])
+    log(f"parity: worst layer {worst['layer']} rel error {worst['rel_error']:.4f} "
+        f"(limit {worst['limit']:.4f}), cosine {worst['cosine']:.5f}")
+    if not parity["passed"]:
+        raise StageError(
+            f"parity probe failed: layer {worst['layer']} differs from the fp32 torch reference by "
+            f"{worst['rel_error']:.1%} (limit {worst['limit']:.1%}, bf16 noise floor "
+            f"{worst['noise_floor_rel_error']:.1%}): the {monitor.summary()['gated_delta_rule']} "
+            "implementation gives wrong hidden states; check the fla/transformers versions")
+    return parity
+
+
+def run_single(prep: Prepared, devices: DevicePlan, state: ResumeState, progress_log: Path,
+               force_torch: bool, modeling: Any) -> dict[str, Any]:
+    """Load the model on the one device, probe, extract every unfinished shard, write the manifest."""
+    prep.device = resolve_device_dtype(devices.devices[0], prep.dtype_name)[0]
+    started = time.perf_counter()
+    model = load_model(prep)
+    load_s = time.perf_counter() - started
+    log(f"loaded {prep.target.path} in {load_s:.1f}s on {prep.device} ({prep.dtype_name}); "
+        f"capturing layers {prep.layer_ids}")
+    modeling = sys.modules.get(type(decoder_body(model)[1][0]).__module__, modeling)
+    settings = ExtractionSettings(prep.layer_ids, prep.device, prep.require, prep.req["writer_threads"],
+                                  fsync=bool(prep.req["fsync"]), progress_log=progress_log)
+    with BackendMonitor(modeling, force_torch=force_torch) as monitor, \
+            LayerCapture(model, prep.layer_ids) as cap:
+        parity = probe_parity(cap, prep, modeling, monitor)
+        stats = extract_shards(cap, prep.shards, prep.out_dir, state, settings, monitor)
+        used = monitor.summary()
+    check_backend(prep.require, used)
+    backend = {**used, "device": describe_device(prep.device), "dtype": prep.dtype_name,
+               "required": prep.require, "forced_torch": force_torch}
+    manifest = finish_manifest(
+        prep.out_dir, prep.shards, state, prep.inputs,
+        layer_ids=prep.layer_ids, target_layer_ids=prep.target_layer_ids,
+        capture_offsets=prep.req["capture_offsets"], skipped_layer_ids=prep.skipped_layer_ids,
+        dtype=prep.dtype_name, hidden_size=prep.target.hidden_size, num_layers=prep.target.num_layers,
+        target={"path": str(prep.target.path), **prep.target.identity},
+        completions={"path": str(prep.completions_path.resolve()), **prep.inputs["completions"]},
+        backend=backend, versions=library_versions(), parity=parity,
+        progress={**{k: round(v, 3) if isinstance(v, float) else v for k, v in stats.items()},
+                  "load_s": round(load_s, 3)},
+        parallel=devices.describe())
+    log(f"wrote {len(prep.shards)} shards to {prep.out_dir} ({stats['tokens_per_second']:.0f} tok/s)")
+    return stage_result(manifest, prep.out_dir, changed=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    return serve("extract", plan, run, argv)
