@@ -46,7 +46,7 @@ class Stage:
 STAGES = [
     Stage("specops.completions", "sglang_completions", "sglang_completions"),
     Stage("specops.score", "score_drafter", "score_drafter"),
-    Stage("specops.extract", "extract_hidden_states", "extract_hidden_states"),
+    Stage("specops.extract.request", "extract_hidden_states", "extract_hidden_states"),
 ]
 # A role variable's type may be wider than the option's: "" means "leave out" for an optional path,
 # and `raw` takes a drafter as one path or a list of them.
