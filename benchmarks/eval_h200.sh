@@ -11,6 +11,8 @@
 #
 # Run from the checkout on the GPU host, with the wheels in .whl/ (benchmarks/README.md):
 #   TARGETS="fixture big" benchmarks/eval_h200.sh
+# On a host that keeps $WORK between calls, a later call adds its plays to the same results:
+#   PLAYS=memory_saver TARGETS=fixture ...; then PLAYS=stop-again TARGETS="fixture big" ...
 # Results: $OUT/eval_h200.json (rewritten after every play), the plays' logs in $OUT/eval_h200.log.
 set -uo pipefail
 ROOT=$PWD
@@ -19,6 +21,8 @@ WORK=${WORK:-/tmp/specops-h200}
 WHEELS=${WHEELS:-$ROOT/.whl}
 TARGETS=${TARGETS:-fixture big}
 PORT=${PORT:-31000}
+# The plays per target, in order: a mode (stop, memory_saver), or a mode with -again for a second run.
+PLAYS=${PLAYS:-stop memory_saver stop-again}
 mkdir -p "$WORK/vars" "$WORK/logs"
 touch "$WORK/plays.jsonl"
 
@@ -97,7 +101,7 @@ PY
 
 for target in $TARGETS; do
   vars "$target-stop" "$target" stop
-  if [ "$target" = big ]; then
+  if [ "$target" = big ] && [ ! -f "$WORK/big/built.json" ]; then
     # The ML environment and the fixture tokenizer, when no fixture run came first on this host.
     [ -x "$WORK/ml/bin/python" ] || play big-ml-env ml_env.yml "$WORK/vars/big-stop.json" || exit 1
     [ -d "$WORK/models/target" ] || "$WORK/ml/bin/python" -m specops.fixtures --out "$WORK/models" \
@@ -105,14 +109,13 @@ for target in $TARGETS; do
     "$WORK/ml/bin/python" "$ROOT/benchmarks/build_target_2b.py" --tokenizer "$WORK/models/target" \
       --out "$WORK/big" > "$WORK/logs/build-big.log" 2>&1 || { summarize; exit 1; }
   fi
-  vars "$target-memory_saver" "$target" memory_saver
-  vars "$target-stop-again" "$target" stop
-  # A server of the previous target (or of other options) goes first.
-  [ "$target" = "${TARGETS%% *}" ] || stop_server "$target-stop"
-  play "$target-stop" eval.yml "$WORK/vars/$target-stop.json" || exit 1
-  stop_server "$target-memory_saver"
-  play "$target-memory_saver" eval.yml "$WORK/vars/$target-memory_saver.json" || exit 1
-  stop_server "$target-stop-again"
-  play "$target-stop-again" eval.yml "$WORK/vars/$target-stop-again.json" || exit 1
+  for name in $PLAYS; do
+    mode=${name%-again}
+    vars "$target-$name" "$target" "$mode"
+    # A server of another target or other options may be running: the play starts its own.
+    [ ! -f "$WORK/served" ] || stop_server "$target-$name"
+    touch "$WORK/served"
+    play "$target-$name" eval.yml "$WORK/vars/$target-$name.json" || exit 1
+  done
 done
 summarize

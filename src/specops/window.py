@@ -7,6 +7,8 @@ module turns both into the `window` record that report.json, report.md and set_s
     downtime_s = ready - start of the first stage (the stop, or the memory-saver release)
     stages     = the time from each mark to the next
     compute_s  = the extraction's forwards (device time on CUDA, host-timed forwards on the CPU)
+    extraction.prestart = what an extraction started ahead of the window did before it (process
+                 start and inputs, weights into host memory, the wait), outside the downtime
     other_s    = downtime_s - compute_s: what a shorter window could still save
 
 python -m specops.window --plan|--run: JSON request on stdin, {"marks": [[stage, epoch_s], ...,
@@ -68,6 +70,9 @@ def extraction_figures(manifest: Mapping[str, Any] | None) -> dict[str, Any]:
         "loop_s": progress.get("total_s"),
         "tokens": progress.get("tokens"),
         "backend": ((manifest or {}).get("backend") or {}).get("gated_delta_rule"),
+        # The writers' tail after the last forward: the part of the loop that writing adds.
+        "write_tail_s": progress.get("finish_s"),
+        "prestart": progress.get("prestart"),
     }
 
 
@@ -127,10 +132,17 @@ def render_markdown(window: Mapping[str, Any] | None) -> str:
     lines += ["", "| stage | s |", "| --- | ---: |"]
     lines += [f"| {s['stage']} | {s['s']:.1f} |" for s in window["stages"]]
     extraction = window.get("extraction") or {}
+    prestart = extraction.get("prestart") or {}
     if extraction.get("around_s") is not None:
-        lines += ["", f"Inside `extract`: model load {extraction['load_s'] or 0:.1f} s, the extraction's "
-                  f"loop {extraction['loop_s']:.1f} s, process and polling around them "
-                  f"{extraction['around_s']:.1f} s."]
+        load = (f"weights host -> device {extraction['load_s'] or 0:.1f} s" if prestart else
+                f"model load {extraction['load_s'] or 0:.1f} s")
+        lines += ["", f"Inside `extract`: {load}, the extraction's loop {extraction['loop_s']:.1f} s "
+                  f"(of which the writers' tail {extraction.get('write_tail_s') or 0:.1f} s), process and "
+                  f"polling around them {extraction['around_s']:.1f} s."]
+    if prestart:
+        lines += ["", "The extraction started before the window and waited for it: process start, imports "
+                  f"and inputs {prestart.get('before_load_s') or 0:.1f} s, weights into host memory "
+                  f"{prestart.get('host_load_s') or 0:.1f} s, waiting {prestart.get('waited_s') or 0:.1f} s."]
     prepared = window.get("prepared") or {}
     weights, kernels = prepared.get("read_weights") or {}, prepared.get("tune_kernels") or {}
     if prepared:

@@ -301,6 +301,15 @@ def test_protected_daemon_is_never_signalled_even_when_it_matches(procs, devices
     assert daemon.poll() is None
 
 
+def test_a_spared_pid_is_never_signalled_even_when_it_matches(procs, devices, token, tmp_path):
+    waiter, _ = procs.start("term", f"ours-{token}", [devices["paths"][2]])
+    result = run_module({**base_args(devices, token), "spare_pids": [waiter.pid]}, tmp_path)
+
+    assert result["failed"] is False, result.get("msg")
+    assert [p["pid"] for p in result["protected"]] == [waiter.pid]
+    assert waiter.poll() is None
+
+
 def test_unknown_unit_without_systemd_names_the_unit_and_pid_1(devices, tmp_path):
     result = run_module(
         {"unit": "sglang-qwen", "device_pattern": devices["pattern"], "nvml": "false"}, tmp_path

@@ -70,7 +70,8 @@ def test_second_run_changes_nothing_and_keeps_the_server_up(first_run, local_def
 
 def test_failed_extraction_names_the_stage_and_the_service_comes_back(first_run, local_default, tmp_path):
     # Truncated weights pass the input checks (config and tensor index are intact) and fail only when
-    # the extraction loads the model: inside the GPU window, with the service down.
+    # the extraction loads the model: inside the GPU window, with the service down, when the extraction
+    # is not started ahead of the window (started ahead, it fails before the stop).
     good = local_default.models_dir / "target"
     broken = tmp_path / "truncated-target"
     shutil.copytree(good, broken)
@@ -83,6 +84,7 @@ def test_failed_extraction_names_the_stage_and_the_service_comes_back(first_run,
         specops_run_dir=str(local_default.work_dir / "run-broken"),
         specops_target_model=str(broken),
         sglang_service_model_path=str(good),
+        specops_prestart_extraction=False,
     )
     assert result.rc != 0
     assert "specops stage 'extract' failed" in result.output, result.output[-4000:]

@@ -9,23 +9,27 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import subprocess
 import tempfile
 import threading
 import time
-import urllib.error
 import urllib.request
 from pathlib import Path
 
 import pytest
-import yaml
+from nspawn_host import (
+    INVENTORY,
+    ROOT,
+    SCENARIO,
+    SETTINGS,
+    http_status,
+    in_container,
+    molecule,
+    molecule_env,
+    nspawn_unusable,
+)
 
-ROOT = Path(__file__).resolve().parents[2]
-SCENARIO = ROOT / "molecule" / "sglang_service"
-INVENTORY = ROOT / ".work" / "sglang_service" / "inventory.yml"
-SETTINGS = yaml.safe_load((SCENARIO / "vars" / "nspawn.yml").read_text())
 PORT = SETTINGS["sglang_service_port"]
 MAX_DOWNTIME = SETTINGS["sglang_service_max_downtime"]
 URL = f"http://127.0.0.1:{PORT}"
@@ -34,33 +38,11 @@ URL = f"http://127.0.0.1:{PORT}"
 STARTUP_ALLOWANCE = 30.0
 
 
-def _nspawn_unusable() -> str | None:
-    if os.geteuid() != 0:
-        return "systemd-nspawn needs root"
-    if shutil.which("systemd-nspawn") is None and shutil.which("apt-get") is None:
-        return "systemd-nspawn is not installed and apt-get is not there to install it"
-    return None
-
-
 pytestmark = [
     pytest.mark.systemd,
     pytest.mark.slow,
-    pytest.mark.skipif(_nspawn_unusable() is not None, reason=str(_nspawn_unusable())),
+    pytest.mark.skipif(nspawn_unusable() is not None, reason=str(nspawn_unusable())),
 ]
-
-
-def _env() -> dict[str, str]:
-    env = dict(os.environ)
-    env["PATH"] = f"{ROOT / '.venv' / 'bin'}:{env.get('PATH', '')}"
-    env["MOLECULE_PROJECT_DIRECTORY"] = str(ROOT)
-    env["ANSIBLE_NOCOLOR"] = "1"
-    env["PY_COLORS"] = "0"
-    return env
-
-
-def _molecule(*command: str, timeout: float = 900) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(["molecule", *command, "-s", "sglang_service"], cwd=ROOT, env=_env(),
-                          capture_output=True, text=True, timeout=timeout)
 
 
 def _window(mode: str, seconds: int, **popen: object) -> subprocess.Popen[str]:
@@ -68,36 +50,21 @@ def _window(mode: str, seconds: int, **popen: object) -> subprocess.Popen[str]:
     return subprocess.Popen(
         [str(ROOT / ".venv" / "bin" / "ansible-playbook"), "-i", str(INVENTORY), str(SCENARIO / "window.yml"),
          "-e", f"sglang_window_mode={mode}", "-e", f"sglang_window_seconds={seconds}"],
-        cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **popen)
-
-
-def _in_container(*argv: str) -> str:
-    """Run a command inside the container (the way community.docker.nsenter does)."""
-    pid = yaml.safe_load(INVENTORY.read_text())["all"]["children"]["nspawn"]["hosts"]
-    pid = next(iter(pid.values()))["ansible_nsenter_pid"]
-    enter = ["nsenter", f"--target={pid}", "--mount", "--pid", "--uts", "--ipc", "--net", "--"]
-    done = subprocess.run([*enter, *argv], capture_output=True, text=True, timeout=60)
-    return done.stdout.strip()
+        cwd=ROOT, env=molecule_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **popen)
 
 
 def _health() -> int:
     """The status of /health_generate; -1 when nothing answers."""
-    try:
-        with urllib.request.urlopen(f"{URL}/health_generate", timeout=10) as answer:
-            return answer.status
-    except urllib.error.HTTPError as error:
-        return error.code
-    except OSError:
-        return -1
+    return http_status(f"{URL}/health_generate")
 
 
 def _journal() -> str:
-    return _in_container("journalctl", "--no-pager", "--lines=60", "--unit=sglang-qwen.service",
-                         "--unit=sglang-qwen-deadman.timer", "--unit=sglang-qwen-deadman.service")
+    return in_container("journalctl", "--no-pager", "--lines=60", "--unit=sglang-qwen.service",
+                        "--unit=sglang-qwen-deadman.timer", "--unit=sglang-qwen-deadman.service")
 
 
 def _main_pid() -> int:
-    return int(_in_container("systemctl", "show", "--property=MainPID", "--value", "sglang-qwen.service"))
+    return int(in_container("systemctl", "show", "--property=MainPID", "--value", "sglang-qwen.service"))
 
 
 def _generate() -> dict:
@@ -120,23 +87,10 @@ def _wait(condition, timeout: float, step: float = 0.25) -> float | None:
 
 def test_molecule_scenario_converges_idempotently_and_verifies():
     # destroy, syntax, create, converge, idempotence (changed=0), verify, destroy
-    done = _molecule("test")
+    done = molecule("test")
     assert done.returncode == 0, done.stdout[-6000:] + done.stderr[-6000:]
     for step in ("converge", "idempotence", "verify"):
         assert f"{step}: Executed: Successful" in done.stdout + done.stderr, f"molecule did not run {step}"
-
-
-@pytest.fixture(scope="module")
-def converged_host():
-    """A booted container with the role converged; powered off afterwards."""
-    for step in ("create", "converge"):
-        done = _molecule(step)
-        if done.returncode != 0:
-            _molecule("destroy")
-            pytest.fail(f"molecule {step} failed:\n{done.stdout[-6000:]}{done.stderr[-6000:]}")
-    assert _health() == 200
-    yield
-    _molecule("destroy")
 
 
 def _lines_until(stream, marker: str, seen: list[str]) -> None:
@@ -164,7 +118,7 @@ def test_deadman_timer_brings_the_server_back_when_the_play_dies(converged_host)
         if play.poll() is None:
             os.killpg(play.pid, signal.SIGKILL)
             play.wait(timeout=30)
-    assert _in_container("systemctl", "is-active", "sglang-qwen-deadman.timer") == "active", _journal()
+    assert in_container("systemctl", "is-active", "sglang-qwen-deadman.timer") == "active", _journal()
 
     patience = MAX_DOWNTIME + STARTUP_ALLOWANCE + 30
     back = _wait(lambda: _health() == 200, timeout=patience, step=0.5)
@@ -174,8 +128,8 @@ def test_deadman_timer_brings_the_server_back_when_the_play_dies(converged_host)
     assert downtime <= MAX_DOWNTIME + STARTUP_ALLOWANCE
     # Not earlier than the timer: it was the dead-man switch that started it, nothing else.
     assert downtime >= MAX_DOWNTIME - 10
-    assert _in_container("systemctl", "is-active", "sglang-qwen.service") == "active"
-    assert _in_container("systemctl", "is-active", "sglang-qwen-deadman.timer") != "active"
+    assert in_container("systemctl", "is-active", "sglang-qwen.service") == "active"
+    assert in_container("systemctl", "is-active", "sglang-qwen-deadman.timer") != "active"
 
 
 def test_memory_saver_keeps_the_server_process_across_the_gpu_window(converged_host):
@@ -189,7 +143,7 @@ def test_memory_saver_keeps_the_server_process_across_the_gpu_window(converged_h
     assert _generate()["meta_info"]["completion_tokens"] >= 1
     # No GPU here: the role says so instead of claiming the memory dropped.
     assert "GPU memory could not be checked: nvidia-smi is not available" in output
-    assert _in_container("systemctl", "is-active", "sglang-qwen-deadman.timer") != "active"
+    assert in_container("systemctl", "is-active", "sglang-qwen-deadman.timer") != "active"
 
 
 def _gpu_release_in_container(**args: object) -> tuple[int, dict]:
@@ -198,7 +152,7 @@ def _gpu_release_in_container(**args: object) -> tuple[int, dict]:
         done = subprocess.run(
             [str(ROOT / ".venv" / "bin" / "ansible"), "-i", str(INVENTORY), "nspawn",
              "-m", "specops.drafter.gpu_release", "-a", json.dumps(args), "--tree", tree],
-            cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=300)
+            cwd=ROOT, env=molecule_env(), capture_output=True, text=True, timeout=300)
         results = [json.loads(p.read_text()) for p in Path(tree).iterdir()]
     assert results, done.stdout[-3000:] + done.stderr[-3000:]
     return done.returncode, results[0]
@@ -208,29 +162,29 @@ def test_gpu_release_kills_a_units_processes_by_cgroup_and_spares_another_tenant
     # Two services hold the same stand-in device file: the unit named to gpu_release, and another
     # tenant's. Only the named unit's process may die; the other is reported and left alone.
     hold = "import time; handle = open('/tmp/specops-gpu/nvidia0'); time.sleep(600)"
-    _in_container("mkdir", "-p", "/tmp/specops-gpu")
-    _in_container("touch", "/tmp/specops-gpu/nvidia0")
+    in_container("mkdir", "-p", "/tmp/specops-gpu")
+    in_container("touch", "/tmp/specops-gpu/nvidia0")
     for unit in ("specops-holder", "other-tenant"):
-        _in_container("systemd-run", f"--unit={unit}", "--property=KillMode=process",
+        in_container("systemd-run", f"--unit={unit}", "--property=KillMode=process",
                       "/usr/bin/python3", "-c", hold)
     try:
-        assert _wait(lambda: _in_container("systemctl", "is-active", "specops-holder") == "active", 10)
-        holder = int(_in_container("systemctl", "show", "--property=MainPID", "--value", "specops-holder"))
-        tenant = int(_in_container("systemctl", "show", "--property=MainPID", "--value", "other-tenant"))
-        assert _wait(lambda: bool(_in_container("ls", f"/proc/{holder}/fd")), 10)
+        assert _wait(lambda: in_container("systemctl", "is-active", "specops-holder") == "active", 10)
+        holder = int(in_container("systemctl", "show", "--property=MainPID", "--value", "specops-holder"))
+        tenant = int(in_container("systemctl", "show", "--property=MainPID", "--value", "other-tenant"))
+        assert _wait(lambda: bool(in_container("ls", f"/proc/{holder}/fd")), 10)
         rc, result = _gpu_release_in_container(
             unit="specops-holder", patterns=["specops-no-such-command-line"],
             device_pattern="/tmp/specops-gpu/nvidia*", allow_foreign=True, grace=2, nvml="false")
         assert rc == 0, result
-        cgroup = _in_container("cat", f"/proc/{holder}/cgroup")
+        cgroup = in_container("cat", f"/proc/{holder}/cgroup")
         assert [k["pid"] for k in result["killed"]] == [holder], (result, cgroup)
         assert result["unit_cgroup"].endswith("specops-holder.service")
         assert tenant in [f["pid"] for f in result["foreign"]]
-        assert _in_container("cat", f"/proc/{tenant}/comm") == "python3", "the other tenant must survive"
-        assert _in_container("systemctl", "is-active", "specops-holder") != "active"
+        assert in_container("cat", f"/proc/{tenant}/comm") == "python3", "the other tenant must survive"
+        assert in_container("systemctl", "is-active", "specops-holder") != "active"
     finally:
         for unit in ("specops-holder", "other-tenant"):
-            _in_container("systemctl", "stop", unit)
+            in_container("systemctl", "stop", unit)
 
 
 def test_gpu_release_names_a_unit_that_does_not_exist(converged_host):

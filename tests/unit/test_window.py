@@ -84,3 +84,16 @@ def test_without_an_extraction_directory_the_window_is_returned_and_nothing_is_c
     result = window.run({"marks": MARKS, "mode": "stop", "hidden_states": str(tmp_path / "missing")})
     assert result["window"]["downtime_s"] == 90.0 and result["path"] is None
     assert not (tmp_path / "missing").exists()
+
+
+PRESTART = {"before_load_s": 14.5, "host_load_s": 3.25, "waited_s": 40.0, "to_device_s": 0.75}
+
+
+def test_a_prestarted_extraction_records_what_it_did_before_the_window_and_after_go():
+    progress = {**MANIFEST["progress"], "load_s": 0.75, "finish_s": 0.5, "prestart": PRESTART}
+    record = window.build_window(MARKS, "stop", {**MANIFEST, "progress": progress})
+    assert record["extraction"]["prestart"] == PRESTART
+    assert (record["extraction"]["load_s"], record["extraction"]["write_tail_s"]) == (0.75, 0.5)
+    text = window.render_markdown(record)
+    assert "weights host -> device 0.8 s" in text and "the writers' tail 0.5 s" in text
+    assert "process start, imports and inputs 14.5 s, weights into host memory 3.2 s, waiting 40.0 s" in text

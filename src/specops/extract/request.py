@@ -44,6 +44,8 @@ REQUEST = Schema(STAGE, (
     Option("progress_log", "path", "Progress log path; unset is <out_dir>/progress.log."),
     Option("disk_reserve_bytes", "int", "Bytes that must stay free on the output's file system once the "
            "shards are written.", default=0),
+    # The play writes "go" into it once the GPUs are free: prepare now, extract then.
+    Option("start_signal", "path", "A file to wait on for go before extracting; unset starts at once."),
 ))
 DEFAULTS: dict[str, Any] = REQUEST.defaults
 REQUIRED = REQUEST.required

@@ -18,6 +18,7 @@ from typing import Any
 
 from specops import preflight
 from specops.backend import BackendMonitor, modeling_module_for
+from specops.extract import start_signal
 from specops.extract.backend_guard import backend_plan, check_backend
 from specops.extract.capture import LayerCapture, decoder_body
 from specops.extract.devices import DevicePlan, describe_device, plan_for, resolve_device_dtype
@@ -104,6 +105,7 @@ def run(request: dict[str, Any]) -> dict[str, Any]:
         return stage_result(load_manifest(prep.out_dir) or {}, prep.out_dir, changed=False)
     modeling = target_modeling(prep)
     force_torch = backend_plan(prep, modeling)
+    held = start_signal.hold(prep, load_model)  # None unless started ahead of its window
     state = open_resume_state(prep, fp)
     progress_log = Path(prep.req["progress_log"] or prep.out_dir / "progress.log")
     devices = plan_for(prep)  # from the devices' free memory
@@ -111,7 +113,7 @@ def run(request: dict[str, Any]) -> dict[str, Any]:
         from specops.extract.parallel import run_on_devices
 
         return run_on_devices(prep, devices, state, progress_log, force_torch)
-    return run_single(prep, devices, state, progress_log, force_torch, modeling)
+    return run_single(prep, devices, state, progress_log, force_torch, modeling, held)
 
 
 def target_modeling(prep: Prepared) -> Any:
@@ -150,11 +152,11 @@ def probe_parity(cap: LayerCapture, prep: Prepared, modeling: Any,
 
 
 def run_single(prep: Prepared, devices: DevicePlan, state: ResumeState, progress_log: Path,
-               force_torch: bool, modeling: Any) -> dict[str, Any]:
+               force_torch: bool, modeling: Any, held: start_signal.Held | None = None) -> dict[str, Any]:
     """Load the model on the one device, probe, extract every unfinished shard, write the manifest."""
     prep.device = resolve_device_dtype(devices.devices[0], prep.dtype_name)[0]
     started = time.perf_counter()
-    model = load_model(prep)
+    model = held.on_device(prep.device) if held else load_model(prep)
     load_s = time.perf_counter() - started
     log(f"loaded {prep.target.path} in {load_s:.1f}s on {prep.device} ({prep.dtype_name}); "
         f"capturing layers {prep.layer_ids}")
@@ -178,7 +180,7 @@ def run_single(prep: Prepared, devices: DevicePlan, state: ResumeState, progress
         completions={"path": str(prep.completions_path.resolve()), **prep.inputs["completions"]},
         backend=backend, versions=library_versions(), parity=parity,
         progress={**{k: round(v, 3) if isinstance(v, float) else v for k, v in stats.items()},
-                  "load_s": round(load_s, 3)},
+                  "load_s": round(load_s, 3), "prestart": held.figures if held else None},
         parallel=devices.describe())
     log(f"wrote {len(prep.shards)} shards to {prep.out_dir} ({stats['tokens_per_second']:.0f} tok/s)")
     return stage_result(manifest, prep.out_dir, changed=True)

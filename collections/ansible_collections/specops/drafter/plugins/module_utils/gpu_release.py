@@ -410,6 +410,14 @@ def is_protected(proc, protected):
     return any(name in names or name[:COMM_LEN] == proc.comm for name in protected)
 
 
+def spare(groups, pids):
+    """Move the holders the caller spares (the extraction waiting for the GPUs) to the protected ones."""
+    for name in ("ours", "foreign"):
+        kept = [(p, r) for p, r in groups[name] if p.pid not in pids]
+        groups["protected"].extend((p, "spared by the caller") for p, r in groups[name] if p.pid in pids)
+        groups[name] = kept
+
+
 def classify(holder_pids, procs, patterns, cgroup, protected, orphans, self_tree, recorded=None):
     """Split holders into ours (with the reason), protected, own_tree and foreign."""
     direct = {}
@@ -620,6 +628,7 @@ def _release(params, check_mode, proc_root, self_pid, start, patterns, cgroup, p
     groups = classify(
         set(fd_holders), procs, patterns, cgroup, protected, params.get("orphans", True), self_tree, recorded
     )
+    spare(groups, set(params.get("spare_pids") or ()))
     foreign = [_holder_entry(p, r, fd_holders, nvml_procs) for p, r in groups["foreign"]]
     for pid in sorted(set(nvml_procs) - set(fd_holders)):
         if pid not in self_tree and pid not in procs:

@@ -129,6 +129,13 @@ options:
     description: Bytes that must stay free on the output's file system once the planned shards are written.
     type: int
     default: 0
+  start_signal:
+    description:
+      - Start ahead of the GPU window; run as an async task. The extraction prepares (imports, inputs, the
+        target's weights in host memory), then waits until M(specops.drafter.start_signal) writes go into
+        this file; on abort, an expired lease or a missing file it exits having written nothing.
+    type: path
+    version_added: "0.2.0"
 attributes:
   check_mode:
     support: full
@@ -258,6 +265,7 @@ REQUEST_OPTIONS = dict(
     fsync=dict(type="bool", default=True),
     progress_log=dict(type="path"),
     disk_reserve_bytes=dict(type="int", default=0),
+    start_signal=dict(type="path"),
 )
 
 

@@ -65,6 +65,14 @@ options:
       - Glob on the targets of open file descriptors that marks a GPU holder.
     type: str
     default: /dev/nvidia*
+  spare_pids:
+    description:
+      - Processes never signalled though they hold a GPU, reported with the protected ones (the
+        extraction started ahead of the window, which waits for these GPUs holding their device files).
+    type: list
+    elements: int
+    default: []
+    version_added: "0.2.0"
   protected:
     description:
       - Process names (the kernel's 15-character C(comm) or argv[0]'s basename) that are never
@@ -284,6 +292,7 @@ def main():
             patterns=dict(type="list", elements="str", default=list(DEFAULT_PATTERNS)),
             device_pattern=dict(type="str", default=DEFAULT_DEVICE_PATTERN),
             protected=dict(type="list", elements="str", default=list(DEFAULT_PROTECTED)),
+            spare_pids=dict(type="list", elements="int", default=[]),
             allow_foreign=dict(type="bool", default=False),
             orphans=dict(type="bool", default=True),
             grace=dict(type="float", default=DEFAULT_GRACE),

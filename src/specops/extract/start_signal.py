@@ -1,0 +1,138 @@
+"""Start an extraction before its GPU window and hold it until the window opens.
+
+With `start_signal: <path>` in its request, the extraction does everything that needs no GPU memory
+while the service still serves (process start, imports, inputs, plan, the target's weights in host
+memory), writes the state "waiting" and waits for the play's signal. The play writes the signal file
+atomically, one JSON object:
+
+    {"signal": "wait", "until": <epoch s>}   keep waiting until then (a lease the play renews)
+    {"signal": "go"}                         the GPUs are free: move the weights on and extract
+    {"signal": "abort"}                      the window will not open: exit
+
+The extraction exits without touching the GPU's memory and without writing any output on "abort",
+when the lease runs out (a play lost before the window cannot leave it waiting) or when the signal
+file is gone. Its state goes to `<signal>.state` (preparing, waiting, started, stopped), with its pid,
+so the play can tell when it waits and stop one that outlives an abort.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from specops.manifest import atomic_write_json
+from specops.stage import StageError, log
+
+GO, WAIT, ABORT, GONE = "go", "wait", "abort", "gone"
+STATE_SUFFIX = ".state"
+POLL_S = 0.05
+
+
+class NotStarted(StageError):
+    """The window did not open for this extraction: it exits having written nothing."""
+
+
+def state_path(signal: Path) -> Path:
+    return signal.with_name(signal.name + STATE_SUFFIX)
+
+
+def read_signal(path: Path) -> tuple[str, float | None]:
+    """The play's signal and the lease's end (epoch seconds, for "wait")."""
+    try:
+        value = json.loads(path.read_text())
+    except FileNotFoundError:
+        return GONE, None
+    except (OSError, json.JSONDecodeError):
+        # The play writes atomically: a file that does not parse was not written by it.
+        return ABORT, None
+    if not isinstance(value, dict) or value.get("signal") not in (GO, WAIT, ABORT):
+        return ABORT, None
+    until = value.get("until")
+    return value["signal"], float(until) if isinstance(until, int | float) else None
+
+
+def wait_for_go(path: Path, clock: Callable[[], float] = time.time,
+                sleep: Callable[[float], None] = time.sleep, poll_s: float = POLL_S) -> float:
+    """Block until the signal says go; seconds waited. NotStarted on abort, an expired lease or no file."""
+    started = clock()
+    while True:
+        signal, until = read_signal(path)
+        if signal == GO:
+            return clock() - started
+        if signal == ABORT:
+            raise NotStarted(f"not started: {path} says abort (the window will not open); "
+                             "nothing was written")
+        if signal == GONE:
+            raise NotStarted(f"not started: the start signal {path} is gone; nothing was written")
+        if until is None or clock() >= until:
+            raise NotStarted(f"not started: the lease in {path} ran out without a go (the play that "
+                             "started this extraction is gone); nothing was written")
+        sleep(poll_s)
+
+
+def process_age_s() -> float | None:
+    """Seconds since this process started (Linux), so the record covers imports too."""
+    try:
+        ticks = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])
+        uptime = float(Path("/proc/uptime").read_text().split()[0])
+    except (OSError, IndexError, ValueError):
+        return None
+    return max(0.0, uptime - ticks / os.sysconf("SC_CLK_TCK"))
+
+
+def write_state(path: Path, state: str, **figures: Any) -> None:
+    atomic_write_json(state_path(path), {"state": state, "pid": os.getpid(), "at": time.time(), **figures})
+
+
+@dataclass
+class Held:
+    """The target on the host, and what holding it cost before the window."""
+
+    model: Any
+    figures: dict[str, float | None]
+
+    def on_device(self, device: Any) -> Any:
+        """Move the weights host -> device: the only load left inside the window."""
+        started = time.perf_counter()
+        model = self.model.to(device)
+        if getattr(device, "type", "cpu") == "cuda":
+            import torch
+
+            torch.cuda.synchronize(device)
+        self.figures["to_device_s"] = round(time.perf_counter() - started, 3)
+        return model
+
+
+def hold(prep: Any, load: Callable[[Any], Any]) -> Held | None:
+    """With a start signal: the target in host memory, then wait for go (None without one).
+
+    `prep` is the extraction's prepared request; `load(prep)` loads the target on prep.device.
+    """
+    if not prep.req.get("start_signal"):
+        return None
+    import torch
+
+    path = Path(prep.req["start_signal"])
+    before_load = process_age_s()
+    write_state(path, "preparing", before_load_s=before_load)
+    started = time.perf_counter()
+    model = load(dataclasses.replace(prep, device=torch.device("cpu")))
+    host_load = round(time.perf_counter() - started, 3)
+    figures: dict[str, float | None] = {
+        "before_load_s": None if before_load is None else round(before_load, 3), "host_load_s": host_load}
+    write_state(path, "waiting", **figures)
+    log(f"prepared in {before_load or 0:.1f}s + {host_load:.1f}s (weights in host memory); waiting for go "
+        f"in {path}")
+    try:
+        figures["waited_s"] = round(wait_for_go(path), 3)
+    except NotStarted as stopped:
+        write_state(path, "stopped", reason=str(stopped), **figures)
+        raise
+    write_state(path, "started", **figures)
+    return Held(model, figures)
