@@ -215,7 +215,9 @@ def test_the_role_passes_every_option_to_the_module(stage):
     assert calls, f"roles/{stage.role}/tasks never calls {fqcn}"
     expected = set(stage.schema.names) | set(stage_runner.STAGE_OPTIONS)
     for path, passed in calls:
-        assert passed <= expected, f"{path}: the {fqcn} task passes unknown options {sorted(passed - expected)}"
+        assert passed <= expected, (
+            f"{path}: the {fqcn} task passes unknown options {sorted(passed - expected)}"
+        )
     # A plan-only call may leave out what only the run uses (extract_hidden_states' start_signal).
     assert any(passed == expected for _, passed in calls), (
         f"roles/{stage.role}/tasks: no {fqcn} task passes every option; missing "
