@@ -5,8 +5,7 @@ Prompts are tokenized here with the target's tokenizer and sent as `input_ids`, 
 through a tokenizer does not guarantee. Finished records are appended to a partial file one by one,
 so an interrupted run resumes where it stopped; the final file and the manifest are written last.
 
-Request (JSON on stdin, see specops.stage): server_url, prompts, tokenizer, out_dir, and optionally
-max_new_tokens, concurrency, timeout, retries, backoff.
+Request (JSON on stdin, see specops.stage): `REQUEST` below, the one declaration of its options.
 """
 
 from __future__ import annotations
@@ -38,6 +37,7 @@ from specops.manifest import (
     staleness,
     write_manifest,
 )
+from specops.schema import Option, Schema
 from specops.stage import StageError, log, serve
 
 STAGE = "completions"
@@ -58,14 +58,25 @@ TOKENIZER_FILES = (
     "merges.txt",
     "tokenizer.model",
 )
-DEFAULTS: dict[str, Any] = {
-    "max_new_tokens": 256,
-    "concurrency": 4,
-    "timeout": 300.0,
-    "retries": 5,
-    "backoff": 1.0,
-}
-REQUIRED = ("server_url", "prompts", "tokenizer", "out_dir")
+REQUEST = Schema(STAGE, (
+    # SGLang's default port (ServerArgs.port in python/sglang/srt/server_args.py, sglang@001067ff).
+    Option("server_url", "str", "Base URL of the SGLang server (no trailing path).",
+           default="http://127.0.0.1:30000"),
+    Option("prompts", "path", 'JSONL prompts on the managed host, {"id", "prompt"} or {"id", "messages"} '
+           "per line.", required=True),
+    Option("tokenizer", "path", "The target model directory SGLang serves; its tokenizer makes input_ids.",
+           required=True),
+    Option("out_dir", "path", "Directory that receives completions.jsonl and manifest.json.", required=True),
+    Option("max_new_tokens", "int", "Greedy tokens per prompt at most.", default=256),
+    Option("concurrency", "int", "Requests in flight at once.", default=4),
+    Option("timeout", "float", "Seconds to wait for one answer before it is retried.", default=300.0),
+    Option("retries", "int", "Retries per request after a connection error, a timeout or a 5xx answer.",
+           default=5),
+    Option("backoff", "float", "Seconds before the first retry; each further retry waits twice as long.",
+           default=1.0),
+))
+DEFAULTS: dict[str, Any] = REQUEST.defaults
+REQUIRED = REQUEST.required
 
 
 # -- request ---------------------------------------------------------------------------------
@@ -87,11 +98,9 @@ def _is_int(value: Any) -> bool:
 
 
 def parse_request(request: dict[str, Any]) -> Settings:
-    unknown = sorted(set(request) - set(REQUIRED) - set(DEFAULTS))
+    unknown = REQUEST.unknown(request)
     if unknown:
-        raise StageError(
-            f"unknown request key(s) {', '.join(unknown)}: expected {', '.join(REQUIRED + tuple(DEFAULTS))}"
-        )
+        raise StageError(f"unknown request key(s) {', '.join(unknown)}: expected {', '.join(REQUEST.names)}")
     missing = [key for key in REQUIRED if not request.get(key)]
     if missing:
         raise StageError(f"missing required key(s) {', '.join(missing)}")

@@ -13,8 +13,7 @@ Two parts, each timed and reported:
   the target's layer shapes tunes the same configurations; every distinct batch shape is still run
   once, because triton specialises compiled kernels on the integer arguments.
 
-python -m specops.prewarm --plan|--run, JSON request on stdin: {"target", "completions",
-"batch_tokens", "shard_tokens", "dtype", "device", "read_weights", "tune_kernels", "max_shapes"}.
+python -m specops.prewarm --plan|--run, JSON request on stdin: `REQUEST` below.
 """
 
 from __future__ import annotations
@@ -35,20 +34,31 @@ from specops.extract import (
     read_completions,
     resolve_device_dtype,
 )
+from specops.extract.request import REQUEST as EXTRACT_REQUEST
+from specops.schema import Option, Schema
 from specops.stage import StageError, log, serve
 
-DEFAULTS: dict[str, Any] = {"batch_tokens": 16384, "shard_tokens": 32768, "dtype": "auto", "device": "auto",
-                            "read_weights": True, "tune_kernels": True, "max_shapes": 64}
-REQUIRED = ("target", "completions")
+# The batching options are the extraction's own, so the shapes tuned are the ones it runs.
+REQUEST = Schema("prewarm", (
+    Option("target", "path", "Target model directory (config.json and *.safetensors).", required=True),
+    Option("completions", "path", "The sglang_completions output directory.", required=True),
+    *(EXTRACT_REQUEST.option(name) for name in ("batch_tokens", "shard_tokens", "dtype", "device")),
+    Option("read_weights", "bool", "Read the target's weights into the page cache.", default=True),
+    Option("tune_kernels", "bool", "Compile and autotune fla's kernels for the planned batch shapes.",
+           default=True),
+    Option("max_shapes", "int", "Most distinct batch shapes to tune.", default=64),
+))
+DEFAULTS: dict[str, Any] = REQUEST.defaults
+REQUIRED = REQUEST.required
 READ_CHUNK = 64 << 20
 # Leave this share of the available memory to everything else on the host.
 PAGE_CACHE_SHARE = 0.8
 
 
 def parse_request(request: dict[str, Any]) -> dict[str, Any]:
-    unknown = sorted(set(request) - set(DEFAULTS) - set(REQUIRED))
+    unknown = REQUEST.unknown(request)
     if unknown:
-        raise StageError(f"unknown request keys {unknown}: the keys are {sorted([*REQUIRED, *DEFAULTS])}")
+        raise StageError(f"unknown request keys {unknown}: the keys are {sorted(REQUEST.names)}")
     missing = [k for k in REQUIRED if not request.get(k)]
     if missing:
         raise StageError(f"missing {missing}: give the target model dir and the completions dir")

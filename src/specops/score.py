@@ -37,6 +37,7 @@ the target's small files and the options; plan mode decides from it without load
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -60,6 +61,7 @@ from specops.manifest import (
     remove_stale_temporaries,
     write_manifest,
 )
+from specops.schema import Option, Schema
 from specops.stage import StageError, log, serve
 from specops.versions import installed_versions
 
@@ -73,6 +75,33 @@ FLOAT32_MEMORY_SHARE = 0.25
 # Runs of the history the stage result (and so AWX) carries.
 TREND_RUNS = 20
 DEVICES = ("auto", "cpu", "cuda")
+REQUEST = Schema(STAGE, (
+    Option("hidden_states", "path", "The extract_hidden_states output directory (manifest.json, shards).",
+           required=True),
+    Option("completions", "path", "The sglang_completions output directory, for SGLang's online tau."),
+    Option("target", "path", "The target model directory (embed_tokens, lm_head, tokenizer).", required=True),
+    Option("drafter", "list", "The drafter checkpoint directory, or a list of them.", required=True,
+           elements="path"),
+    Option("reference_drafter", "path", "A drafter to compare with, scored on the same hidden states."),
+    Option("server_drafter", "str", "Which drafter the SGLang server speculated with: drafter, a drafter's "
+           "name, reference, or '' when unknown.", default=""),
+    Option("out_dir", "path", "Directory the report is written to.", required=True),
+    # The server is back on the GPUs when scoring runs: a GPU only when asked.
+    Option("device", "str", "Where to score: cpu, cuda, cuda:N, or auto (a CUDA GPU when torch sees one).",
+           default="cpu"),
+    Option("gpu_memory_gib", "float", "On a GPU, the most memory scoring may allocate; 0 sets no limit.",
+           default=0.0),
+    Option("dtype", "str", "Precision of the drafter and the target head.", default="auto",
+           choices=DTYPES),
+    Option("diagnostics", "list", "Which diagnostics to run.", default=list(diag.DIAGNOSTICS),
+           choices=diag.DIAGNOSTICS, elements="str"),
+    Option("layer_offset_tolerance", "float", "A layer shift warns when its tau beats the configured layers' "
+           "by more than this fraction.", default=diag.DEFAULT_LAYER_OFFSET_TOLERANCE),
+    Option("step_costs", "dict", "Measured draft_cost and verify_cost in target decode steps; empty to "
+           "estimate them."),
+    Option("history", "path", "Directory of past runs (index.jsonl and one directory per run)."),
+    Option("force", "bool", "Score again even when the report is up to date.", default=False),
+))
 # The target's files that identify it cheaply; its weights are tens of GB and the hidden-state
 # manifest already fingerprints the model they came from.
 TARGET_IDENTITY_FILES = (
@@ -88,15 +117,15 @@ class Options:
     out_dir: Path
     completions: Path | None = None
     reference_drafter: Path | None = None
-    server_drafter: str = ""
-    device: str = "auto"
-    gpu_memory_gib: float = 0.0
-    dtype: str = "auto"
+    server_drafter: str = REQUEST.option("server_drafter").default
+    device: str = REQUEST.option("device").default
+    gpu_memory_gib: float = REQUEST.option("gpu_memory_gib").default
+    dtype: str = REQUEST.option("dtype").default
     diagnostics: tuple[str, ...] = diag.DIAGNOSTICS
-    layer_offset_tolerance: float = diag.DEFAULT_LAYER_OFFSET_TOLERANCE
+    layer_offset_tolerance: float = REQUEST.option("layer_offset_tolerance").default
     step_costs: tuple[tuple[str, float], ...] = ()
     history: Path | None = None
-    force: bool = False
+    force: bool = REQUEST.option("force").default
 
     @property
     def names(self) -> list[str]:
@@ -165,14 +194,13 @@ def _directory(request: Mapping[str, Any], key: str, required: bool,
 
 
 def parse_request(request: Mapping[str, Any]) -> Options:
-    unknown = set(request) - set(Options.__dataclass_fields__)
+    unknown = REQUEST.unknown(request)
     if unknown:
-        raise StageError(f"unknown request keys {sorted(unknown)}: allowed are "
-                         f"{sorted(Options.__dataclass_fields__)}")
+        raise StageError(f"unknown request keys {unknown}: allowed are {sorted(REQUEST.names)}")
     if not request.get("out_dir"):
         raise StageError("'out_dir' is required: the directory the report is written to")
-    device = request.get("device") or "auto"
-    if device not in DEVICES and not str(device).startswith("cuda:"):
+    device = request.get("device") or REQUEST.option("device").default
+    if device not in DEVICES and not re.fullmatch(r"cuda:[0-9]+", str(device)):
         raise StageError(f"device {device!r} is not one of {', '.join(DEVICES)} (or cuda:N)")
     dtype = request.get("dtype") or "auto"
     if dtype not in DTYPES:

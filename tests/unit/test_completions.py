@@ -475,4 +475,4 @@ def test_the_stage_protocol_reports_a_usable_error_with_exit_2(tmp_path):
     )
     assert done.returncode == 2
     result = json.loads(done.stdout.strip().splitlines()[-1])
-    assert result["failed"] is True and "missing required key(s) server_url" in result["msg"]
+    assert result["failed"] is True and "missing required key(s) prompts" in result["msg"]

@@ -4,49 +4,64 @@ from __future__ import annotations
 
 from typing import Any
 
-from specops.extract.devices import validate_request
+from specops.extract.devices import MODES, validate_request
+from specops.schema import Option, Schema
 from specops.stage import StageError
 
 STAGE = "extract_hidden_states"
 DTYPES = ("bfloat16", "float16", "float32")
 BACKENDS = ("auto", "fla", "torch", "any")
-DEFAULTS: dict[str, Any] = {
-    "drafter": None,
-    "layer_ids": None,
-    "capture_offsets": [0],
-    "dtype": "auto",
-    "device": "auto",
-    # Devices to extract on (auto: every visible GPU when device is auto) and how (devices.py).
-    "devices": "auto",
-    "parallel": "auto",
-    "require_backend": "auto",
-    "parity_samples": 0,
+REQUEST = Schema(STAGE, (
+    Option("target", "path", "Target model directory (config.json and *.safetensors).", required=True),
+    Option("completions", "path", "The sglang_completions output directory.", required=True),
+    Option("out_dir", "path", "Directory for the shards and the manifest.", required=True),
+    Option("drafter", "list", "DFlash drafter directory, or a list of them: the union of their "
+           "target_layer_ids is captured.", elements="path"),
+    Option("layer_ids", "list", "Layer ids to capture instead of the drafter's.", elements="int"),
+    Option("capture_offsets", "list", "Offsets around each target layer to capture too.", default=[0],
+           elements="int"),
+    Option("dtype", "str", "Compute and storage dtype; auto is bfloat16 on CUDA, float32 on the CPU.",
+           default="auto", choices=("auto", *DTYPES)),
+    Option("device", "str", "auto, cpu, cuda or cuda:N; the device when no devices are listed.",
+           default="auto"),
+    # Unset: every visible GPU when device is auto (devices.py).
+    Option("devices", "list", "Devices to extract on, such as [cuda:0, cuda:1].", elements="str"),
+    Option("parallel", "str", "One model copy per device (data), its layers spread over them (split), one "
+           "device (single), or auto from free memory.", default="auto", choices=MODES),
+    Option("require_backend", "str", "Gated-delta-rule implementation required.", default="auto",
+           choices=BACKENDS),
+    Option("parity_samples", "int", "Records compared with the fp32 torch reference; 0 is off.", default=0),
     # bf16 hidden states differ from an fp32 reference by 1.4-2.8% on a small model (FACTS.md);
     # the limit per layer is the larger of this and twice the noise floor measured in the same run.
-    "parity_tolerance": 0.05,
-    "batch_tokens": 16384,
-    "shard_tokens": 32768,
-    "progress_log": None,
-    "writer_threads": 4,
-    # Flush each shard to the device as it is written; off leaves the flushing to the OS (faster on a
-    # disk slower than the extraction, but a power loss can then damage shards the manifest lists).
-    "fsync": True,
-    # Bytes that must stay free on the output's file system once the shards are written.
-    "disk_reserve_bytes": 0,
-    # A file the play writes "go" into once the GPUs are free (start_signal): prepare now, extract then.
-    "start_signal": None,
-}
-REQUIRED = ("target", "completions", "out_dir")
+    Option("parity_tolerance", "float", "Relative error per layer above which the parity probe fails.",
+           default=0.05),
+    Option("batch_tokens", "int", "Most tokens (padding included) in one forward.", default=16384),
+    Option("shard_tokens", "int", "Tokens per shard file.", default=32768),
+    Option("writer_threads", "int", "Threads writing shards while the GPU computes.", default=4),
+    # Off leaves the flushing to the OS (faster on a disk slower than the extraction, but a power loss
+    # can then damage shards the manifest lists).
+    Option("fsync", "bool", "Flush each shard to the device as it is written.", default=True),
+    Option("progress_log", "path", "Progress log path; unset is <out_dir>/progress.log."),
+    Option("disk_reserve_bytes", "int", "Bytes that must stay free on the output's file system once the "
+           "shards are written.", default=0),
+    # The play writes "go" into it once the GPUs are free: prepare now, extract then.
+    Option("start_signal", "path", "A file to wait on for go before extracting; unset starts at once."),
+))
+DEFAULTS: dict[str, Any] = REQUEST.defaults
+REQUIRED = REQUEST.required
 
 
 def parse_request(request: dict[str, Any]) -> dict[str, Any]:
-    unknown = sorted(set(request) - set(DEFAULTS) - set(REQUIRED))
+    unknown = REQUEST.unknown(request)
     if unknown:
-        raise StageError(f"unknown request keys {unknown}: the keys are {sorted([*REQUIRED, *DEFAULTS])}")
+        raise StageError(f"unknown request keys {unknown}: the keys are {sorted(REQUEST.names)}")
     missing = [k for k in REQUIRED if not request.get(k)]
     if missing:
         raise StageError(f"missing {missing}: give the target model dir, the completions dir and out_dir")
     req = {**DEFAULTS, **{k: v for k, v in request.items() if v is not None}}
+    # No devices listed: "auto", every visible GPU when device is auto (devices.py).
+    if req["devices"] is None:
+        req["devices"] = "auto"
     if req["dtype"] not in ("auto", *DTYPES):
         raise StageError(f"dtype {req['dtype']!r} is not one of auto, {', '.join(DTYPES)}")
     if req["require_backend"] not in BACKENDS:

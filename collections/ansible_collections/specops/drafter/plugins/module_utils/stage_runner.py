@@ -9,6 +9,45 @@ __metaclass__ = type
 import json
 import os
 
+from ansible.module_utils.basic import AnsibleModule
+
+# The options every stage module has besides its request; documented once in doc_fragments/stage.py.
+STAGE_OPTIONS = dict(
+    python=dict(type="path", required=True),
+)
+
+
+def stage_module(request_options, **kwargs):
+    """The AnsibleModule of a stage: the shared options plus the stage's request options, check mode supported."""
+    argument_spec = dict(STAGE_OPTIONS)
+    argument_spec.update(request_options)
+    return AnsibleModule(argument_spec=argument_spec, supports_check_mode=True, **kwargs)
+
+
+def stage_request(module, request_options):
+    """The stage's request: each request option that is set (the package applies its defaults to the rest)."""
+    return dict((key, module.params[key]) for key in request_options if module.params[key] is not None)
+
+
+def stage_result(module, stage, request_options, figures=None, renamed=None):
+    """Run the stage with the module's request and return the module's result.
+
+    With `figures` (key -> value when the package leaves it out), the result is those keys, `changed`
+    and the package's `msg`; `renamed` (package key -> figure key) takes a figure from a key the
+    package names otherwise. Without `figures`, it is the package's result as it came.
+    """
+    outcome = run_stage(module, module.params["python"], stage, stage_request(module, request_options))
+    if figures is None:
+        outcome.setdefault("changed", False)
+        return outcome
+    result = dict(figures)
+    result.update((key, outcome[key]) for key in figures if key in outcome)
+    result.update((key, outcome[source]) for source, key in (renamed or {}).items() if source in outcome)
+    result["changed"] = bool(outcome.get("changed"))
+    if outcome.get("msg"):
+        result["msg"] = outcome["msg"]
+    return result
+
 
 def run_stage(module, python, stage, request, plan=None, extra_env=None):
     """Run one package stage and return its JSON result; fail the module with a clear message.

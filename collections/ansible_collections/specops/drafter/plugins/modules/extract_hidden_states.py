@@ -20,11 +20,9 @@ description:
 version_added: "0.1.0"
 author:
   - specops maintainers (@specops)
+extends_documentation_fragment:
+  - specops.drafter.stage
 options:
-  python:
-    description: Python interpreter of the ML environment (torch, transformers, fla, specops).
-    type: path
-    required: true
   target:
     description: Directory of the target model (C(config.json) and C(*.safetensors)).
     type: path
@@ -244,59 +242,36 @@ estimated_seconds:
   type: float
 """
 
-from ansible.module_utils.basic import AnsibleModule
-from ansible_collections.specops.drafter.plugins.module_utils.stage_runner import run_stage
+from ansible_collections.specops.drafter.plugins.module_utils.stage_runner import stage_module, stage_result
 
-REQUEST_KEYS = (
-    "target", "completions", "out_dir", "drafter", "layer_ids", "capture_offsets", "dtype", "device",
-    "devices", "parallel", "require_backend", "parity_samples", "parity_tolerance", "batch_tokens", "shard_tokens",
-    "writer_threads", "fsync", "progress_log", "disk_reserve_bytes", "start_signal",
+# The request's options: specops.extract REQUEST declares them (tests/ansible/test_stage_schemas.py checks).
+REQUEST_OPTIONS = dict(
+    target=dict(type="path", required=True),
+    completions=dict(type="path", required=True),
+    out_dir=dict(type="path", required=True),
+    drafter=dict(type="list", elements="path"),
+    layer_ids=dict(type="list", elements="int"),
+    capture_offsets=dict(type="list", elements="int", default=[0]),
+    dtype=dict(type="str", default="auto", choices=["auto", "bfloat16", "float16", "float32"]),
+    device=dict(type="str", default="auto"),
+    devices=dict(type="list", elements="str"),
+    parallel=dict(type="str", default="auto", choices=["auto", "single", "data", "split"]),
+    require_backend=dict(type="str", default="auto", choices=["auto", "fla", "torch", "any"]),
+    parity_samples=dict(type="int", default=0),
+    parity_tolerance=dict(type="float", default=0.05),
+    batch_tokens=dict(type="int", default=16384, no_log=False),
+    shard_tokens=dict(type="int", default=32768, no_log=False),
+    writer_threads=dict(type="int", default=4),
+    fsync=dict(type="bool", default=True),
+    progress_log=dict(type="path"),
+    disk_reserve_bytes=dict(type="int", default=0),
+    start_signal=dict(type="path"),
 )
 
 
-class HiddenStateExtraction(object):
-    """Build the stage request from the module's options and run it in the ML environment."""
-
-    def __init__(self, module):
-        self.module = module
-        self.params = module.params
-
-    def run(self):
-        request = dict((key, self.params[key]) for key in REQUEST_KEYS if self.params[key] is not None)
-        result = run_stage(self.module, self.params["python"], "extract", request)
-        result.setdefault("changed", False)
-        return result
-
-
 def main():
-    module = AnsibleModule(
-        argument_spec=dict(
-            python=dict(type="path", required=True),
-            target=dict(type="path", required=True),
-            completions=dict(type="path", required=True),
-            out_dir=dict(type="path", required=True),
-            drafter=dict(type="list", elements="path"),
-            layer_ids=dict(type="list", elements="int"),
-            capture_offsets=dict(type="list", elements="int", default=[0]),
-            dtype=dict(type="str", default="auto", choices=["auto", "bfloat16", "float16", "float32"]),
-            device=dict(type="str", default="auto"),
-            devices=dict(type="list", elements="str"),
-            parallel=dict(type="str", default="auto", choices=["auto", "single", "data", "split"]),
-            require_backend=dict(type="str", default="auto", choices=["auto", "fla", "torch", "any"]),
-            parity_samples=dict(type="int", default=0),
-            parity_tolerance=dict(type="float", default=0.05),
-            batch_tokens=dict(type="int", default=16384, no_log=False),
-            shard_tokens=dict(type="int", default=32768, no_log=False),
-            writer_threads=dict(type="int", default=4),
-            fsync=dict(type="bool", default=True),
-            progress_log=dict(type="path"),
-            disk_reserve_bytes=dict(type="int", default=0),
-            start_signal=dict(type="path"),
-        ),
-        required_one_of=[("drafter", "layer_ids")],
-        supports_check_mode=True,
-    )
-    module.exit_json(**HiddenStateExtraction(module).run())
+    module = stage_module(REQUEST_OPTIONS, required_one_of=[("drafter", "layer_ids")])
+    module.exit_json(**stage_result(module, "extract", REQUEST_OPTIONS))
 
 
 if __name__ == "__main__":

@@ -38,13 +38,9 @@ description:
     loads nothing and reports C(changed=false).
 author:
   - specops maintainers (@specops)
+extends_documentation_fragment:
+  - specops.drafter.stage
 options:
-  python:
-    description:
-      - The ML environment's interpreter, with torch, transformers and specops (built by
-        M(specops.drafter.fla_env)).
-    type: path
-    required: true
   hidden_states:
     description:
       - The output directory of M(specops.drafter.extract_hidden_states) (C(manifest.json) and shards).
@@ -157,7 +153,6 @@ attributes:
     platforms: posix
     description: Runs wherever the ML environment runs; the module itself needs only the standard library.
 notes:
-  - The module needs no third-party Python library on the host; the work runs in O(python).
   - Scoring a large target's completions can take long; run the task with C(async) and C(poll) to outlive
     a connection timeout.
   - Publish the figures to AWX/Tower with M(ansible.builtin.set_stats), as the C(specops.drafter.score_drafter)
@@ -285,25 +280,27 @@ plots:
 
 import re
 
-from ansible.module_utils.basic import AnsibleModule
-from ansible_collections.specops.drafter.plugins.module_utils.stage_runner import run_stage
+from ansible_collections.specops.drafter.plugins.module_utils.stage_runner import stage_module, stage_result
 
-REQUEST_KEYS = (
-    "hidden_states",
-    "completions",
-    "target",
-    "drafter",
-    "reference_drafter",
-    "server_drafter",
-    "out_dir",
-    "device",
-    "gpu_memory_gib",
-    "dtype",
-    "diagnostics",
-    "layer_offset_tolerance",
-    "step_costs",
-    "history",
-    "force",
+# The request's options: specops.score REQUEST declares them (tests/ansible/test_stage_schemas.py checks).
+REQUEST_OPTIONS = dict(
+    hidden_states=dict(type="path", required=True),
+    target=dict(type="path", required=True),
+    drafter=dict(type="list", elements="path", required=True),
+    reference_drafter=dict(type="path"),
+    completions=dict(type="path"),
+    server_drafter=dict(type="str", default=""),
+    out_dir=dict(type="path", required=True),
+    device=dict(type="str", default="cpu"),
+    gpu_memory_gib=dict(type="float", default=0.0),
+    dtype=dict(type="str", choices=["auto", "bfloat16", "float16", "float32"], default="auto"),
+    diagnostics=dict(type="list", elements="str",
+                     choices=["acceptance", "layer_offset", "backend", "vocabulary"],
+                     default=["acceptance", "layer_offset", "backend", "vocabulary"]),
+    layer_offset_tolerance=dict(type="float", default=0.1),
+    step_costs=dict(type="dict"),
+    history=dict(type="path"),
+    force=dict(type="bool", default=False),
 )
 
 FIGURES = {
@@ -329,58 +326,18 @@ FIGURES = {
 DEVICE_FORM = re.compile(r"^(auto|cpu|cuda(:[0-9]+)?)$")
 
 
-class ScoreDrafter(object):
-    """Holds the module; turns the package's stage result into the module's result."""
-
-    def __init__(self, module):
-        self.module = module
-        self.params = module.params
-
-    def run(self):
-        # Refused here, before the ML environment is started for nothing.
-        if not DEVICE_FORM.match(self.params["device"]):
-            self.module.fail_json(msg="device %r is not one of auto, cpu, cuda, cuda:N" % self.params["device"])
-        request = dict((key, self.params[key]) for key in REQUEST_KEYS if self.params[key] is not None)
-        outcome = run_stage(self.module, self.params["python"], "score", request)
-        result = dict(FIGURES)
-        result.update((key, outcome[key]) for key in FIGURES if key in outcome)
-        # Ansible reserves 'warnings' in a module result for its own display.
-        result["diagnostic_warnings"] = list(outcome.get("warnings") or [])
-        for warning in result["diagnostic_warnings"]:
-            self.module.warn(warning)
-        result["out_dir"] = result["out_dir"] or self.params["out_dir"]
-        result["changed"] = bool(outcome.get("changed"))
-        if outcome.get("msg"):
-            result["msg"] = outcome["msg"]
-        self.module.exit_json(**result)
-
-
 def main():
-    module = AnsibleModule(
-        argument_spec=dict(
-            python=dict(type="path", required=True),
-            hidden_states=dict(type="path", required=True),
-            target=dict(type="path", required=True),
-            drafter=dict(type="list", elements="path", required=True),
-            reference_drafter=dict(type="path"),
-            completions=dict(type="path"),
-            server_drafter=dict(type="str", default=""),
-            out_dir=dict(type="path", required=True),
-            device=dict(type="str", default="cpu"),
-            gpu_memory_gib=dict(type="float", default=0.0),
-            dtype=dict(type="str", choices=["auto", "bfloat16", "float16", "float32"], default="auto"),
-            diagnostics=dict(type="list", elements="str",
-                             choices=["acceptance", "layer_offset", "backend", "vocabulary"],
-                             default=["acceptance", "layer_offset", "backend", "vocabulary"]),
-            layer_offset_tolerance=dict(type="float", default=0.1),
-            step_costs=dict(type="dict"),
-            history=dict(type="path"),
-            force=dict(type="bool", default=False),
-        ),
-        required_if=[("server_drafter", "reference", ("reference_drafter",))],
-        supports_check_mode=True,
-    )
-    ScoreDrafter(module).run()
+    module = stage_module(REQUEST_OPTIONS, required_if=[("server_drafter", "reference", ("reference_drafter",))])
+    # Refused here, before the ML environment is started for nothing.
+    if not DEVICE_FORM.match(module.params["device"]):
+        module.fail_json(msg="device %r is not one of auto, cpu, cuda, cuda:N" % module.params["device"])
+    # Ansible reserves 'warnings' in a module result for its own display.
+    result = stage_result(module, "score", REQUEST_OPTIONS, FIGURES, renamed={"warnings": "diagnostic_warnings"})
+    result["diagnostic_warnings"] = list(result["diagnostic_warnings"] or [])
+    for warning in result["diagnostic_warnings"]:
+        module.warn(warning)
+    result["out_dir"] = result["out_dir"] or module.params["out_dir"]
+    module.exit_json(**result)
 
 
 if __name__ == "__main__":

@@ -34,13 +34,9 @@ description:
     run with the same inputs reuses its records and fetches only the rest.
 author:
   - specops maintainers (@specops)
+extends_documentation_fragment:
+  - specops.drafter.stage
 options:
-  python:
-    description:
-      - The ML environment's interpreter, with transformers and specops (built by
-        M(specops.drafter.fla_env)).
-    type: path
-    required: true
   server_url:
     description:
       - Base URL of the SGLang server (no trailing path).
@@ -100,7 +96,6 @@ attributes:
     platforms: posix
     description: Runs on POSIX hosts that have the ML environment.
 notes:
-  - The module needs no third-party Python library on the host; the work runs in O(python).
   - Readiness is not this module's job; gate on SGLang's C(/health_generate) first (the
     C(specops.drafter.sglang_service) role does). Retries with backoff ride out a short restart.
   - Check mode needs the server to answer C(/get_model_info), since the server's model is part of
@@ -194,11 +189,21 @@ damaged:
   elements: str
 """
 
-from ansible.module_utils.basic import AnsibleModule
-from ansible_collections.specops.drafter.plugins.module_utils.stage_runner import run_stage
+from ansible_collections.specops.drafter.plugins.module_utils.stage_runner import stage_module, stage_result
 
-REQUEST_KEYS = ("server_url", "prompts", "tokenizer", "out_dir", "max_new_tokens", "concurrency", "timeout",
-                "retries", "backoff")
+# The request's options: specops.completions REQUEST declares them (tests/ansible/test_stage_schemas.py checks).
+REQUEST_OPTIONS = dict(
+    server_url=dict(type="str", default="http://127.0.0.1:30000"),
+    prompts=dict(type="path", required=True),
+    tokenizer=dict(type="path", required=True),
+    out_dir=dict(type="path", required=True),
+    # A count of tokens, not a secret.
+    max_new_tokens=dict(type="int", default=256, no_log=False),
+    concurrency=dict(type="int", default=4),
+    timeout=dict(type="float", default=300),
+    retries=dict(type="int", default=5),
+    backoff=dict(type="float", default=1.0),
+)
 
 FIGURES = {
     "count": None,
@@ -214,43 +219,11 @@ FIGURES = {
 }
 
 
-class SglangCompletions(object):
-    """Holds the module; turns the package's stage result into the module's result."""
-
-    def __init__(self, module):
-        self.module = module
-        self.params = module.params
-
-    def run(self):
-        request = dict((key, self.params[key]) for key in REQUEST_KEYS)
-        outcome = run_stage(self.module, self.params["python"], "completions", request)
-        result = dict(FIGURES)
-        result.update((key, outcome[key]) for key in FIGURES if key in outcome)
-        result["out_dir"] = self.params["out_dir"]
-        result["changed"] = bool(outcome.get("changed"))
-        if outcome.get("msg"):
-            result["msg"] = outcome["msg"]
-        self.module.exit_json(**result)
-
-
 def main():
-    module = AnsibleModule(
-        argument_spec=dict(
-            python=dict(type="path", required=True),
-            server_url=dict(type="str", default="http://127.0.0.1:30000"),
-            prompts=dict(type="path", required=True),
-            tokenizer=dict(type="path", required=True),
-            out_dir=dict(type="path", required=True),
-            # A count of tokens, not a secret.
-            max_new_tokens=dict(type="int", default=256, no_log=False),
-            concurrency=dict(type="int", default=4),
-            timeout=dict(type="float", default=300),
-            retries=dict(type="int", default=5),
-            backoff=dict(type="float", default=1.0),
-        ),
-        supports_check_mode=True,
-    )
-    SglangCompletions(module).run()
+    module = stage_module(REQUEST_OPTIONS)
+    result = stage_result(module, "completions", REQUEST_OPTIONS, FIGURES)
+    result["out_dir"] = module.params["out_dir"]
+    module.exit_json(**result)
 
 
 if __name__ == "__main__":

@@ -10,7 +10,12 @@ import pytest
 
 from ansible.module_utils.basic import AnsibleModule
 from ansible.module_utils.testing import patch_module_args
-from ansible_collections.specops.drafter.plugins.module_utils.stage_runner import crash_message, run_stage
+from ansible_collections.specops.drafter.plugins.module_utils.stage_runner import (
+    crash_message,
+    run_stage,
+    stage_module,
+    stage_result,
+)
 from ansible_collections.specops.drafter.tests.unit.helpers import AnsibleFailJson
 
 
@@ -104,3 +109,42 @@ def test_a_missing_interpreter_fails_and_names_the_fix(make_module, tmp_path):
         run_stage(make_module(), missing, "score", {})
     assert missing in failure.value.result["msg"]
     assert "fla_env" in failure.value.result["msg"]
+
+
+REQUEST_OPTIONS = dict(out_dir=dict(type="path", required=True), layers=dict(type="list", elements="int"))
+
+
+@pytest.fixture
+def make_stage_module(module_exits):
+    def make(args):
+        with patch_module_args(args):
+            return stage_module(REQUEST_OPTIONS)
+
+    return make
+
+
+def test_a_stage_module_has_the_shared_python_option(make_stage_module):
+    with pytest.raises(AnsibleFailJson) as failure:
+        make_stage_module({"out_dir": "/tmp/run/score"})
+    assert "python" in failure.value.result["msg"]
+
+
+def test_the_request_holds_the_set_options_only(make_stage_module, fake_python):
+    module = make_stage_module({"python": fake_python, "out_dir": "/tmp/run/score"})
+    result = stage_result(module, "score", REQUEST_OPTIONS)
+    assert result["seen"]["request"] == {"out_dir": "/tmp/run/score"}
+
+
+def test_figures_the_package_leaves_out_keep_their_defaults(make_stage_module, fake_python, fake_stage):
+    fake_stage(result={"tau": 3.02, "msg": "scored", "extra": 1})
+    module = make_stage_module({"python": fake_python, "out_dir": "/tmp/run/score"})
+    result = stage_result(module, "score", REQUEST_OPTIONS, {"tau": None, "plots": []})
+    assert result == {"tau": 3.02, "plots": [], "changed": True, "msg": "scored"}
+
+
+def test_a_renamed_figure_comes_from_the_package_key(make_stage_module, fake_python, fake_stage):
+    fake_stage(result={"warnings": ["layer_offset: shifted by +1"]})
+    module = make_stage_module({"python": fake_python, "out_dir": "/tmp/run/score"})
+    result = stage_result(module, "score", REQUEST_OPTIONS, {"diagnostic_warnings": []},
+                          renamed={"warnings": "diagnostic_warnings"})
+    assert result["diagnostic_warnings"] == ["layer_offset: shifted by +1"]

@@ -1,0 +1,22 @@
+# -*- coding: utf-8 -*-
+# GNU General Public License v3.0+ (see https://www.gnu.org/licenses/gpl-3.0.txt)
+
+from __future__ import absolute_import, division, print_function
+
+__metaclass__ = type
+
+
+class ModuleDocFragment(object):
+    # The options of module_utils/stage_runner.py STAGE_OPTIONS, shared by every stage module.
+    DOCUMENTATION = r"""
+options:
+  python:
+    description:
+      - The ML environment's interpreter, with specops and the libraries the stage needs (torch,
+        transformers, fla), as built by M(specops.drafter.fla_env).
+      - The module runs C(python -m specops.<stage>) with it, the request as JSON on stdin.
+    type: path
+    required: true
+notes:
+  - The module needs no third-party Python library on the host; the work runs in O(python).
+"""
