@@ -150,9 +150,6 @@ def test_completions_refetched_with_the_same_tokens_keep_the_service_up(served):
     assert served.server_pid() == pid and served.health_generate_status() == 200
 
 
-# Known gap: the play passes (rc 0) but does not print the per-record reason this asserts; the
-# package-level tests of the naming and the refetch pass (test_completions.py).
-@pytest.mark.xfail(reason="the play does not yet print the damaged record's reason", strict=False)
 def test_an_edited_token_id_is_refetched_and_the_report_rebuilt_on_the_fetched_tokens(served):
     path = served.run_dir / "completions" / "completions.jsonl"
     lines = path.read_text().splitlines(keepends=True)

@@ -228,6 +228,8 @@ class SglangCompletions(object):
         result.update((key, outcome[key]) for key in FIGURES if key in outcome)
         result["out_dir"] = self.params["out_dir"]
         result["changed"] = bool(outcome.get("changed"))
+        # Why the output was not reused, and which records were damaged: returned only when there is a why.
+        result.update((key, outcome[key]) for key in ("reason", "damaged") if key in outcome)
         if outcome.get("msg"):
             result["msg"] = outcome["msg"]
         self.module.exit_json(**result)
