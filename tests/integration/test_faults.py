@@ -10,7 +10,9 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -178,3 +180,97 @@ def test_a_flipped_shard_byte_is_named_and_the_shard_redone(served):
     assert f"{shard} does not match the sha256" in said(result)
     assert shard.read_bytes() == original
     assert served.health_generate_status() == 200
+
+
+FOREIGN_LISTENER = """
+import sys, time
+from http.server import BaseHTTPRequestHandler, HTTPServer
+
+class Answer200(BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200)
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+
+    def log_message(self, *args):
+        pass
+
+deadline = time.monotonic() + 120
+while True:
+    try:
+        server = HTTPServer(("127.0.0.1", int(sys.argv[1])), Answer200)
+        break
+    except OSError:
+        if time.monotonic() > deadline:
+            raise
+        time.sleep(0.05)
+print("listening", flush=True)
+server.serve_forever()
+"""
+
+
+def guard_processes(site) -> list[int]:
+    """The window guards of this site (they carry its spec file on their command line)."""
+    spec = str(site.work_dir / "sglang.pid.spec.json").encode()
+    found = []
+    for pid in (int(p) for p in os.listdir("/proc") if p.isdigit()):
+        try:
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"guard" in argv and spec in argv:
+            found.append(pid)
+    return found
+
+
+def test_a_port_taken_inside_the_window_fails_start_server_disarms_the_guard_and_a_rerun_restores(
+        served, tmp_path):
+    site = served
+    run_dir = site.work_dir / "run-port-taken"
+    run_dir.mkdir()
+    shutil.copytree(site.run_dir / "completions", run_dir / "completions")  # only the window is new
+    extra = site.extra_vars(specops_run_dir=str(run_dir), sglang_service_guard_grace=2)
+    play = subprocess.Popen(
+        [str(Path(sys.executable).parent / "ansible-playbook"), str(REPO / "playbooks" / "eval.yml"),
+         "-e", json.dumps(extra)], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        env={**os.environ, "ANSIBLE_CONFIG": str(REPO / "ansible.cfg"), "ANSIBLE_NOCOLOR": "1"})
+    foreign = None
+    output = ""
+    try:
+        for line in play.stdout:
+            output += line
+            # Our server stopped and its port was released: another process takes the port.
+            if foreign is None and "TASK [Stage release-gpus]" in line:
+                foreign = subprocess.Popen([sys.executable, "-c", FOREIGN_LISTENER, str(site.port)],
+                                           stdout=subprocess.PIPE, text=True)
+                assert foreign.stdout.readline().strip() == "listening"
+        play.wait(timeout=600)
+        assert foreign is not None, output[-4000:]
+        result = SimpleNamespace(output=output)
+        assert play.returncode != 0
+        assert "specops stage 'start-server' failed" in said(result), output[-4000:]
+        assert f"port {site.port} is held by pid {foreign.pid}" in said(result)
+        assert "the guard was disarmed" in said(result) and "the play is rerun" in said(result)
+        # Not armed against the foreign process: no cookie, no guard, and nothing started later.
+        assert not (site.work_dir / "sglang.pid.deadman").exists()
+        log = site.work_dir / "sglang.log"
+        launches = log.read_text().count(" starting: ")
+        time.sleep(6)  # longer than the guard's grace for the window's work
+        assert guard_processes(site) == []
+        assert log.read_text().count(" starting: ") == launches
+        assert foreign.poll() is None and site.server_pid() is None
+    finally:
+        if play.poll() is None:
+            play.kill()
+            play.wait()
+        if foreign is not None:
+            foreign.terminate()
+            foreign.wait(timeout=30)
+
+    extracted = (run_dir / "hidden_states" / "manifest.json").read_bytes()
+    rerun = site.play("eval.yml", specops_run_dir=str(run_dir))
+    assert rerun.rc == 0, rerun.output[-6000:]
+    assert site.health_generate_status() == 200 and site.server_pid() is not None
+    # The window's work is kept: the rerun only brings the service back and scores.
+    assert (run_dir / "hidden_states" / "manifest.json").read_bytes() == extracted
+    assert (run_dir / "score" / "report.json").is_file()
