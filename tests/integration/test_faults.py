@@ -20,25 +20,17 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
-def serving(local_default):
-    """The server up, for faults the play refuses before the window (no evaluation needed first)."""
-    started = local_default.play("service.yml", sglang_service_state="started")
-    assert started.rc == 0, started.output[-4000:]
-    return local_default
+def serving(served):
+    """The server up, for faults the play refuses before the window: the shared finished run's site."""
+    assert served.health_generate_status() == 200
+    return served
 
 
 @pytest.fixture(scope="module")
 def refused_run_dir(serving) -> str:
-    """One run directory for the refused runs: the completions are fetched once, nothing else is written."""
-    return str(serving.work_dir / "run-refused")
-
-
-@pytest.fixture(scope="module")
-def served(local_default):
-    """A finished evaluation in the site's run directory (a no-op when another module already made it)."""
-    result = local_default.play("eval.yml")
-    assert result.rc == 0, result.output[-6000:]
-    return local_default
+    """One run directory for the refused runs: it starts with the finished run's completions, so each play
+    goes straight to the extraction's plan; nothing else is written."""
+    return str(serving.seed_run_dir(serving.run_dir, serving.work_dir / "run-refused"))
 
 
 def said(result) -> str:
@@ -226,9 +218,7 @@ def guard_processes(site) -> list[int]:
 def test_a_port_taken_inside_the_window_fails_start_server_disarms_the_guard_and_a_rerun_restores(
         served, tmp_path):
     site = served
-    run_dir = site.work_dir / "run-port-taken"
-    run_dir.mkdir()
-    shutil.copytree(site.run_dir / "completions", run_dir / "completions")  # only the window is new
+    run_dir = site.seed_run_dir(site.run_dir, site.work_dir / "run-port-taken")  # only the window is new
     extra = site.extra_vars(specops_run_dir=str(run_dir), sglang_service_guard_grace=2)
     play = subprocess.Popen(
         [str(Path(sys.executable).parent / "ansible-playbook"), str(REPO / "playbooks" / "eval.yml"),
@@ -268,9 +258,11 @@ def test_a_port_taken_inside_the_window_fails_start_server_disarms_the_guard_and
             foreign.wait(timeout=30)
 
     extracted = (run_dir / "hidden_states" / "manifest.json").read_bytes()
-    rerun = site.play("eval.yml", specops_run_dir=str(run_dir))
+    launches = log.read_text().count(" starting: ")
+    # The rerun's stages up to the window: `serve` brings the service back, and the extraction kept is
+    # up to date, so no window opens (scoring is the finished run's business).
+    rerun = site.play("eval.yml", specops_run_dir=str(run_dir), args=("--tags", "prefetch,extract"))
     assert rerun.rc == 0, rerun.output[-6000:]
     assert site.health_generate_status() == 200 and site.server_pid() is not None
-    # The window's work is kept: the rerun only brings the service back and scores.
+    assert log.read_text().count(" starting: ") == launches + 1  # `serve` only: no window
     assert (run_dir / "hidden_states" / "manifest.json").read_bytes() == extracted
-    assert (run_dir / "score" / "report.json").is_file()
