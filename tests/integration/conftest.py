@@ -59,7 +59,8 @@ class LocalDefault:
         values.update(overrides)
         return values
 
-    def play(self, playbook: str, timeout: int = 900, args: tuple[str, ...] = (), **overrides) -> PlayResult:
+    # A bound, not an expectation: a run from scratch takes minutes, more on a busy machine.
+    def play(self, playbook: str, timeout: int = 1800, args: tuple[str, ...] = (), **overrides) -> PlayResult:
         cmd = [str(ANSIBLE_PLAYBOOK), str(REPO / "playbooks" / playbook),
                "-e", json.dumps(self.extra_vars(**overrides)), *args]
         proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout,
