@@ -51,14 +51,15 @@ system-deps:
 	@command -v debootstrap >/dev/null && command -v systemd-nspawn >/dev/null || \
 	  { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq debootstrap systemd-container; }
 
-# The systemd suite mostly waits (debootstrap, a container booting systemd) and runs in its own
-# container: it runs beside the others, which run one after another. It keeps its own pytest
-# temporary root, so neither run's clean-up of old temporary directories removes the other's.
+# Three lanes side by side: the integration suite (plays against development servers of its own, on
+# free ports, in its own directories), the systemd suite (mostly waiting: debootstrap, a container
+# booting systemd), and the other suites one after another. Each pytest run of a lane keeps its own
+# temporary root, so no run's clean-up of old temporary directories removes another's.
 test: system-deps $(VENV)/.stamp $(ML_VENV)/.stamp
-	$(MAKE) -j2 --output-sync=target test-in-order test-systemd
+	$(MAKE) -j3 --output-sync=target test-in-order test-integration test-systemd
 
 test-in-order: $(VENV)/.stamp $(ML_VENV)/.stamp
-	$(MAKE) -j1 test-python test-ansible test-lint test-sanity test-units test-integration
+	$(MAKE) -j1 test-python test-ansible test-lint test-sanity test-units
 
 test-python: $(ML_VENV)/.stamp
 	$(ML_VENV)/bin/ruff check src tests benchmarks roles
@@ -77,8 +78,10 @@ test-sanity: $(VENV)/.stamp
 test-units: $(VENV)/.stamp
 	./tests/run-ansible-test.sh units
 
+# --durations: the slowest tests are named in every run, so a new slow one is seen.
 test-integration: $(VENV)/.stamp $(ML_VENV)/.stamp
-	$(VENV)/bin/pytest -q tests/integration
+	mkdir -p /tmp/specops-pytest-integration
+	PYTEST_DEBUG_TEMPROOT=/tmp/specops-pytest-integration $(VENV)/bin/pytest -q --durations=10 tests/integration
 
 test-systemd: system-deps $(VENV)/.stamp $(ML_VENV)/.stamp
 	mkdir -p /tmp/specops-pytest-systemd

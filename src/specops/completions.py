@@ -546,7 +546,7 @@ def plan(request: dict[str, Any]) -> dict[str, Any]:
     reason = staleness(out, prepared.inputs_fingerprint)
     if reason is None:
         return _summary(prepared, False, generated=0, resumed=0, **_recorded(out))
-    damaged = damaged_records(out, prepared.inputs_fingerprint)
+    damaged = damaged_records(out, prepared.inputs_fingerprint, [p.id for p in prepared.prompts])
     return _summary(
         prepared,
         True,
@@ -573,14 +573,16 @@ def _recorded_lines(out: Path, inputs_fingerprint: str) -> tuple[dict[str, str],
     return manifest.get("records_sha256") or {}, lines[:-1] if lines[-1] == "" else lines
 
 
-def damaged_records(out: Path, inputs_fingerprint: str) -> list[str]:
-    """Which lines of an output of these inputs differ from what was fetched, with the record's id."""
+def damaged_records(out: Path, inputs_fingerprint: str, ids: list[str]) -> list[str]:
+    """Which lines of an output of these inputs differ from what was fetched, with the record's id.
+
+    `ids` is the prompts' order, which is the output's: the manifest's JSON has its keys sorted, so the
+    order of its per-record digests says nothing about lines."""
     recorded, lines = _recorded_lines(out, inputs_fingerprint)
-    expected = list(recorded.items())
     damaged = []
     for number, line in enumerate(lines, start=1):
-        if number > len(expected) or _line_sha256(line + "\n") != expected[number - 1][1]:
-            record_id = expected[number - 1][0] if number <= len(expected) else None
+        record_id = ids[number - 1] if number <= len(ids) else None
+        if record_id is None or _line_sha256(line + "\n") != recorded.get(record_id):
             damaged.append(f"{out / OUTPUT_NAME} line {number} (id {record_id!r}) is damaged or edited")
     return damaged
 
@@ -659,7 +661,7 @@ def run(request: dict[str, Any]) -> dict[str, Any]:
 
     previous = load_manifest(out)
     reason = staleness(out, prepared.inputs_fingerprint)
-    damaged = damaged_records(out, prepared.inputs_fingerprint)
+    damaged = damaged_records(out, prepared.inputs_fingerprint, [p.id for p in prepared.prompts])
     log(f"completions: fetching, {reason}" + "".join(f"; {problem}" for problem in damaged))
     prompt_ids = tokenize(prepared.prompts, settings.tokenizer, settings.prompts)
     intact = intact_records(out, prepared.inputs_fingerprint, prompt_ids)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import socket
 import subprocess
 import sys
@@ -52,11 +53,14 @@ class LocalDefault:
             "sglang_service_port": self.port,
             "sglang_service_pid_file": str(self.work_dir / "sglang.pid"),
             "sglang_service_log_file": str(self.work_dir / "sglang.log"),
+            # The development server is ready within seconds: look every second, not every five.
+            "sglang_service_ready_delay": 1,
         }
         values.update(overrides)
         return values
 
-    def play(self, playbook: str, timeout: int = 900, args: tuple[str, ...] = (), **overrides) -> PlayResult:
+    # A bound, not an expectation: a run from scratch takes minutes, more on a busy machine.
+    def play(self, playbook: str, timeout: int = 1800, args: tuple[str, ...] = (), **overrides) -> PlayResult:
         cmd = [str(ANSIBLE_PLAYBOOK), str(REPO / "playbooks" / playbook),
                "-e", json.dumps(self.extra_vars(**overrides)), *args]
         proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout,
@@ -88,6 +92,15 @@ class LocalDefault:
         pid_file = self.work_dir / "sglang.pid"
         return int(pid_file.read_text().split()[0]) if pid_file.is_file() else None
 
+    def seed_run_dir(self, source: Path, run_dir: Path, stages: tuple[str, ...] = ("completions",)) -> Path:
+        """A run directory that starts from a finished run's stage outputs (copied, never shared), so a
+        play redoes only what the test is about. Completions do not depend on the server's port or on the
+        run directory: a server of the same models reuses them."""
+        run_dir.mkdir(parents=True, exist_ok=True)
+        for stage in stages:
+            shutil.copytree(source / stage, run_dir / stage, symlinks=True)
+        return run_dir
+
 
 @pytest.fixture(scope="session")
 def local_default(tmp_path_factory):
@@ -95,6 +108,27 @@ def local_default(tmp_path_factory):
     yield site
     # The play leaves the service running, as production would: stop what the test started.
     site.play("service.yml", sglang_service_state="stopped", sglang_service_deadman=False, timeout=120)
+
+
+@pytest.fixture(scope="session")
+def finished_run(local_default) -> PlayResult:
+    """eval.yml run once to the end on the shared site, for every module: the server is left serving and
+    the run directory holds every stage's output (tests copy it, or run only the stages they need)."""
+    result = local_default.play("eval.yml")
+    assert result.rc == 0, result.output[-6000:]
+    return result
+
+
+@pytest.fixture(scope="session")
+def first_run(finished_run) -> PlayResult:
+    """The shared finished run's play (its output is the first run's)."""
+    return finished_run
+
+
+@pytest.fixture(scope="session")
+def served(local_default, finished_run) -> LocalDefault:
+    """The shared site with its finished evaluation and its server up."""
+    return local_default
 
 
 @pytest.fixture

@@ -8,13 +8,6 @@ import shutil
 import pytest
 
 
-@pytest.fixture(scope="module")
-def first_run(local_default):
-    result = local_default.play("eval.yml")
-    assert result.rc == 0, result.output[-6000:]
-    return result
-
-
 def test_eval_writes_a_report_with_tau_per_prompt_and_overall(first_run, local_default):
     report = json.loads((local_default.run_dir / "score" / "report.json").read_text())
     prompts = [json.loads(line)["id"] for line in
@@ -95,9 +88,10 @@ def test_failed_extraction_names_the_stage_and_the_service_comes_back(first_run,
 
 def test_bad_layer_id_fails_before_the_service_is_touched(first_run, local_default):
     pid_before = local_default.server_pid()
+    run_dir = local_default.seed_run_dir(local_default.run_dir, local_default.work_dir / "run-bad-layer")
     result = local_default.play(
         "eval.yml",
-        specops_run_dir=str(local_default.work_dir / "run-bad-layer"),
+        specops_run_dir=str(run_dir),
         extract_hidden_states_layer_ids=[99],
     )
     assert result.rc != 0
@@ -122,8 +116,9 @@ def test_mistyped_target_model_is_refused_before_the_healthy_server_is_restarted
     assert local_default.health_generate_status() == 200
 
 
-def test_memory_saver_window_keeps_the_server_process(own_local_default):
+def test_memory_saver_window_keeps_the_server_process(own_local_default, served):
     site = own_local_default
+    site.seed_run_dir(served.run_dir, site.run_dir)  # the same models' completions: only the window is new
     window = {"sglang_service_memory_saver": True, "specops_gpu_window_mode": "memory_saver"}
     started = site.play("service.yml", sglang_service_state="started", **window)
     assert started.rc == 0, started.output[-4000:]

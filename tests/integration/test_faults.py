@@ -10,7 +10,9 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -18,25 +20,17 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
-def serving(local_default):
-    """The server up, for faults the play refuses before the window (no evaluation needed first)."""
-    started = local_default.play("service.yml", sglang_service_state="started")
-    assert started.rc == 0, started.output[-4000:]
-    return local_default
+def serving(served):
+    """The server up, for faults the play refuses before the window: the shared finished run's site."""
+    assert served.health_generate_status() == 200
+    return served
 
 
 @pytest.fixture(scope="module")
 def refused_run_dir(serving) -> str:
-    """One run directory for the refused runs: the completions are fetched once, nothing else is written."""
-    return str(serving.work_dir / "run-refused")
-
-
-@pytest.fixture(scope="module")
-def served(local_default):
-    """A finished evaluation in the site's run directory (a no-op when another module already made it)."""
-    result = local_default.play("eval.yml")
-    assert result.rc == 0, result.output[-6000:]
-    return local_default
+    """One run directory for the refused runs: it starts with the finished run's completions, so each play
+    goes straight to the extraction's plan; nothing else is written."""
+    return str(serving.seed_run_dir(serving.run_dir, serving.work_dir / "run-refused"))
 
 
 def said(result) -> str:
@@ -150,9 +144,6 @@ def test_completions_refetched_with_the_same_tokens_keep_the_service_up(served):
     assert served.server_pid() == pid and served.health_generate_status() == 200
 
 
-# Known gap: the play passes (rc 0) but does not print the per-record reason this asserts; the
-# package-level tests of the naming and the refetch pass (test_completions.py).
-@pytest.mark.xfail(reason="the play does not yet print the damaged record's reason", strict=False)
 def test_an_edited_token_id_is_refetched_and_the_report_rebuilt_on_the_fetched_tokens(served):
     path = served.run_dir / "completions" / "completions.jsonl"
     lines = path.read_text().splitlines(keepends=True)
@@ -181,3 +172,101 @@ def test_a_flipped_shard_byte_is_named_and_the_shard_redone(served):
     assert f"{shard} does not match the sha256" in said(result)
     assert shard.read_bytes() == original
     assert served.health_generate_status() == 200
+
+
+FOREIGN_LISTENER = """
+import sys, time
+from http.server import BaseHTTPRequestHandler, HTTPServer
+
+class Answer200(BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200)
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+
+    def log_message(self, *args):
+        pass
+
+deadline = time.monotonic() + 120
+while True:
+    try:
+        server = HTTPServer(("127.0.0.1", int(sys.argv[1])), Answer200)
+        break
+    except OSError:
+        if time.monotonic() > deadline:
+            raise
+        time.sleep(0.05)
+print("listening", flush=True)
+server.serve_forever()
+"""
+
+
+def guard_processes(site) -> list[int]:
+    """The window guards of this site (they carry its spec file on their command line)."""
+    spec = str(site.work_dir / "sglang.pid.spec.json").encode()
+    found = []
+    for pid in (int(p) for p in os.listdir("/proc") if p.isdigit()):
+        try:
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"guard" in argv and spec in argv:
+            found.append(pid)
+    return found
+
+
+def test_a_port_taken_inside_the_window_fails_start_server_disarms_the_guard_and_a_rerun_restores(
+        served, tmp_path):
+    site = served
+    run_dir = site.seed_run_dir(site.run_dir, site.work_dir / "run-port-taken")  # only the window is new
+    extra = site.extra_vars(specops_run_dir=str(run_dir))
+    play = subprocess.Popen(
+        [str(Path(sys.executable).parent / "ansible-playbook"), str(REPO / "playbooks" / "eval.yml"),
+         "-e", json.dumps(extra)], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        env={**os.environ, "ANSIBLE_CONFIG": str(REPO / "ansible.cfg"), "ANSIBLE_NOCOLOR": "1"})
+    foreign = None
+    output = ""
+    try:
+        for line in play.stdout:
+            output += line
+            # Our server stopped and its port was released: another process takes the port.
+            if foreign is None and "TASK [Stage release-gpus]" in line:
+                foreign = subprocess.Popen([sys.executable, "-c", FOREIGN_LISTENER, str(site.port)],
+                                           stdout=subprocess.PIPE, text=True)
+                assert foreign.stdout.readline().strip() == "listening"
+        play.wait(timeout=600)
+        assert foreign is not None, output[-4000:]
+        result = SimpleNamespace(output=output)
+        assert play.returncode != 0
+        assert "specops stage 'start-server' failed" in said(result), output[-4000:]
+        assert f"port {site.port} is held by pid {foreign.pid}" in said(result)
+        assert "the guard was disarmed" in said(result) and "the play is rerun" in said(result)
+        # Not armed against the foreign process: no cookie, the guard gone (it looks at its cookie every
+        # second), and nothing started after the play.
+        assert not (site.work_dir / "sglang.pid.deadman").exists()
+        log = site.work_dir / "sglang.log"
+        launches = log.read_text().count(" starting: ")
+        deadline = time.monotonic() + 30
+        while guard_processes(site) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert guard_processes(site) == []
+        time.sleep(3)
+        assert log.read_text().count(" starting: ") == launches
+        assert foreign.poll() is None and site.server_pid() is None
+    finally:
+        if play.poll() is None:
+            play.kill()
+            play.wait()
+        if foreign is not None:
+            foreign.terminate()
+            foreign.wait(timeout=30)
+
+    extracted = (run_dir / "hidden_states" / "manifest.json").read_bytes()
+    launches = log.read_text().count(" starting: ")
+    # The rerun's stages up to the window: `serve` brings the service back, and the extraction kept is
+    # up to date, so no window opens (scoring is the finished run's business).
+    rerun = site.play("eval.yml", specops_run_dir=str(run_dir), args=("--tags", "prefetch,extract"))
+    assert rerun.rc == 0, rerun.output[-6000:]
+    assert site.health_generate_status() == 200 and site.server_pid() is not None
+    assert log.read_text().count(" starting: ") == launches + 1  # `serve` only: no window
+    assert (run_dir / "hidden_states" / "manifest.json").read_bytes() == extracted

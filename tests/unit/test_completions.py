@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
 import signal
@@ -18,7 +19,7 @@ import pytest
 
 from specops import completions
 from specops.devserver.launch import SRC_DIR, DevServerProcess, http_status
-from specops.manifest import load_manifest, sha256_file
+from specops.manifest import load_manifest, sha256_file, write_manifest
 from specops.stage import StageError
 
 pytestmark = pytest.mark.slow
@@ -213,6 +214,25 @@ def test_an_edited_token_id_of_the_same_size_is_named_and_a_rerun_restores_it(se
     now = path.read_text().splitlines(keepends=True)
     assert now[0] == fetched.decode().splitlines(keepends=True)[0]  # the intact record is kept as it was
     assert tokens_of(now) == tokens_of(fetched.decode().splitlines())
+
+
+def test_only_the_edited_line_is_named_whatever_the_order_of_the_ids(tmp_path):
+    # The output follows the prompts' order; the manifest's JSON sorts its keys: lines are not matched by
+    # the position of the manifest's digests (here the ids are in reverse alphabetical order).
+    records = [{"id": name, "output_ids": [index, index + 1]} for index, name in enumerate(["c", "b", "a"])]
+    lines = [json.dumps(record, sort_keys=True) + "\n" for record in records]
+    (tmp_path / completions.OUTPUT_NAME).write_text("".join(lines))
+    write_manifest(tmp_path, completions.STAGE, {"prompts": "p"}, [completions.OUTPUT_NAME],
+                   records_sha256={r["id"]: hashlib.sha256(line.encode()).hexdigest()
+                                   for r, line in zip(records, lines, strict=True)})
+    fingerprint = load_manifest(tmp_path)["inputs_fingerprint"]
+    ids = [record["id"] for record in records]
+    assert completions.damaged_records(tmp_path, fingerprint, ids) == []
+    lines[1] = json.dumps(dict(records[1], output_ids=[9, 2]), sort_keys=True) + "\n"
+    (tmp_path / completions.OUTPUT_NAME).write_text("".join(lines))
+
+    assert completions.damaged_records(tmp_path, fingerprint, ids) == [
+        f"{tmp_path / completions.OUTPUT_NAME} line 2 (id 'b') is damaged or edited"]
 
 
 def tokens_of(lines):

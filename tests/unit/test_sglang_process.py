@@ -168,6 +168,26 @@ def test_ready_refuses_an_answer_from_a_process_that_is_not_our_server(site_fact
 
     assert rc == 2
     assert f"held by pid {os.getpid()}" in result["msg"] and "not by our server" in result["msg"]
+    assert result["port_holder"] == os.getpid() and result["port"] == foreign.server_port
+
+
+def test_ready_names_the_port_holder_when_our_server_exited_because_the_port_was_taken(site_factory):
+    foreign = HTTPServer(("127.0.0.1", 0), Answer200)
+    threading.Thread(target=foreign.serve_forever, daemon=True).start()
+    site = site_factory([sys.executable, "-c", "import sys; print('address already in use'); sys.exit(1)"])
+    site.run("start")
+    try:
+        assert wait_for(lambda: site.pid() is None, timeout=30)
+        rc, result = site.run(
+            "ready", "--url", f"http://127.0.0.1:{foreign.server_port}", "--timeout", "60", "--delay", "0.2"
+        )
+    finally:
+        foreign.shutdown()
+        foreign.server_close()
+
+    assert rc == 2 and result["port_holder"] == os.getpid()
+    assert "not by our server (it is not running)" in result["msg"]
+    assert "address already in use" in result["msg"]
 
 
 # -- validation before a restart -----------------------------------------------------------------

@@ -63,7 +63,11 @@ LOG_LINES = 40
 
 
 class ProcessError(Exception):
-    """An error the user can act on."""
+    """An error the user can act on; fields go into the failure's JSON beside msg."""
+
+    def __init__(self, msg, **fields):
+        super().__init__(msg)
+        self.fields = fields
 
 
 # --- files -----------------------------------------------------------------------------------
@@ -544,7 +548,7 @@ def our_server(args):
 def foreign_listener(port, pid):
     """A process that is not ours listening on the port, or None (unknown owners are not foreign)."""
     owners = socket_owners(listeners(port))
-    strangers = sorted(owners - set(tree(pid)))
+    strangers = sorted(owners - (set(tree(pid)) if pid else set()))
     return strangers[0] if strangers and owners == set(strangers) else None
 
 
@@ -556,17 +560,21 @@ def ready(spec, args):
     answered = 0
     while True:
         pid, gone, source, log = our_server(args)
+        # Checked first: a server that exited because the port was taken is named by the holder.
+        stranger = foreign_listener(port, pid)
+        if stranger:
+            raise ProcessError(
+                f"port {port} is held by pid {stranger} ({cmdline(stranger) or '?'}), not by our server "
+                f"({f'pid {pid}' if pid else 'it is not running'}): an answer there is not ours. Stop that "
+                f"process or move the server (sglang_service_port). Last lines of the server's log "
+                f"({source}):\n{log()}",
+                port=port,
+                port_holder=stranger,
+            )
         if gone:
             raise ProcessError(
                 f"{gone}: it will not become ready (waited {time.monotonic() - started:.0f} s). "
                 f"Last {LOG_LINES} lines of the server's log ({source}):\n{log()}"
-            )
-        stranger = foreign_listener(port, pid) if pid else None
-        if stranger:
-            raise ProcessError(
-                f"port {port} is held by pid {stranger} ({cmdline(stranger) or '?'}), not by our server "
-                f"(pid {pid}): an answer there is not ours. Stop that process or move the server "
-                f"(sglang_service_port). Last lines of the server's log ({source}):\n{log()}"
             )
         status_code, _ = http(args.url.rstrip("/") + "/health_generate", timeout=args.health_timeout)
         answered += status_code != -1
@@ -892,7 +900,7 @@ def main(argv=None):
         )
         result = COMMANDS[args.command](spec, args)
     except ProcessError as error:
-        print(json.dumps({"failed": True, "changed": False, "msg": str(error)}))
+        print(json.dumps(dict(error.fields, failed=True, changed=False, msg=str(error))))
         return 2
     print(json.dumps(result))
     return 0

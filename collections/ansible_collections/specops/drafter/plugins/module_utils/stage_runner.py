@@ -29,12 +29,13 @@ def stage_request(module, request_options):
     return dict((key, module.params[key]) for key in request_options if module.params[key] is not None)
 
 
-def stage_result(module, stage, request_options, figures=None, renamed=None):
+def stage_result(module, stage, request_options, figures=None, renamed=None, optional=()):
     """Run the stage with the module's request and return the module's result.
 
     With `figures` (key -> value when the package leaves it out), the result is those keys, `changed`
     and the package's `msg`; `renamed` (package key -> figure key) takes a figure from a key the
-    package names otherwise. Without `figures`, it is the package's result as it came.
+    package names otherwise; `optional` keys are returned only when the package gives them. Without
+    `figures`, it is the package's result as it came.
     """
     outcome = run_stage(module, module.params["python"], stage, stage_request(module, request_options))
     if figures is None:
@@ -43,6 +44,7 @@ def stage_result(module, stage, request_options, figures=None, renamed=None):
     result = dict(figures)
     result.update((key, outcome[key]) for key in figures if key in outcome)
     result.update((key, outcome[source]) for source, key in (renamed or {}).items() if source in outcome)
+    result.update((key, outcome[key]) for key in optional if key in outcome)
     result["changed"] = bool(outcome.get("changed"))
     if outcome.get("msg"):
         result["msg"] = outcome["msg"]

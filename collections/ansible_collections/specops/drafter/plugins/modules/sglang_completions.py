@@ -221,7 +221,8 @@ FIGURES = {
 
 def main():
     module = stage_module(REQUEST_OPTIONS)
-    result = stage_result(module, "completions", REQUEST_OPTIONS, FIGURES)
+    # Why the output was not reused, and which records were damaged: returned only when there is a why.
+    result = stage_result(module, "completions", REQUEST_OPTIONS, FIGURES, optional=("reason", "damaged"))
     result["out_dir"] = module.params["out_dir"]
     module.exit_json(**result)
 
