@@ -63,6 +63,7 @@ test-in-order: $(VENV)/.stamp $(ML_VENV)/.stamp
 
 test-python: $(ML_VENV)/.stamp
 	$(ML_VENV)/bin/ruff check src tests benchmarks roles
+	$(ML_VENV)/bin/ruff format --check src tests benchmarks roles
 	$(ML_VENV)/bin/mypy
 	$(ML_VENV)/bin/pytest -q tests/unit
 

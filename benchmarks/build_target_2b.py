@@ -24,13 +24,24 @@ def config_2b(vocab_size: int, eos_token_id: int, pad_token_id: int):
 
     layers = 32
     return Qwen3_5TextConfig(
-        vocab_size=vocab_size, hidden_size=2048, intermediate_size=8192, num_hidden_layers=layers,
+        vocab_size=vocab_size,
+        hidden_size=2048,
+        intermediate_size=8192,
+        num_hidden_layers=layers,
         layer_types=["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(layers)],
-        num_attention_heads=16, num_key_value_heads=4, head_dim=128,
-        linear_num_key_heads=16, linear_num_value_heads=32,
-        linear_key_head_dim=128, linear_value_head_dim=128,
-        max_position_embeddings=8192, tie_word_embeddings=False, eos_token_id=eos_token_id,
-        pad_token_id=pad_token_id, bos_token_id=None, dtype="bfloat16",
+        num_attention_heads=16,
+        num_key_value_heads=4,
+        head_dim=128,
+        linear_num_key_heads=16,
+        linear_num_value_heads=32,
+        linear_key_head_dim=128,
+        linear_value_head_dim=128,
+        max_position_embeddings=8192,
+        tie_word_embeddings=False,
+        eos_token_id=eos_token_id,
+        pad_token_id=pad_token_id,
+        bos_token_id=None,
+        dtype="bfloat16",
     )
 
 
@@ -62,8 +73,11 @@ def main() -> int:
     tokenizer.save_pretrained(out / "target")
     mask_id = tokenizer.convert_tokens_to_ids("<|mask|>")
     build_random_drafter(out / "drafter", out / "target", mask_id, seed=1, num_target_features=5)
-    built = {"parameters": parameters, "build_s": round(time.perf_counter() - started, 1),
-             "weights_bytes": sum(f.stat().st_size for f in (out / "target").glob("*.safetensors"))}
+    built = {
+        "parameters": parameters,
+        "build_s": round(time.perf_counter() - started, 1),
+        "weights_bytes": sum(f.stat().st_size for f in (out / "target").glob("*.safetensors")),
+    }
     (out / "built.json").write_text(json.dumps(built))
     print(json.dumps(built))
     return 0 if parameters >= 2e9 else 1

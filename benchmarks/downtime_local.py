@@ -67,15 +67,29 @@ def role_vars(port: int, fixtures: Path, startup_delay: float) -> dict:
 def playbook(down: str, up: str, extra: dict) -> float:
     """Run one window; the play's wall time in seconds."""
     # The control node's Python runs the modules: interpreter discovery would pick a pyenv shim.
-    variables = dict(extra, sglang_bench_down=down, sglang_bench_up=up,
-                     ansible_python_interpreter=str(ROOT / ".venv" / "bin" / "python"))
+    variables = dict(
+        extra,
+        sglang_bench_down=down,
+        sglang_bench_up=up,
+        ansible_python_interpreter=str(ROOT / ".venv" / "bin" / "python"),
+    )
     (WORK / "vars.json").write_text(json.dumps(variables))
     env = dict(os.environ, ANSIBLE_CONFIG=str(ROOT / "ansible.cfg"))
     start = time.monotonic()
     done = subprocess.run(
-        [str(ROOT / ".venv" / "bin" / "ansible-playbook"), "-i", "localhost,", str(WORK / "window.yml"),
-         "-e", f"@{WORK / 'vars.json'}"],
-        cwd=ROOT, env=env, capture_output=True, text=True)
+        [
+            str(ROOT / ".venv" / "bin" / "ansible-playbook"),
+            "-i",
+            "localhost,",
+            str(WORK / "window.yml"),
+            "-e",
+            f"@{WORK / 'vars.json'}",
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+    )
     if done.returncode != 0:
         sys.exit(f"the {down or up} play failed:\n{done.stdout[-4000:]}{done.stderr[-2000:]}")
     return time.monotonic() - start
@@ -122,8 +136,12 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--port", type=int, default=30124)
-    parser.add_argument("--startup-delay", type=float, default=2.0,
-                        help="the development server's --startup-delay (a real model loads for minutes)")
+    parser.add_argument(
+        "--startup-delay",
+        type=float,
+        default=2.0,
+        help="the development server's --startup-delay (a real model loads for minutes)",
+    )
     parser.add_argument("--out", default=str(ROOT / ".work" / "benchmarks" / "downtime_local.json"))
     args = parser.parse_args()
 
@@ -147,14 +165,22 @@ def main() -> int:
                     walls.append(playbook(down, up, extra))
                     time.sleep(0.2)
                 downtimes.append(poller.downtime())
-            results[mode] = {"downtime_s": downtimes, "play_wall_s": walls,
-                             "median_downtime_s": statistics.median(downtimes)}
+            results[mode] = {
+                "downtime_s": downtimes,
+                "play_wall_s": walls,
+                "median_downtime_s": statistics.median(downtimes),
+            }
     finally:
         playbook("stop", "", dict(extra, sglang_service_deadman=False))
 
-    report = {"machine": f"{platform.node()} ({os.cpu_count()} CPUs), no GPU",
-              "backend": "process", "server": "specops.devserver", "startup_delay_s": args.startup_delay,
-              "repeats": args.repeats, "modes": results}
+    report = {
+        "machine": f"{platform.node()} ({os.cpu_count()} CPUs), no GPU",
+        "backend": "process",
+        "server": "specops.devserver",
+        "startup_delay_s": args.startup_delay,
+        "repeats": args.repeats,
+        "modes": results,
+    }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
     print("| mode | median downtime (s) | downtimes (s) | play wall time (s) |\n| --- | --- | --- | --- |")

@@ -43,19 +43,45 @@ def model_config(smoke: bool):
     from transformers import Qwen3_5TextConfig
 
     if smoke:
-        layers, shape = 8, dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_attention_heads=4,
-                                num_key_value_heads=2, head_dim=16, linear_num_key_heads=2,
-                                linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16)
+        layers, shape = (
+            8,
+            dict(
+                vocab_size=512,
+                hidden_size=64,
+                intermediate_size=128,
+                num_attention_heads=4,
+                num_key_value_heads=2,
+                head_dim=16,
+                linear_num_key_heads=2,
+                linear_num_value_heads=4,
+                linear_key_head_dim=16,
+                linear_value_head_dim=16,
+            ),
+        )
     else:
         # Qwen3.6's pattern (3 Gated DeltaNet layers, then full attention) at ~2.7 B parameters.
-        layers, shape = 24, dict(vocab_size=248320, hidden_size=2048, intermediate_size=6144,
-                                 num_attention_heads=16, num_key_value_heads=2, head_dim=256,
-                                 linear_num_key_heads=16, linear_num_value_heads=32, linear_key_head_dim=128,
-                                 linear_value_head_dim=128)
+        layers, shape = (
+            24,
+            dict(
+                vocab_size=248320,
+                hidden_size=2048,
+                intermediate_size=6144,
+                num_attention_heads=16,
+                num_key_value_heads=2,
+                head_dim=256,
+                linear_num_key_heads=16,
+                linear_num_value_heads=32,
+                linear_key_head_dim=128,
+                linear_value_head_dim=128,
+            ),
+        )
     return Qwen3_5TextConfig(
         num_hidden_layers=layers,
         layer_types=["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(layers)],
-        max_position_embeddings=8192, tie_word_embeddings=False, **shape)
+        max_position_embeddings=8192,
+        tie_word_embeddings=False,
+        **shape,
+    )
 
 
 def synchronize(device) -> None:
@@ -152,10 +178,12 @@ def versions() -> dict:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--smoke", action="store_true", help="tiny model on the CPU: checks the code "
-                                                             "paths only")
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--smoke", action="store_true", help="tiny model on the CPU: checks the code paths only"
+    )
     parser.add_argument("--seqs", type=int, help="sequences (default 256, smoke 8)")
     parser.add_argument("--seq-len", type=int, help="tokens per sequence (default 2048, smoke 64)")
     parser.add_argument("--batch-tokens", type=int, help="tokens per forward (default 8192, smoke 128)")
@@ -195,23 +223,32 @@ def main() -> int:
     layer_ids = build_target_layer_ids(config.num_hidden_layers, 5 if not smoke else 3)
     result["model"] = {
         "parameters": sum(p.numel() for p in model.parameters()),
-        "hidden_size": config.hidden_size, "num_layers": config.num_hidden_layers,
-        "vocab_size": config.vocab_size, "attn_implementation": model.config._attn_implementation,
-        "layer_ids": layer_ids, "build_s": round(time.perf_counter() - began, 1),
+        "hidden_size": config.hidden_size,
+        "num_layers": config.num_hidden_layers,
+        "vocab_size": config.vocab_size,
+        "attn_implementation": model.config._attn_implementation,
+        "layer_ids": layer_ids,
+        "build_s": round(time.perf_counter() - began, 1),
     }
 
     generator = torch.Generator().manual_seed(1)
     tokens = torch.randint(0, config.vocab_size, (seqs, seq_len), generator=generator)
     records = [extract.Record(i, f"seq-{i}", tokens[i].numpy(), seq_len // 4) for i in range(seqs)]
     per_batch = max(1, batch_tokens // seq_len)
-    batches = [tokens[i: i + per_batch].to(device) for i in range(0, seqs, per_batch)]
+    batches = [tokens[i : i + per_batch].to(device) for i in range(0, seqs, per_batch)]
     total_tokens = seqs * seq_len
     bytes_per_token = len(layer_ids) * config.hidden_size * dtype.itemsize + 8
-    result["workload"] = {"sequences": seqs, "seq_len": seq_len, "tokens": total_tokens,
-                          "batch": f"{per_batch} x {seq_len}", "shard_tokens": shard_tokens,
-                          "writer_threads": args.writer_threads, "rounds": args.rounds,
-                          "bytes_per_token": bytes_per_token,
-                          "bytes_written": total_tokens * bytes_per_token}
+    result["workload"] = {
+        "sequences": seqs,
+        "seq_len": seq_len,
+        "tokens": total_tokens,
+        "batch": f"{per_batch} x {seq_len}",
+        "shard_tokens": shard_tokens,
+        "writer_threads": args.writer_threads,
+        "rounds": args.rounds,
+        "bytes_per_token": bytes_per_token,
+        "bytes_written": total_tokens * bytes_per_token,
+    }
 
     rate = matmul_rate(device, dtype, 256 if smoke else 8192, 5 if smoke else 50)
     result["matmul_tflops"] = round(rate / 1e12, 3)
@@ -220,8 +257,9 @@ def main() -> int:
     scratch_root.mkdir(parents=True, exist_ok=True)
     result["scratch_filesystem"] = filesystem_of(scratch_root)
     if not smoke:
-        result["disk_write_GBps"] = {f"{n}_streams": round(disk_write_rate(scratch_root, 2048, n) / 1e9, 2)
-                                     for n in (1, 4)}
+        result["disk_write_GBps"] = {
+            f"{n}_streams": round(disk_write_rate(scratch_root, 2048, n) / 1e9, 2) for n in (1, 4)
+        }
 
     # The reference for the correctness check: the first planned batch, before any hook is installed.
     first_batch = extract.plan_shards(records, shard_tokens, batch_tokens)[0].batches[0]
@@ -253,6 +291,7 @@ def main() -> int:
                         return timed(device, function, batches)
                     with hooked(**options) as capture:
                         return timed(device, lambda ids: function(capture, ids), batches)
+
             return run
 
         def capture_and_copy() -> float:
@@ -284,16 +323,30 @@ def main() -> int:
                 out_dir.mkdir(parents=True)
                 started = time.perf_counter()
                 state = extract.ResumeState.open(out_dir, "bench", [s.name for s in shards])
-                settings = extract.ExtractionSettings(layer_ids, device, "any", args.writer_threads,
-                                                      fsync=fsync, progress_log=out_dir / "progress.log",
-                                                      echo=None, copier=copier)
+                settings = extract.ExtractionSettings(
+                    layer_ids,
+                    device,
+                    "any",
+                    args.writer_threads,
+                    fsync=fsync,
+                    progress_log=out_dir / "progress.log",
+                    echo=None,
+                    copier=copier,
+                )
                 with hooked() as capture:
                     stats = extract.extract_shards(capture, shards, out_dir, state, settings, monitor)
                 manifest_started = time.perf_counter()
-                extract.finish_manifest(out_dir, shards, state, inputs, layer_ids=layer_ids,
-                                        dtype=str(dtype).removeprefix("torch."),
-                                        hidden_size=config.hidden_size, num_layers=config.num_hidden_layers,
-                                        backend={**monitor.summary(), "device": result["device"]})
+                extract.finish_manifest(
+                    out_dir,
+                    shards,
+                    state,
+                    inputs,
+                    layer_ids=layer_ids,
+                    dtype=str(dtype).removeprefix("torch."),
+                    hidden_size=config.hidden_size,
+                    num_layers=config.num_hidden_layers,
+                    backend={**monitor.summary(), "device": result["device"]},
+                )
                 seconds = time.perf_counter() - started
                 stats["manifest_s"] = time.perf_counter() - manifest_started
                 if name in extractor_stats:
@@ -312,6 +365,7 @@ def main() -> int:
                 shutil.rmtree(out_dir)
                 os.sync()  # the next variant starts with nothing left to flush
                 return seconds
+
             return run
 
         # What transformers would build for these unpadded batches, given directly (see LayerCapture).
@@ -330,8 +384,10 @@ def main() -> int:
             "full_forward": (forward_only(full_forward), full_flops),
             "full_forward_masks_given": (forward_only(full_forward_masks_given), full_flops),
             "body_no_lm_head": (forward_only(lambda ids: body(input_ids=ids, use_cache=False)), body_flops),
-            "capture_masks_built": (forward_only(lambda cap, ids: cap(ids), capturing=True,
-                                                 skip_mask_creation=False), run_flops),
+            "capture_masks_built": (
+                forward_only(lambda cap, ids: cap(ids), capturing=True, skip_mask_creation=False),
+                run_flops,
+            ),
             "capture_stop_after_last": (forward_only(lambda cap, ids: cap(ids), capturing=True), run_flops),
             "capture_plus_stack": (forward_only(stacked, capturing=True), run_flops),
             "capture_plus_host_copy": (capture_and_copy, run_flops),
@@ -383,15 +439,20 @@ def main() -> int:
     for name, (_, flops) in variants.items():
         median = statistics.median(seconds[name])
         tok_s = total_tokens / median
-        table[name] = {"seconds_median": round(median, 4),
-                       "seconds_rounds": [round(s, 4) for s in seconds[name]],
-                       "spread": round((max(seconds[name]) - min(seconds[name])) / median, 4),
-                       "tokens_per_s": round(tok_s), "mfu": round(flops * tok_s / rate, 4),
-                       "vs_full_forward": round(full_s / median, 4), "sm_clock_mhz": clocks[name]}
+        table[name] = {
+            "seconds_median": round(median, 4),
+            "seconds_rounds": [round(s, 4) for s in seconds[name]],
+            "spread": round((max(seconds[name]) - min(seconds[name])) / median, 4),
+            "tokens_per_s": round(tok_s),
+            "mfu": round(flops * tok_s / rate, 4),
+            "vs_full_forward": round(full_s / median, 4),
+            "sm_clock_mhz": clocks[name],
+        }
     result["variants"] = table
     result.update(checks)
-    result["extractor_stats"] = {name: stats[len(stats) // 2] if stats else None
-                                 for name, stats in extractor_stats.items()}
+    result["extractor_stats"] = {
+        name: stats[len(stats) // 2] if stats else None for name, stats in extractor_stats.items()
+    }
     speedup = table["extractor_page_cache"]["vs_full_forward"]
     result["target_speedup"] = TARGET_SPEEDUP
     result["speedup_vs_full_forward"] = speedup
@@ -402,10 +463,13 @@ def main() -> int:
         # With fsync every shard must reach the device: the disk's best rate bounds the extractor.
         best = max(result["disk_write_GBps"].values())
         result["disk_bound_tokens_per_s"] = round(best * 1e9 / bytes_per_token)
-        result["disk_bound_vs_full_forward"] = round(result["disk_bound_tokens_per_s"] / table["full_forward"]
-                                                     ["tokens_per_s"], 4)
-    result["vs_full_forward_masks_given"] = round(table["full_forward_masks_given"]["seconds_median"]
-                                                 / table["extractor_page_cache"]["seconds_median"], 4)
+        result["disk_bound_vs_full_forward"] = round(
+            result["disk_bound_tokens_per_s"] / table["full_forward"]["tokens_per_s"], 4
+        )
+    result["vs_full_forward_masks_given"] = round(
+        table["full_forward_masks_given"]["seconds_median"] / table["extractor_page_cache"]["seconds_median"],
+        4,
+    )
     result["breakdown"] = breakdown(table, result["extractor_stats"]["extractor_page_cache"], total_tokens)
     result["wall_s"] = round(time.perf_counter() - began, 1)
 
@@ -416,11 +480,15 @@ def main() -> int:
     print(text)
     print(f"\n{'variant':<26} {'median s':>9} {'spread':>7} {'tok/s':>8} {'MFU':>6} {'vs full':>8}")
     for name, row in table.items():
-        print(f"{name:<26} {row['seconds_median']:>9.3f} {row['spread']:>7.1%} {row['tokens_per_s']:>8} "
-              f"{row['mfu']:>6.3f} {row['vs_full_forward']:>7.3f}x")
+        print(
+            f"{name:<26} {row['seconds_median']:>9.3f} {row['spread']:>7.1%} {row['tokens_per_s']:>8} "
+            f"{row['mfu']:>6.3f} {row['vs_full_forward']:>7.3f}x"
+        )
     verdict = "met" if result["meets_target"] else "NOT met"
-    print(f"target {TARGET_SPEEDUP}x: page cache {speedup:.3f}x ({verdict}),"
-          f" fsync {result['speedup_vs_full_forward_fsync']:.3f}x; disk {result.get('disk_write_GBps')} GB/s")
+    print(
+        f"target {TARGET_SPEEDUP}x: page cache {speedup:.3f}x ({verdict}),"
+        f" fsync {result['speedup_vs_full_forward_fsync']:.3f}x; disk {result.get('disk_write_GBps')} GB/s"
+    )
     return 0
 
 
@@ -436,23 +504,28 @@ def breakdown(table: dict, stats: dict | None, tokens: int) -> dict:
         "full_forward": round(per_m["full_forward"], 3),
         "saved_by_skipping_lm_head": round(per_m["full_forward"] - per_m["body_no_lm_head"], 3),
         "saved_by_stopping_after_last_layer": round(
-            per_m["body_no_lm_head"] - per_m["capture_masks_built"], 3),
+            per_m["body_no_lm_head"] - per_m["capture_masks_built"], 3
+        ),
         "saved_by_giving_the_masks": round(
-            per_m["capture_masks_built"] - per_m["capture_stop_after_last"], 3),
+            per_m["capture_masks_built"] - per_m["capture_stop_after_last"], 3
+        ),
         "full_forward_saved_by_giving_the_masks": round(
-            per_m["full_forward"] - per_m["full_forward_masks_given"], 3),
+            per_m["full_forward"] - per_m["full_forward_masks_given"], 3
+        ),
         "cost_of_stacking_layers": round(per_m["capture_plus_stack"] - per_m["capture_stop_after_last"], 3),
         "cost_of_host_copy": round(per_m["capture_plus_host_copy"] - per_m["capture_plus_stack"], 3),
-        "cost_of_writing_not_hidden": round(per_m["extractor_page_cache"]
-                                            - per_m["capture_plus_host_copy"], 3),
+        "cost_of_writing_not_hidden": round(
+            per_m["extractor_page_cache"] - per_m["capture_plus_host_copy"], 3
+        ),
         "cost_of_fsync": round(per_m["extractor_fsync"] - per_m["extractor_page_cache"], 3),
     }
     if stats:
         scale = 1e6 / tokens
         result["extractor_page_cache"] = {
             "device_busy": round(stats.get("device_busy_s", 0.0) * scale, 3),
-            "device_idle_between_batches": round((stats.get("device_span_s", 0.0)
-                                                  - stats.get("device_busy_s", 0.0)) * scale, 3),
+            "device_idle_between_batches": round(
+                (stats.get("device_span_s", 0.0) - stats.get("device_busy_s", 0.0)) * scale, 3
+            ),
             "blocked_on_writers": round((stats["blocked_s"] + stats["blocked_on_host_buffers_s"]) * scale, 3),
             "writes_after_last_forward": round(stats["drain_s"] * scale, 3),
             "manifest": round(stats["manifest_s"] * scale, 3),

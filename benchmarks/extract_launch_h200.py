@@ -48,8 +48,9 @@ def enqueue_and_device_ms(device, function, ids, sleep_cycles: int) -> tuple[flo
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--seqs", type=int, default=128)
     parser.add_argument("--seq-len", type=int, default=2048)
     parser.add_argument("--rounds", type=int, default=2)
@@ -68,10 +69,13 @@ def main() -> int:
     generator = torch.Generator().manual_seed(1)
     tokens = torch.randint(0, config.vocab_size, (args.seqs, args.seq_len), generator=generator)
     records = [extract.Record(i, f"seq-{i}", tokens[i].numpy(), args.seq_len // 4) for i in range(args.seqs)]
-    result: dict = {"date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-                    "device": extract.describe_device(device), "versions": bench.versions(),
-                    "command": " ".join(["benchmarks/extract_launch_h200.py", *sys.argv[1:]]),
-                    "workload": {"sequences": args.seqs, "seq_len": args.seq_len, "layer_ids": layer_ids}}
+    result: dict = {
+        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "device": extract.describe_device(device),
+        "versions": bench.versions(),
+        "command": " ".join(["benchmarks/extract_launch_h200.py", *sys.argv[1:]]),
+        "workload": {"sequences": args.seqs, "seq_len": args.seq_len, "layer_ids": layer_ids},
+    }
     scratch = Path(tempfile.mkdtemp(prefix="extract-launch-"))
 
     def full(ids):
@@ -94,10 +98,13 @@ def main() -> int:
             pairs = [enqueue_and_device_ms(device, function, ids, sleep) for _ in range(3)]
             if capture is not None:
                 capture.close()
-            launch[name] = {"enqueue_ms": round(statistics.median(p[0] for p in pairs), 2),
-                            "device_ms": round(statistics.median(p[1] for p in pairs), 2)}
-            launch[name]["enqueue_over_device"] = round(launch[name]["enqueue_ms"]
-                                                        / launch[name]["device_ms"], 3)
+            launch[name] = {
+                "enqueue_ms": round(statistics.median(p[0] for p in pairs), 2),
+                "device_ms": round(statistics.median(p[1] for p in pairs), 2),
+            }
+            launch[name]["enqueue_over_device"] = round(
+                launch[name]["enqueue_ms"] / launch[name]["device_ms"], 3
+            )
         result["launch"] = launch
         # 2. Operations inside one captured forward that synchronise with the device, counted.
         for skip in (False, True):
@@ -110,14 +117,15 @@ def main() -> int:
             synchronising = [w for w in caught if "synchroniz" in str(w.message)]
             result["synchronising_ops_" + ("masks_given" if skip else "masks_built")] = {
                 "count": len(synchronising),
-                "where": sorted({f"{Path(w.filename).name}:{w.lineno}" for w in synchronising})}
+                "where": sorted({f"{Path(w.filename).name}:{w.lineno}" for w in synchronising}),
+            }
         print(json.dumps(result, indent=1), flush=True)
 
         # 3. Full forward against the extractor (page cache) at two batch sizes, interleaved.
         sizes = {}
         for batch_tokens in (8192, 16384):
             per_batch = batch_tokens // args.seq_len
-            batches = [tokens[i: i + per_batch].to(device) for i in range(0, args.seqs, per_batch)]
+            batches = [tokens[i : i + per_batch].to(device) for i in range(0, args.seqs, per_batch)]
             copier = extract.HostCopier(device, 10, batch_tokens * len(layer_ids) * config.hidden_size * 2)
 
             def extractor(bt=batch_tokens, copier=copier) -> float:
@@ -126,8 +134,9 @@ def main() -> int:
                 out.mkdir()
                 started = time.perf_counter()
                 state = extract.ResumeState.open(out, "launch", [s.name for s in shards])
-                settings = extract.ExtractionSettings(layer_ids, device, "any", 4, fsync=False, echo=None,
-                                                      copier=copier)
+                settings = extract.ExtractionSettings(
+                    layer_ids, device, "any", 4, fsync=False, echo=None, copier=copier
+                )
                 with extract.LayerCapture(model, layer_ids) as cap:
                     extract.extract_shards(cap, shards, out, state, settings, monitor)
                 seconds = time.perf_counter() - started
@@ -142,8 +151,11 @@ def main() -> int:
                 with extract.LayerCapture(model, layer_ids) as cap:
                     return bench.timed(device, cap, bs)
 
-            runs = {"full_forward": forward, "capture_stop_after_last": captured,
-                    "extractor_page_cache": extractor}
+            runs = {
+                "full_forward": forward,
+                "capture_stop_after_last": captured,
+                "extractor_page_cache": extractor,
+            }
             for function in runs.values():  # warm-up: autotuning for this batch shape, pinned pool
                 function()
             times: dict[str, list[float]] = {name: [] for name in runs}
@@ -151,9 +163,13 @@ def main() -> int:
                 for name, function in runs.items():
                     times[name].append(function())
             full_s = statistics.median(times["full_forward"])
-            sizes[str(batch_tokens)] = {name: {"seconds": [round(t, 4) for t in ts],
-                                               "vs_full_forward": round(full_s / statistics.median(ts), 4)}
-                                        for name, ts in times.items()}
+            sizes[str(batch_tokens)] = {
+                name: {
+                    "seconds": [round(t, 4) for t in ts],
+                    "vs_full_forward": round(full_s / statistics.median(ts), 4),
+                }
+                for name, ts in times.items()
+            }
         result["batch_sizes"] = sizes
     shutil.rmtree(scratch, ignore_errors=True)
     text = json.dumps(result, indent=2)

@@ -58,8 +58,16 @@ def build_inputs(root: Path, smoke: bool, seqs: int, seq_len: int) -> tuple[Path
     completions.mkdir()
     with open(completions / "completions.jsonl", "w") as handle:
         for number, row in enumerate(tokens.tolist()):
-            handle.write(json.dumps({"id": f"seq-{number}", "prompt_ids": row[: seq_len // 4],
-                                     "output_ids": row[seq_len // 4:]}) + "\n")
+            handle.write(
+                json.dumps(
+                    {
+                        "id": f"seq-{number}",
+                        "prompt_ids": row[: seq_len // 4],
+                        "output_ids": row[seq_len // 4 :],
+                    }
+                )
+                + "\n"
+            )
     layer_ids = build_target_layer_ids(config.num_hidden_layers, 3 if smoke else 5)
     return target, completions, layer_ids, parameters
 
@@ -71,24 +79,35 @@ def states_of(directory: Path) -> dict[str, torch.Tensor]:
 def compare(candidate: dict[str, torch.Tensor], reference: dict[str, torch.Tensor]) -> dict:
     same_records = sorted(candidate) == sorted(reference)
     identical = same_records and all(torch.equal(candidate[k], reference[k]) for k in reference)
-    diff = max((float((candidate[k].float() - reference[k].float()).abs().max()) for k in reference
-                if k in candidate), default=float("nan"))
+    diff = max(
+        (
+            float((candidate[k].float() - reference[k].float()).abs().max())
+            for k in reference
+            if k in candidate
+        ),
+        default=float("nan"),
+    )
     return {"same_records": same_records, "identical": identical, "max_abs_diff": diff}
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--smoke", action="store_true", help="tiny model on two CPU devices: code paths only")
     parser.add_argument("--seqs", type=int, help="sequences (default 256, smoke 12)")
     parser.add_argument("--seq-len", type=int, help="tokens per sequence (default 2048, smoke 48)")
     parser.add_argument("--batch-tokens", type=int, help="tokens per forward (default 8192, smoke 96)")
     parser.add_argument("--shard-tokens", type=int, help="tokens per shard (default 32768, smoke 96)")
-    parser.add_argument("--rounds", type=int, help="interleaved rounds; medians are reported (default 3, "
-                                                   "smoke 1)")
-    parser.add_argument("--fsync", action="store_true",
-                        help="fsync every shard (default: leave the flushing to the OS, so the disk does not "
-                             "bound both runs)")
+    parser.add_argument(
+        "--rounds", type=int, help="interleaved rounds; medians are reported (default 3, smoke 1)"
+    )
+    parser.add_argument(
+        "--fsync",
+        action="store_true",
+        help="fsync every shard (default: leave the flushing to the OS, so the disk does not "
+        "bound both runs)",
+    )
     parser.add_argument("--scratch", help="directory for model and shards (default: a temporary dir)")
     parser.add_argument("--out", default=os.environ.get("OUT", "."), help="where extract_multi_gpu.json goes")
     args = parser.parse_args()
@@ -118,16 +137,32 @@ def main() -> int:
         "smoke": smoke,
         "versions": versions(),
         "command": " ".join(["benchmarks/extract_multi_gpu.py", *sys.argv[1:]]),
-        "model": {"parameters": parameters, "layer_ids": layer_ids,
-                  "build_s": round(time.perf_counter() - began, 1)},
-        "workload": {"sequences": seqs, "seq_len": seq_len, "tokens": seqs * seq_len,
-                     "batch_tokens": batch_tokens, "shard_tokens": shard_tokens, "rounds": rounds,
-                     "fsync": args.fsync},
+        "model": {
+            "parameters": parameters,
+            "layer_ids": layer_ids,
+            "build_s": round(time.perf_counter() - began, 1),
+        },
+        "workload": {
+            "sequences": seqs,
+            "seq_len": seq_len,
+            "tokens": seqs * seq_len,
+            "batch_tokens": batch_tokens,
+            "shard_tokens": shard_tokens,
+            "rounds": rounds,
+            "fsync": args.fsync,
+        },
         "scratch_filesystem": filesystem_of(scratch),
     }
-    base = {"target": str(target), "completions": str(completions), "layer_ids": layer_ids,
-            "batch_tokens": batch_tokens, "shard_tokens": shard_tokens, "fsync": args.fsync,
-            "require_backend": "any" if smoke else "fla", "parity_samples": 0}
+    base = {
+        "target": str(target),
+        "completions": str(completions),
+        "layer_ids": layer_ids,
+        "batch_tokens": batch_tokens,
+        "shard_tokens": shard_tokens,
+        "fsync": args.fsync,
+        "require_backend": "any" if smoke else "fla",
+        "parity_samples": 0,
+    }
     variants = {
         "one_gpu": {"devices": gpus[:1], "parallel": "single"},
         "two_gpus_data": {"devices": gpus, "parallel": "data"},
@@ -143,12 +178,21 @@ def main() -> int:
             summary = extract.run({**base, **options, "out_dir": str(out_dir)})
             wall = time.perf_counter() - started
             progress = summary["progress"]
-            runs[name].append({"wall_s": round(wall, 3), "tokens_per_s": round(progress["tokens_per_second"]),
-                               "load_s": progress.get("load_s"), "parallel": summary["parallel"],
-                               "backend": summary["backend"], "progress": progress})
+            runs[name].append(
+                {
+                    "wall_s": round(wall, 3),
+                    "tokens_per_s": round(progress["tokens_per_second"]),
+                    "load_s": progress.get("load_s"),
+                    "parallel": summary["parallel"],
+                    "backend": summary["backend"],
+                    "progress": progress,
+                }
+            )
             kept[name] = out_dir
-            print(f"round {number} {name}: {progress['tokens_per_second']:.0f} tok/s, wall {wall:.1f}s",
-                  file=sys.stderr)
+            print(
+                f"round {number} {name}: {progress['tokens_per_second']:.0f} tok/s, wall {wall:.1f}s",
+                file=sys.stderr,
+            )
         if number == 0:  # states are compared once (not timed)
             reference = states_of(kept["one_gpu"])
             checks["split_vs_one_gpu"] = compare(states_of(kept["two_gpus_split"]), reference)
@@ -161,9 +205,11 @@ def main() -> int:
     for name, found in runs.items():
         rates = [r["tokens_per_s"] for r in found]
         walls = [r["wall_s"] for r in found]
-        table[name] = {"tokens_per_s_median": round(statistics.median(rates)),
-                       "spread": round((max(rates) - min(rates)) / statistics.median(rates), 4),
-                       "wall_s_median": round(statistics.median(walls), 3)}
+        table[name] = {
+            "tokens_per_s_median": round(statistics.median(rates)),
+            "spread": round((max(rates) - min(rates)) / statistics.median(rates), 4),
+            "wall_s_median": round(statistics.median(walls), 3),
+        }
     one = table["one_gpu"]["tokens_per_s_median"]
     for row in table.values():
         row["vs_one_gpu"] = round(row["tokens_per_s_median"] / one, 4)
@@ -184,12 +230,16 @@ def main() -> int:
     print(text)
     print(f"\n{'variant':<16} {'tok/s':>9} {'spread':>7} {'wall s':>8} {'vs one':>7}")
     for name, row in table.items():
-        print(f"{name:<16} {row['tokens_per_s_median']:>9} {row['spread']:>7.1%} "
-              f"{row['wall_s_median']:>8.2f} {row['vs_one_gpu']:>6.3f}x")
+        print(
+            f"{name:<16} {row['tokens_per_s_median']:>9} {row['spread']:>7.1%} "
+            f"{row['wall_s_median']:>8.2f} {row['vs_one_gpu']:>6.3f}x"
+        )
     verdict = "met" if result["meets_target"] else "NOT met"
-    print(f"target {TARGET_SPEEDUP}x: data parallel {result['speedup_data']:.3f}x ({verdict}); split states "
-          f"identical to one GPU's: {result['split_identical']} (max abs diff "
-          f"{checks['split_vs_one_gpu']['max_abs_diff']})")
+    print(
+        f"target {TARGET_SPEEDUP}x: data parallel {result['speedup_data']:.3f}x ({verdict}); split states "
+        f"identical to one GPU's: {result['split_identical']} (max abs diff "
+        f"{checks['split_vs_one_gpu']['max_abs_diff']})"
+    )
     return 0
 
 

@@ -60,9 +60,13 @@ def main() -> int:
         "what": "rolling evaluation of 3 development servers behind sglang-router 0.3.2 under load",
         "date": time.strftime("%Y-%m-%d", time.gmtime()),
         "machine": f"{platform.machine()}, {os.cpu_count()} CPUs (shared), "
-                   f"Python {platform.python_version()}",
-        "load": {"concurrency": args.concurrency, "max_new_tokens": 8, "router_retries": "disabled",
-                 "policy": "round_robin"},
+        f"Python {platform.python_version()}",
+        "load": {
+            "concurrency": args.concurrency,
+            "max_new_tokens": 8,
+            "router_retries": "disabled",
+            "policy": "round_robin",
+        },
         "baseline_no_evaluation": {k: baseline[k] for k in LOAD_FIGURES},
         "during_rolling_evaluation": {k: rolling[k] for k in LOAD_FIGURES},
         "every_host_returned_to_the_router": returned,
@@ -70,10 +74,16 @@ def main() -> int:
         "fleet_wall_s": fleet["fleet"]["wall_s"],
         "sum_of_host_windows_s": fleet["fleet"]["sum_window_s"],
         "sum_of_host_downtimes_s": fleet["fleet"]["sum_downtime_s"],
-        "per_host": [{"host": row["host"], "n_prompts": row["n_prompts"],
-                      **{k: row["window"].get(k) for k in ("window_s", "drain_s", "downtime_s", "return_s")}}
-                     for row in fleet["per_host"]],
-        "tau": fleet["overall"]["tau"], "reference_tau": (fleet["reference"] or {}).get("tau"),
+        "per_host": [
+            {
+                "host": row["host"],
+                "n_prompts": row["n_prompts"],
+                **{k: row["window"].get(k) for k in ("window_s", "drain_s", "downtime_s", "return_s")},
+            }
+            for row in fleet["per_host"]
+        ],
+        "tau": fleet["overall"]["tau"],
+        "reference_tau": (fleet["reference"] or {}).get("tau"),
     }
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps(result, indent=2))

@@ -55,23 +55,58 @@ from specops.acceptance import (
 from specops.drafter import DFlashDrafter
 from specops.target_head import TargetHead
 
-REALISTIC = dict(hidden=2048, layers=5, heads=16, kv_heads=8, head_dim=128, intermediate=6144, block=16,
-                 vocab=248320, sequences=64, length=1024, prompt=128, subset=4, dtype="bfloat16")
-SMOKE = dict(hidden=64, layers=2, heads=4, kv_heads=2, head_dim=16, intermediate=128, block=8,
-             vocab=512, sequences=6, length=160, prompt=16, subset=2, dtype="float32")
+REALISTIC = dict(
+    hidden=2048,
+    layers=5,
+    heads=16,
+    kv_heads=8,
+    head_dim=128,
+    intermediate=6144,
+    block=16,
+    vocab=248320,
+    sequences=64,
+    length=1024,
+    prompt=128,
+    subset=4,
+    dtype="bfloat16",
+)
+SMOKE = dict(
+    hidden=64,
+    layers=2,
+    heads=4,
+    kv_heads=2,
+    head_dim=16,
+    intermediate=128,
+    block=8,
+    vocab=512,
+    sequences=6,
+    length=160,
+    prompt=16,
+    subset=2,
+    dtype="float32",
+)
 
 
 def build_models(shape: dict, device: str, dtype: torch.dtype, seed: int):
     torch.manual_seed(seed)
     n_features = 5
     config = Qwen3Config(
-        hidden_size=shape["hidden"], intermediate_size=shape["intermediate"],
+        hidden_size=shape["hidden"],
+        intermediate_size=shape["intermediate"],
         num_hidden_layers=shape["layers"],
-        num_attention_heads=shape["heads"], num_key_value_heads=shape["kv_heads"], head_dim=shape["head_dim"],
-        vocab_size=shape["vocab"], rms_norm_eps=1e-6, rope_theta=1e6, max_position_embeddings=32768,
-        layer_types=["full_attention"] * shape["layers"], block_size=shape["block"],
-        dflash_config={"mask_token_id": shape["vocab"] - 1,
-                       "target_layer_ids": list(range(1, 1 + n_features))},
+        num_attention_heads=shape["heads"],
+        num_key_value_heads=shape["kv_heads"],
+        head_dim=shape["head_dim"],
+        vocab_size=shape["vocab"],
+        rms_norm_eps=1e-6,
+        rope_theta=1e6,
+        max_position_embeddings=32768,
+        layer_types=["full_attention"] * shape["layers"],
+        block_size=shape["block"],
+        dflash_config={
+            "mask_token_id": shape["vocab"] - 1,
+            "target_layer_ids": list(range(1, 1 + n_features)),
+        },
     )
     with torch.device(device):
         drafter = DFlashDrafter(config).to(dtype).eval()
@@ -129,7 +164,7 @@ def plant_tokens(drafter, head, features, ids, prompt: int, planted_mean: int, t
             token = torch.where(j <= run, top2.indices[:, j - 1, 0], worst[:, j - 1])
             write = inside & (j <= run + 1)
             ids[rows[write], pos[write]] = token[write]
-        planted += int(((starts < L - 1)).sum())
+        planted += int((starts < L - 1).sum())
         starts = torch.where(starts < L - 1, starts + run + 1, starts)
     return planted
 
@@ -174,19 +209,24 @@ def main() -> None:
     threshold = max(4 * noise, 1e-4)
     planted_steps, plant_seconds = timed(
         lambda: plant_tokens(drafter, head, features, ids, P, args.planted_mean, threshold, args.seed + 2),
-        device)
+        device,
+    )
     sequences = [SequenceInput(f"c{b:03d}", ids[b].cpu(), features[b].cpu(), P) for b in range(B)]
     features = None  # the sequences hold host copies; free the device one
 
     report = {
         "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
-        "torch": torch.__version__, "dtype": shape["dtype"], "shape": shape,
-        "logit_noise": noise, "margin_threshold": threshold, "plant_seconds": plant_seconds,
+        "torch": torch.__version__,
+        "dtype": shape["dtype"],
+        "shape": shape,
+        "logit_noise": noise,
+        "margin_threshold": threshold,
+        "plant_seconds": plant_seconds,
         "planted_steps": planted_steps,
         "modes": {},
     }
     # Warm-up (cuBLAS handles, allocator) on two short completions, untimed.
-    warm = [SequenceInput(s.id, s.input_ids[:P + 64], s.features[:P + 64], P) for s in sequences[:2]]
+    warm = [SequenceInput(s.id, s.input_ids[: P + 64], s.features[: P + 64], P) for s in sequences[:2]]
     for mode in args.modes.split(","):
         offline_acceptance(drafter, head, warm, mode=mode)
     sequential_acceptance(drafter, head, warm[0])
@@ -197,41 +237,54 @@ def main() -> None:
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats()
         results[mode], seconds = timed(
-            lambda mode=mode: offline_acceptance(drafter, head, sequences, mode=mode), device)
+            lambda mode=mode: offline_acceptance(drafter, head, sequences, mode=mode), device
+        )
         report["modes"][mode] = {
-            "seconds": seconds, "completions_per_s": B / seconds, "tau": overall_tau(results[mode]),
+            "seconds": seconds,
+            "completions_per_s": B / seconds,
+            "tau": overall_tau(results[mode]),
             "steps": sum(r.steps for r in results[mode]),
             "peak_gpu_memory_gib": torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else None,
         }
-        print(f"{mode}: {seconds:.2f} s for {B} completions, tau {overall_tau(results[mode]):.3f}",
-              file=sys.stderr)
+        print(
+            f"{mode}: {seconds:.2f} s for {B} completions, tau {overall_tau(results[mode]):.3f}",
+            file=sys.stderr,
+        )
 
-    subset = sequences[:shape["subset"]]
+    subset = sequences[: shape["subset"]]
     oracle, seq_seconds = timed(lambda: [sequential_acceptance(drafter, head, s) for s in subset], device)
     per_completion = seq_seconds / len(subset)
     report["sequential"] = {
-        "completions_timed": len(subset), "seconds": seq_seconds, "seconds_per_completion": per_completion,
-        "completions_per_s": 1 / per_completion, "steps": sum(r.steps for r in oracle),
-        "ms_per_step": 1000 * seq_seconds / max(1, sum(r.steps for r in oracle)), "tau": overall_tau(oracle),
+        "completions_timed": len(subset),
+        "seconds": seq_seconds,
+        "seconds_per_completion": per_completion,
+        "completions_per_s": 1 / per_completion,
+        "steps": sum(r.steps for r in oracle),
+        "ms_per_step": 1000 * seq_seconds / max(1, sum(r.steps for r in oracle)),
+        "tau": overall_tau(oracle),
         "extrapolated_seconds_for_all": per_completion * B,
     }
     modes = list(results)
     report["identical"] = {
-        "sequential_vs_" + mode: all(o.accept_lengths == r.accept_lengths
-                                     for o, r in zip(oracle, results[mode], strict=False))
+        "sequential_vs_" + mode: all(
+            o.accept_lengths == r.accept_lengths for o, r in zip(oracle, results[mode], strict=False)
+        )
         for mode in modes
     }
     if len(modes) > 1:
         report["identical"]["between_modes_all_completions"] = all(
             results[modes[0]][i].accept_lengths == results[m][i].accept_lengths
-            for m in modes[1:] for i in range(B))
+            for m in modes[1:]
+            for i in range(B)
+        )
     # The planted runs are what every path must reproduce, step for step.
     report["identical"]["planted_steps"] = all(report["modes"][m]["steps"] == planted_steps for m in modes)
     best = min(modes, key=lambda m: report["modes"][m]["seconds"])
     report["fastest_mode"] = best
     sequential_rate = report["sequential"]["completions_per_s"]
-    report["speedup_vs_sequential"] = {m: report["modes"][m]["completions_per_s"] / sequential_rate
-                                       for m in modes}
+    report["speedup_vs_sequential"] = {
+        m: report["modes"][m]["completions_per_s"] / sequential_rate for m in modes
+    }
     report["ok"] = all(report["identical"].values())
 
     text = json.dumps(report, indent=2)

@@ -64,19 +64,27 @@ def plain_decode(model, prompt: list[int], tokens: int, device: str) -> tuple[li
     def run(n: int) -> tuple[torch.Tensor, float]:
         sync(device)
         start = time.perf_counter()
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
-                             do_sample=False, eos_token_id=None, pad_token_id=0)
+        out = model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=n,
+            min_new_tokens=n,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
+        )
         sync(device)
         return out, time.perf_counter() - start
 
     run(4)  # warm up kernels and allocator
     _, prefill = run(1)
     out, total = run(tokens)
-    return out[0, len(prompt):].tolist(), (total - prefill) / (tokens - 1)
+    return out[0, len(prompt) :].tolist(), (total - prefill) / (tokens - 1)
 
 
-def speculative(speculator, model, prompt: list[int], reference: list[int], accept: int, tokens: int,
-                device: str) -> dict:
+def speculative(
+    speculator, model, prompt: list[int], reference: list[int], accept: int, tokens: int, device: str
+) -> dict:
     """One speculative decode whose drafts match the reference for accept - 1 tokens, then miss."""
     vocab = speculator.head.vocab_size
     real_drafts = speculator._drafts
@@ -84,7 +92,7 @@ def speculative(speculator, model, prompt: list[int], reference: list[int], acce
     def drafts(features, token, start):
         proposed = real_drafts(features, token, start)  # the drafter's real cost
         position = start - len(prompt) + 1  # index in reference of the token after start
-        oracle = reference[position:position + len(proposed)]
+        oracle = reference[position : position + len(proposed)]
         oracle += [0] * (len(proposed) - len(oracle))
         return [t if j < accept - 1 else (oracle[j] + 1) % vocab for j, t in enumerate(oracle)]
 
@@ -109,15 +117,20 @@ def speculative(speculator, model, prompt: list[int], reference: list[int], acce
     }
 
 
-def summary(args: argparse.Namespace, prompt_tokens: int, decode_s: float, estimated: dict,
-            rows: list[dict]) -> dict:
+def summary(
+    args: argparse.Namespace, prompt_tokens: int, decode_s: float, estimated: dict, rows: list[dict]
+) -> dict:
     return {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "device": torch.cuda.get_device_name(0) if args.device.startswith("cuda") else platform.processor(),
         "torch": torch.__version__,
-        "setup": {"models": "fixture target (Qwen3.5-style, float32) and a random DFlash drafter",
-                  "kernels": args.kernels, "block": args.block, "tokens": args.tokens,
-                  "prompt_tokens": prompt_tokens},
+        "setup": {
+            "models": "fixture target (Qwen3.5-style, float32) and a random DFlash drafter",
+            "kernels": args.kernels,
+            "block": args.block,
+            "tokens": args.tokens,
+            "prompt_tokens": prompt_tokens,
+        },
         "decode_step_s": decode_s,
         "estimated_costs": estimated,
         "runs": rows,
@@ -133,9 +146,13 @@ def main() -> int:
     parser.add_argument("--block", type=int, default=16, help="--speculative-num-draft-tokens")
     parser.add_argument("--accept", type=int, nargs="*", default=[1, 2, 4, 8, 16])
     parser.add_argument("--out", type=Path, default=Path(__file__).with_suffix(".json"))
-    parser.add_argument("--kernels", choices=("torch", "fla"), default="torch",
-                        help="gated_delta_rule kernels of the fixture target; fla's triton kernels tune "
-                             "themselves for every new length, and every verify here brings one")
+    parser.add_argument(
+        "--kernels",
+        choices=("torch", "fla"),
+        default="torch",
+        help="gated_delta_rule kernels of the fixture target; fla's triton kernels tune "
+        "themselves for every new length, and every verify here brings one",
+    )
     args = parser.parse_args()
     if args.kernels == "torch":
         sys.modules["fla"] = None  # type: ignore[assignment]  # transformers then picks its torch path
@@ -159,16 +176,26 @@ def main() -> int:
             speculative(speculator, model, prompt, reference, 2, 16, args.device)  # warm up
             rows = []
             for accept in args.accept:
-                run = speculative(speculator, model, prompt, reference, min(accept, args.block), args.tokens,
-                                  args.device)
+                run = speculative(
+                    speculator, model, prompt, reference, min(accept, args.block), args.tokens, args.device
+                )
                 draft_cost, verify_cost = run["draft_step_s"] / decode_s, run["verify_step_s"] / decode_s
                 measured = decode_s / run["seconds_per_token"]
                 predicted = spd.expected_speedup(run["tau"], draft_cost, verify_cost)
                 estimate = spd.expected_speedup(run["tau"], **estimated)
-                rows.append({"simulated_accept": accept, **run, "draft_cost": draft_cost,
-                             "verify_cost": verify_cost, "measured_speedup": measured,
-                             "predicted_speedup": predicted, "predicted_error": predicted / measured - 1,
-                             "estimated_speedup": estimate, "estimated_error": estimate / measured - 1})
+                rows.append(
+                    {
+                        "simulated_accept": accept,
+                        **run,
+                        "draft_cost": draft_cost,
+                        "verify_cost": verify_cost,
+                        "measured_speedup": measured,
+                        "predicted_speedup": predicted,
+                        "predicted_error": predicted / measured - 1,
+                        "estimated_speedup": estimate,
+                        "estimated_error": estimate / measured - 1,
+                    }
+                )
                 shown = {k: round(v, 4) if isinstance(v, float) else v for k, v in rows[-1].items()}
                 print(json.dumps(shown), flush=True)
                 # Written after every run, so a run cut short still leaves what it measured.

@@ -61,6 +61,7 @@ MAX_ANCHORS_PER_FORWARD = 128
 # Inputs and results
 # ----------------------------------------------------------------------------------------------
 
+
 @dataclass
 class SequenceInput:
     """One completion: ids [L] (prompt + output), features [L, n, hidden], prompt length P."""
@@ -74,14 +75,18 @@ class SequenceInput:
         L = self.input_ids.shape[0]
         n, hidden = len(drafter.target_layer_ids), drafter.hidden_size
         if self.input_ids.dim() != 1:
-            raise ValueError(f"sequence {self.id}: input_ids must be 1-D [L], "
-                             f"got {tuple(self.input_ids.shape)}")
+            raise ValueError(
+                f"sequence {self.id}: input_ids must be 1-D [L], got {tuple(self.input_ids.shape)}"
+            )
         if tuple(self.features.shape) != (L, n, hidden):
-            raise ValueError(f"sequence {self.id}: features are {tuple(self.features.shape)}, expected "
-                             f"[{L}, {n}, {hidden}] (tokens, the drafter's {n} target layers, hidden size)")
+            raise ValueError(
+                f"sequence {self.id}: features are {tuple(self.features.shape)}, expected "
+                f"[{L}, {n}, {hidden}] (tokens, the drafter's {n} target layers, hidden size)"
+            )
         if not 1 <= self.prompt_len <= L:
-            raise ValueError(f"sequence {self.id}: prompt_len {self.prompt_len} outside 1..{L} "
-                             "(the sequence length)")
+            raise ValueError(
+                f"sequence {self.id}: prompt_len {self.prompt_len} outside 1..{L} (the sequence length)"
+            )
 
 
 def as_input(item: Any) -> SequenceInput:
@@ -129,8 +134,13 @@ class SequenceAcceptance:
         return [sum(n > j for n in self.accept_lengths) / self.steps for j in range(1, self.block_size)]
 
     def to_dict(self) -> dict[str, Any]:
-        return {"id": self.id, "block_size": self.block_size, "accept_lengths": list(self.accept_lengths),
-                "block_starts": list(self.block_starts), "tau": self.tau}
+        return {
+            "id": self.id,
+            "block_size": self.block_size,
+            "accept_lengths": list(self.accept_lengths),
+            "block_starts": list(self.block_starts),
+            "tau": self.tau,
+        }
 
 
 def overall_tau(results: Iterable[SequenceAcceptance]) -> float | None:
@@ -140,8 +150,9 @@ def overall_tau(results: Iterable[SequenceAcceptance]) -> float | None:
     return sum(r.accepted_tokens for r in results) / steps if steps else None
 
 
-def walk(prompt_len: int, length: int, block_size: int,
-         match_run: Callable[[int], int]) -> tuple[list[int], list[int]]:
+def walk(
+    prompt_len: int, length: int, block_size: int, match_run: Callable[[int], int]
+) -> tuple[list[int], list[int]]:
     """The speculative walk (see the module docstring); match_run(s) = leading matches of block s.
 
     Returns (accept_lengths, block_starts).
@@ -161,6 +172,7 @@ def walk(prompt_len: int, length: int, block_size: int,
 # ----------------------------------------------------------------------------------------------
 # The batched engine
 # ----------------------------------------------------------------------------------------------
+
 
 def _run_at(row: list[int], prompt_len: int, start: int) -> int:
     """The match run of the block at start, from a row that begins at the prompt's end."""
@@ -209,8 +221,8 @@ class _Group:
         self.ids = torch.full((len(items), longest + bs), -1, dtype=torch.long, device=device)
         features = torch.zeros(len(items), longest, *items[0].features.shape[1:], dtype=dtype, device=device)
         for b, it in enumerate(items):
-            self.ids[b, :it.input_ids.shape[0]] = it.input_ids.to(device)
-            features[b, :it.features.shape[0]] = it.features.to(device=device, dtype=dtype)
+            self.ids[b, : it.input_ids.shape[0]] = it.input_ids.to(device)
+            features[b, : it.features.shape[0]] = it.features.to(device=device, dtype=dtype)
         self.context = drafter.context_kv(features)
         del features
         self.offsets = torch.arange(1, bs, device=device)
@@ -276,8 +288,9 @@ def _frontier(group: _Group, ids_of: list[int], results: dict[int, SequenceAccep
             results[owner_].block_starts.append(s)
 
 
-def _all_anchors(group: _Group, ids_of: list[int], results: dict[int, SequenceAcceptance],
-                 budget: int) -> None:
+def _all_anchors(
+    group: _Group, ids_of: list[int], results: dict[int, SequenceAcceptance], budget: int
+) -> None:
     """Drafts at every anchor P..L-2 of every sequence, m anchors per sequence per forward, then walk."""
     drafter = group.drafter
     device = group.lengths.device
@@ -295,7 +308,7 @@ def _all_anchors(group: _Group, ids_of: list[int], results: dict[int, SequenceAc
         slots = torch.arange(first, min(first + m, span), device=device)
         # Slots past a sequence's last anchor draft a harmless block at its last anchor instead.
         starts = torch.minimum(group.prompts[:, None] + slots, last[:, None])
-        runs[:, first:first + slots.shape[0]] = group.match_runs(starts).cpu()
+        runs[:, first : first + slots.shape[0]] = group.match_runs(starts).cpu()
     lengths, prompts = group.lengths.tolist(), group.prompts.tolist()
     for b, owner in enumerate(ids_of):
         match_run = partial(_run_at, runs[b].tolist(), prompts[b])
@@ -304,9 +317,14 @@ def _all_anchors(group: _Group, ids_of: list[int], results: dict[int, SequenceAc
 
 
 @torch.inference_mode()
-def offline_acceptance(drafter: DFlashDrafter, head: TargetHead, sequences: Iterable[Any],
-                       mode: str = DEFAULT_MODE, memory_budget_bytes: int | None = None,
-                       progress: Callable[[int, int], None] | None = None) -> list[SequenceAcceptance]:
+def offline_acceptance(
+    drafter: DFlashDrafter,
+    head: TargetHead,
+    sequences: Iterable[Any],
+    mode: str = DEFAULT_MODE,
+    memory_budget_bytes: int | None = None,
+    progress: Callable[[int, int], None] | None = None,
+) -> list[SequenceAcceptance]:
     """Acceptance lengths of the drafter along every sequence (the walk in the module docstring).
 
     sequences: SequenceInput, or mappings / objects with id, input_ids [L], features [L, n, hidden],
@@ -339,11 +357,15 @@ def offline_acceptance(drafter: DFlashDrafter, head: TargetHead, sequences: Iter
 # The oracle
 # ----------------------------------------------------------------------------------------------
 
-def _oracle_mask(attn: DFlashAttention, start: int, block_size: int,
-                 device: torch.device) -> torch.Tensor | None:
+
+def _oracle_mask(
+    attn: DFlashAttention, start: int, block_size: int, device: torch.device
+) -> torch.Tensor | None:
     """Visibility [bs, start + bs] of keys 0..start+bs-1 to queries start..start+bs-1."""
-    return attn.visibility(torch.arange(start, start + block_size, device=device),
-                           torch.arange(start + block_size, device=device))
+    return attn.visibility(
+        torch.arange(start, start + block_size, device=device),
+        torch.arange(start + block_size, device=device),
+    )
 
 
 class SequentialDrafter:
@@ -367,9 +389,11 @@ class SequentialDrafter:
         if start < self.cached:
             raise ValueError(f"block at {start} behind the cached context ({self.cached} positions)")
         if self.cached < start:
-            new = drafter.context_kv(self.features[None, self.cached:start], first_position=self.cached)
-            self.cache = [(torch.cat([k, nk], dim=-2), torch.cat([v, nv], dim=-2))
-                          for (k, v), (nk, nv) in zip(self.cache, new, strict=True)]
+            new = drafter.context_kv(self.features[None, self.cached : start], first_position=self.cached)
+            self.cache = [
+                (torch.cat([k, nk], dim=-2), torch.cat([v, nv], dim=-2))
+                for (k, v), (nk, nv) in zip(self.cache, new, strict=True)
+            ]
             self.cached = start
         x = drafter.block_embeddings(self.head.embed, torch.tensor([token], device=device))  # [1, bs, hidden]
         cos, sin = drafter.rope(torch.arange(start, start + bs, device=device), x)
@@ -380,8 +404,13 @@ class SequentialDrafter:
             q = apply_rope(q, cos, sin)
             k_blk, v_blk = attn.kv(y, cos, sin)
             out = F.scaled_dot_product_attention(
-                q, torch.cat([k_ctx, k_blk], dim=-2), torch.cat([v_ctx, v_blk], dim=-2),
-                attn_mask=_oracle_mask(attn, start, bs, device), scale=attn.scaling, enable_gqa=True)
+                q,
+                torch.cat([k_ctx, k_blk], dim=-2),
+                torch.cat([v_ctx, v_blk], dim=-2),
+                attn_mask=_oracle_mask(attn, start, bs, device),
+                scale=attn.scaling,
+                enable_gqa=True,
+            )
             x = x + attn.o_proj(out.transpose(1, 2).reshape(1, bs, -1))
             x = x + layer.mlp(layer.post_attention_layernorm(x))
         return drafter.norm(x)[0, 1:]

@@ -121,6 +121,7 @@ class BackendMonitor:
         result = {}
         for family, counts in self.used.items():
             labels = sorted(label for label, n in counts.items() if n)
-            result[family] = labels[0] if len(labels) == 1 else ("mixed: " + ", ".join(labels) if labels
-                                                                 else NOT_USED)
+            result[family] = (
+                labels[0] if len(labels) == 1 else ("mixed: " + ", ".join(labels) if labels else NOT_USED)
+            )
         return result

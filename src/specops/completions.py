@@ -58,23 +58,48 @@ TOKENIZER_FILES = (
     "merges.txt",
     "tokenizer.model",
 )
-REQUEST = Schema(STAGE, (
-    # SGLang's default port (ServerArgs.port in python/sglang/srt/server_args.py, sglang@001067ff).
-    Option("server_url", "str", "Base URL of the SGLang server (no trailing path).",
-           default="http://127.0.0.1:30000"),
-    Option("prompts", "path", 'JSONL prompts on the managed host, {"id", "prompt"} or {"id", "messages"} '
-           "per line.", required=True),
-    Option("tokenizer", "path", "The target model directory SGLang serves; its tokenizer makes input_ids.",
-           required=True),
-    Option("out_dir", "path", "Directory that receives completions.jsonl and manifest.json.", required=True),
-    Option("max_new_tokens", "int", "Greedy tokens per prompt at most.", default=256),
-    Option("concurrency", "int", "Requests in flight at once.", default=4),
-    Option("timeout", "float", "Seconds to wait for one answer before it is retried.", default=300.0),
-    Option("retries", "int", "Retries per request after a connection error, a timeout or a 5xx answer.",
-           default=5),
-    Option("backoff", "float", "Seconds before the first retry; each further retry waits twice as long.",
-           default=1.0),
-))
+REQUEST = Schema(
+    STAGE,
+    (
+        # SGLang's default port (ServerArgs.port in python/sglang/srt/server_args.py, sglang@001067ff).
+        Option(
+            "server_url",
+            "str",
+            "Base URL of the SGLang server (no trailing path).",
+            default="http://127.0.0.1:30000",
+        ),
+        Option(
+            "prompts",
+            "path",
+            'JSONL prompts on the managed host, {"id", "prompt"} or {"id", "messages"} per line.',
+            required=True,
+        ),
+        Option(
+            "tokenizer",
+            "path",
+            "The target model directory SGLang serves; its tokenizer makes input_ids.",
+            required=True,
+        ),
+        Option(
+            "out_dir", "path", "Directory that receives completions.jsonl and manifest.json.", required=True
+        ),
+        Option("max_new_tokens", "int", "Greedy tokens per prompt at most.", default=256),
+        Option("concurrency", "int", "Requests in flight at once.", default=4),
+        Option("timeout", "float", "Seconds to wait for one answer before it is retried.", default=300.0),
+        Option(
+            "retries",
+            "int",
+            "Retries per request after a connection error, a timeout or a 5xx answer.",
+            default=5,
+        ),
+        Option(
+            "backoff",
+            "float",
+            "Seconds before the first retry; each further retry waits twice as long.",
+            default=1.0,
+        ),
+    ),
+)
 DEFAULTS: dict[str, Any] = REQUEST.defaults
 REQUIRED = REQUEST.required
 

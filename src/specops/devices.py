@@ -22,13 +22,16 @@ def resolve_device(device: str) -> torch.device:
         raise StageError(f"device {device!r} is not a torch device: use auto, cpu, cuda or cuda:N") from error
     if resolved.type == "cuda":
         if not torch.cuda.is_available():
-            raise StageError(f"device {device} asked for but CUDA is not available to torch "
-                             f"{torch.__version__}: "
-                             "install a CUDA build of torch (fla_env) or use device cpu")
+            raise StageError(
+                f"device {device} asked for but CUDA is not available to torch "
+                f"{torch.__version__}: "
+                "install a CUDA build of torch (fla_env) or use device cpu"
+            )
         index = 0 if resolved.index is None else resolved.index
         if index >= torch.cuda.device_count():
-            raise StageError(f"device {device} does not exist: this host has {torch.cuda.device_count()} "
-                             f"GPUs")
+            raise StageError(
+                f"device {device} does not exist: this host has {torch.cuda.device_count()} GPUs"
+            )
         return torch.device("cuda", index)
     if resolved.type != "cpu":
         raise StageError(f"device {device!r} is not supported: use auto, cpu, cuda or cuda:N")

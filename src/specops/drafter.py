@@ -42,8 +42,9 @@ def select_target_features(hidden_states: Sequence[torch.Tensor], layer_ids: Seq
     n_layers = len(hidden_states) - 1
     for k in layer_ids:
         if not 0 <= k < n_layers:
-            raise DrafterError(f"target layer {k} out of range: the model has {n_layers} layers "
-                               f"(0-{n_layers - 1})")
+            raise DrafterError(
+                f"target layer {k} out of range: the model has {n_layers} layers (0-{n_layers - 1})"
+            )
     return torch.stack([hidden_states[k + 1] for k in layer_ids], dim=-2)
 
 
@@ -134,8 +135,9 @@ class DFlashAttention(nn.Module):
         ctx_hidden = ctx_hidden.expand(B, 1, m, 1, bs, T)
         block = torch.arange(bs, device=x.device)
         blk_visible = self.visibility(block, block)
-        blk_hidden = (torch.zeros(bs, bs, dtype=torch.bool, device=x.device) if blk_visible is None
-                      else ~blk_visible).expand(B, 1, m, 1, bs, bs)
+        blk_hidden = (
+            torch.zeros(bs, bs, dtype=torch.bool, device=x.device) if blk_visible is None else ~blk_visible
+        ).expand(B, 1, m, 1, bs, bs)
         mask = torch.cat([ctx_hidden, blk_hidden], dim=-1)
         probs = scores.masked_fill(mask, float("-inf")).softmax(dim=-1).to(x.dtype)
 
@@ -198,13 +200,17 @@ class DFlashDrafter(nn.Module):
 
     def project_context(self, features: torch.Tensor) -> torch.Tensor:
         """Target features [..., T, n, hidden] (or [..., T, n*hidden]) -> context [..., T, hidden]."""
-        if features.dim() >= 3 and features.shape[-2] == len(self.target_layer_ids) \
-                and features.shape[-1] == self.hidden_size:
+        if (
+            features.dim() >= 3
+            and features.shape[-2] == len(self.target_layer_ids)
+            and features.shape[-1] == self.hidden_size
+        ):
             features = features.flatten(-2)
         return self.hidden_norm(self.fc(features))
 
-    def context_kv(self, features: torch.Tensor,
-                   first_position: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def context_kv(
+        self, features: torch.Tensor, first_position: int = 0
+    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Per layer (k, v) [B, kv_heads, T, head_dim] of the context at positions first_position.. .
 
         features: [B, T, n, hidden] target features. These K/V do not depend on any block.
@@ -221,8 +227,12 @@ class DFlashDrafter(nn.Module):
         embeds = embed(tokens)
         return embeds * self.input_embedding_scale if self.input_embedding_scale != 1.0 else embeds
 
-    def forward(self, block_embeds: torch.Tensor, starts: torch.Tensor,
-                context: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+    def forward(
+        self,
+        block_embeds: torch.Tensor,
+        starts: torch.Tensor,
+        context: list[tuple[torch.Tensor, torch.Tensor]],
+    ) -> torch.Tensor:
         """Draft hidden states (after the final norm) for blocks of B sequences, m blocks each.
 
         block_embeds [B, m, bs, hidden]; starts [B, m] the position of each block's first token;
@@ -242,32 +252,49 @@ class DFlashDrafter(nn.Module):
 # Loading checkpoints in z-lab's layout
 # ----------------------------------------------------------------------------------------------
 
+
 def validate_config(config: Mapping[str, Any], where: str = "config.json") -> None:
     """Raise DrafterError naming what a DFlash config lacks; accepts both block_size layouts."""
     architectures = config.get("architectures") or []
     if architectures and not set(architectures) & set(SUPPORTED_ARCHITECTURES):
-        raise DrafterError(f"{where}: architectures {architectures} is not a DFlash drafter "
-                           f"(expected {list(SUPPORTED_ARCHITECTURES)})")
+        raise DrafterError(
+            f"{where}: architectures {architectures} is not a DFlash drafter "
+            f"(expected {list(SUPPORTED_ARCHITECTURES)})"
+        )
     if not isinstance(config.get("dflash_config"), Mapping):
-        raise DrafterError(f"{where} has no dflash_config: a DFlash drafter's config needs "
-                           "dflash_config {mask_token_id, target_layer_ids}")
+        raise DrafterError(
+            f"{where} has no dflash_config: a DFlash drafter's config needs "
+            "dflash_config {mask_token_id, target_layer_ids}"
+        )
     target_layer_ids(config, where)
     if not isinstance(dflash_value(config, "mask_token_id"), int):
-        raise DrafterError(f"{where}: dflash_config.mask_token_id is missing; set it to the id of the "
-                           "mask token the drafter was trained with")
+        raise DrafterError(
+            f"{where}: dflash_config.mask_token_id is missing; set it to the id of the "
+            "mask token the drafter was trained with"
+        )
     block_size = dflash_value(config, "block_size")
     if not isinstance(block_size, int) or block_size < 2:
-        raise DrafterError(f"{where}: block_size is missing or below 2 (got {block_size!r}); set block_size "
-                           "at the top level or in dflash_config")
-    for key in ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
-                "intermediate_size", "vocab_size"):
+        raise DrafterError(
+            f"{where}: block_size is missing or below 2 (got {block_size!r}); set block_size "
+            "at the top level or in dflash_config"
+        )
+    for key in (
+        "hidden_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "intermediate_size",
+        "vocab_size",
+    ):
         if not isinstance(config.get(key), int):
             raise DrafterError(f"{where}: {key} is missing; a DFlash drafter's config is a Qwen3 config")
     layer_types = config.get("layer_types") or []
     for i, kind in enumerate(layer_types):
         if kind not in SUPPORTED_LAYER_TYPES:
-            raise DrafterError(f"{where}: layer_types[{i}] is {kind!r}; only "
-                               f"{list(SUPPORTED_LAYER_TYPES)} exist in a DFlash drafter")
+            raise DrafterError(
+                f"{where}: layer_types[{i}] is {kind!r}; only "
+                f"{list(SUPPORTED_LAYER_TYPES)} exist in a DFlash drafter"
+            )
     if "sliding_attention" in layer_types and not config.get("sliding_window"):
         raise DrafterError(f"{where}: layer_types has sliding_attention layers but sliding_window is not set")
 
@@ -283,16 +310,19 @@ def _read_tensors(path: Path) -> dict[str, torch.Tensor]:
     else:
         files = sorted(p.name for p in path.glob("*.safetensors"))
     if not files:
-        raise DrafterError(f"{path} holds no .safetensors weights: a DFlash checkpoint is config.json + "
-                           "model.safetensors (or shards with model.safetensors.index.json)")
+        raise DrafterError(
+            f"{path} holds no .safetensors weights: a DFlash checkpoint is config.json + "
+            "model.safetensors (or shards with model.safetensors.index.json)"
+        )
     tensors: dict[str, torch.Tensor] = {}
     for name in files:
         tensors.update(load_file(str(path / name)))
     return tensors
 
 
-def load_drafter(path: str | Path, device: str | torch.device = "cpu",
-                 dtype: torch.dtype = torch.float32) -> DFlashDrafter:
+def load_drafter(
+    path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32
+) -> DFlashDrafter:
     """Load a z-lab layout checkpoint (config.json + safetensors) into an eval-mode DFlashDrafter."""
     path = Path(path)
     config_file = path / "config.json"
@@ -316,15 +346,19 @@ def load_drafter(path: str | Path, device: str | torch.device = "cpu",
             parts.append(f"missing tensors {missing[:5]}{' ...' if len(missing) > 5 else ''}")
         if unexpected:
             parts.append(f"unexpected tensors {unexpected[:5]}{' ...' if len(unexpected) > 5 else ''}")
-        raise DrafterError(f"{path}: {'; '.join(parts)} for a {config.num_hidden_layers}-layer drafter "
-                           f"with {len(model.target_layer_ids)} target layers; check num_hidden_layers and "
-                           "target_layer_ids against the checkpoint")
+        raise DrafterError(
+            f"{path}: {'; '.join(parts)} for a {config.num_hidden_layers}-layer drafter "
+            f"with {len(model.target_layer_ids)} target layers; check num_hidden_layers and "
+            "target_layer_ids against the checkpoint"
+        )
     shapes = {k: v.shape for k, v in model.state_dict().items()}
     for name, tensor in tensors.items():
         want = shapes[name]
         if tuple(tensor.shape) != tuple(want):
-            raise DrafterError(f"{path}: tensor {name} has shape {tuple(tensor.shape)}, the config implies "
-                               f"{tuple(want)}; the config.json does not match the weights")
+            raise DrafterError(
+                f"{path}: tensor {name} has shape {tuple(tensor.shape)}, the config implies "
+                f"{tuple(want)}; the config.json does not match the weights"
+            )
     model.load_state_dict({k: v.to(dtype) for k, v in tensors.items()}, assign=True)
     # The rotary buffer was created on the meta device: rebuild it for real.
     model.rotary_emb = Qwen3RotaryEmbedding(config)

@@ -42,8 +42,10 @@ def split(request: Mapping[str, Any]) -> dict[str, Any]:
     lines = [line for line in prompts.read_text().splitlines() if line.strip()]
     mine = share(lines, index, count)
     if not mine:
-        raise StageError(f"{prompts} holds {len(lines)} prompt(s), too few for {count} hosts: "
-                         f"host {index} would get none; evaluate on fewer hosts or add prompts")
+        raise StageError(
+            f"{prompts} holds {len(lines)} prompt(s), too few for {count} hosts: "
+            f"host {index} would get none; evaluate on fewer hosts or add prompts"
+        )
     text = "\n".join(mine) + "\n"
     changed = not out.is_file() or out.read_text() != text
     if changed and not request.get("check_mode"):
@@ -74,12 +76,17 @@ def merged_online(reports: Sequence[Mapping[str, Any]]) -> dict[str, Any] | None
         return None
     steps = sum(o["steps"] for o in onlines)
     tokens = sum(o["tokens"] for o in onlines)
-    return {"tau": tokens / steps if steps else None, "steps": steps, "tokens": tokens,
-            "n_prompts": sum(o["n_prompts"] for o in onlines)}
+    return {
+        "tau": tokens / steps if steps else None,
+        "steps": steps,
+        "tokens": tokens,
+        "n_prompts": sum(o["n_prompts"] for o in onlines),
+    }
 
 
-def merge_reports(hosts: Sequence[Mapping[str, Any]],
-                  rollout: Mapping[str, Any] | None = None) -> dict[str, Any]:
+def merge_reports(
+    hosts: Sequence[Mapping[str, Any]], rollout: Mapping[str, Any] | None = None
+) -> dict[str, Any]:
     """hosts: [{"host", "report": <a host's report.json>, "window": {...}}] -> the fleet's report."""
     if not hosts:
         raise StageError("no host shard to merge: the fleet run scored nothing")
@@ -90,16 +97,18 @@ def merge_reports(hosts: Sequence[Mapping[str, Any]],
     per_host = []
     for h in hosts:
         r = h["report"]
-        per_host.append({
-            "host": h["host"],
-            "n_prompts": len(r["per_prompt"]),
-            "tau": r["overall"]["tau"],
-            "steps": r["overall"]["steps"],
-            "reference_tau": (r.get("reference") or {}).get("tau"),
-            "online_tau": (r.get("online") or {}).get("tau"),
-            "warnings": list(r.get("warnings") or []),
-            "window": dict(h.get("window") or {}),
-        })
+        per_host.append(
+            {
+                "host": h["host"],
+                "n_prompts": len(r["per_prompt"]),
+                "tau": r["overall"]["tau"],
+                "steps": r["overall"]["steps"],
+                "reference_tau": (r.get("reference") or {}).get("tau"),
+                "online_tau": (r.get("online") or {}).get("tau"),
+                "warnings": list(r.get("warnings") or []),
+                "window": dict(h.get("window") or {}),
+            }
+        )
     diagnostics = []
     for h in hosts:
         for finding in h["report"].get("diagnostics") or []:
@@ -131,25 +140,38 @@ def _fmt(value: Any, digits: int = 2) -> str:
 
 def render_markdown(fleet: Mapping[str, Any]) -> str:
     info = fleet["fleet"]
-    lines = [f"# Fleet evaluation: {rep.verdict(fleet)}", "",
-             f"{info['n_hosts']} host(s), {len(fleet['per_prompt'])} prompt(s) split across them.", ""]
+    lines = [
+        f"# Fleet evaluation: {rep.verdict(fleet)}",
+        "",
+        f"{info['n_hosts']} host(s), {len(fleet['per_prompt'])} prompt(s) split across them.",
+        "",
+    ]
     if info.get("wall_s") is not None:
-        lines += [f"Rollout wall time {_fmt(info['wall_s'], 1)} s; sum of the per-host windows "
-                  f"{_fmt(info.get('sum_window_s'), 1)} s "
-                  f"(service down {_fmt(info.get('sum_downtime_s'), 1)} s "
-                  "in all).", ""]
-    lines += ["| host | prompts | tau | reference tau | online tau | window s | service down s | warnings |",
-              "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+        lines += [
+            f"Rollout wall time {_fmt(info['wall_s'], 1)} s; sum of the per-host windows "
+            f"{_fmt(info.get('sum_window_s'), 1)} s "
+            f"(service down {_fmt(info.get('sum_downtime_s'), 1)} s "
+            "in all).",
+            "",
+        ]
+    lines += [
+        "| host | prompts | tau | reference tau | online tau | window s | service down s | warnings |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
     for row in fleet["per_host"]:
         window = row["window"]
-        lines.append(f"| {row['host']} | {row['n_prompts']} | {_fmt(row['tau'])} "
-                     f"| {_fmt(row['reference_tau'])} "
-                     f"| {_fmt(row['online_tau'])} | {_fmt(window.get('window_s'), 1)} "
-                     f"| {_fmt(window.get('downtime_s'), 1)} | {len(row['warnings'])} |")
+        lines.append(
+            f"| {row['host']} | {row['n_prompts']} | {_fmt(row['tau'])} "
+            f"| {_fmt(row['reference_tau'])} "
+            f"| {_fmt(row['online_tau'])} | {_fmt(window.get('window_s'), 1)} "
+            f"| {_fmt(window.get('downtime_s'), 1)} | {len(row['warnings'])} |"
+        )
     lines += ["", "| prompt | host | tau | reference tau | ratio |", "| --- | --- | --- | --- | --- |"]
     for row in fleet["per_prompt"]:
-        lines.append(f"| {row['id']} | {row['host']} | {_fmt(row['tau'])} | {_fmt(row.get('reference_tau'))} "
-                     f"| {_fmt(row.get('ratio'))} |")
+        lines.append(
+            f"| {row['id']} | {row['host']} | {_fmt(row['tau'])} | {_fmt(row.get('reference_tau'))} "
+            f"| {_fmt(row.get('ratio'))} |"
+        )
     if fleet["warnings"]:
         lines += ["", "Warnings:", *[f"- {w}" for w in fleet["warnings"]]]
     return "\n".join(lines) + "\n"
@@ -169,26 +191,38 @@ def merge(request: Mapping[str, Any]) -> dict[str, Any]:
     out_dir = Path(str(request.get("out_dir") or ""))
     shards_dir = Path(str(request.get("shards_dir") or ""))
     if not request.get("out_dir") or not request.get("shards_dir"):
-        raise StageError("out_dir and shards_dir are required: where the fleet report goes, "
-                         "where the hosts' reports are")
+        raise StageError(
+            "out_dir and shards_dir are required: where the fleet report goes, where the hosts' reports are"
+        )
     windows = request.get("windows") or {}
     hosts = []
     for host in request.get("hosts") or []:
         path = shards_dir / f"{host}.json"
         if not path.is_file():
-            raise StageError(f"host {host}'s report {path} does not exist: its scoring did not run; "
-                             "rerun the evaluation for that host")
-        hosts.append({"host": host, "report": json.loads(path.read_text()),
-                      "window": windows.get(host) or {}})
+            raise StageError(
+                f"host {host}'s report {path} does not exist: its scoring did not run; "
+                "rerun the evaluation for that host"
+            )
+        hosts.append(
+            {"host": host, "report": json.loads(path.read_text()), "window": windows.get(host) or {}}
+        )
     fleet = merge_reports(hosts, request.get("rollout") or {})
-    figures = {"tau": fleet["overall"]["tau"], "reference_tau": (fleet["reference"] or {}).get("tau"),
-               "ratio": fleet["ratio"], "online_tau": (fleet["online"] or {}).get("tau"),
-               "n_prompts": len(fleet["per_prompt"]), "n_hosts": len(hosts),
-               "verdict": rep.verdict(fleet), "warnings": fleet["warnings"],
-               "wall_s": fleet["fleet"].get("wall_s"), "sum_window_s": fleet["fleet"]["sum_window_s"],
-               "per_host": [{"host": r["host"], "tau": r["tau"], **r["window"]} for r in fleet["per_host"]],
-               "report": str(out_dir / FLEET_REPORT_MD), "report_md": str(out_dir / FLEET_REPORT_MD),
-               "report_json": str(out_dir / FLEET_REPORT_JSON)}
+    figures = {
+        "tau": fleet["overall"]["tau"],
+        "reference_tau": (fleet["reference"] or {}).get("tau"),
+        "ratio": fleet["ratio"],
+        "online_tau": (fleet["online"] or {}).get("tau"),
+        "n_prompts": len(fleet["per_prompt"]),
+        "n_hosts": len(hosts),
+        "verdict": rep.verdict(fleet),
+        "warnings": fleet["warnings"],
+        "wall_s": fleet["fleet"].get("wall_s"),
+        "sum_window_s": fleet["fleet"]["sum_window_s"],
+        "per_host": [{"host": r["host"], "tau": r["tau"], **r["window"]} for r in fleet["per_host"]],
+        "report": str(out_dir / FLEET_REPORT_MD),
+        "report_md": str(out_dir / FLEET_REPORT_MD),
+        "report_json": str(out_dir / FLEET_REPORT_JSON),
+    }
     path = out_dir / FLEET_REPORT_JSON
     before = json.loads(path.read_text()) if path.is_file() else None
     # A run with windows has new timings to record; one without (nothing to extract) changes

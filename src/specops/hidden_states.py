@@ -42,16 +42,24 @@ class ShardFile:
     only when complete (temporary name, fsync, rename).
     """
 
-    def __init__(self, path: str | os.PathLike[str], layout: Sequence[tuple[str, str, Sequence[int]]],
-                 metadata: dict[str, str] | None = None, fsync: bool = True):
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        layout: Sequence[tuple[str, str, Sequence[int]]],
+        metadata: dict[str, str] | None = None,
+        fsync: bool = True,
+    ):
         self.path, self.fsync = Path(path), fsync
         header: dict[str, Any] = {}
         offset = 0
         self._expected: list[tuple[str, int]] = []
         for name, dtype, shape in layout:
             nbytes = _ITEMSIZE[dtype] * _numel(shape)
-            header[name] = {"dtype": _SAFETENSORS_DTYPES[dtype], "shape": list(shape),
-                            "data_offsets": [offset, offset + nbytes]}
+            header[name] = {
+                "dtype": _SAFETENSORS_DTYPES[dtype],
+                "shape": list(shape),
+                "data_offsets": [offset, offset + nbytes],
+            }
             self._expected.append((name, nbytes))
             offset += nbytes
         if metadata:
@@ -82,8 +90,10 @@ class ShardFile:
             expected, nbytes = self._expected[self._next]
             got = tensor.numel() * tensor.element_size()
             if name != expected or got != nbytes:
-                raise ValueError(f"{self.path.name}: got {name} ({got} bytes), the layout expects {expected} "
-                                 f"({nbytes} bytes) next")
+                raise ValueError(
+                    f"{self.path.name}: got {name} ({got} bytes), the layout expects {expected} "
+                    f"({nbytes} bytes) next"
+                )
             self._next += 1
             if nbytes:
                 views.append(memoryview(_byte_view(tensor)))
@@ -92,6 +102,7 @@ class ShardFile:
                 self._digest.update(view)
                 self._write(view)
             return
+
         def digest() -> None:
             for view in views:
                 self._digest.update(view)
@@ -110,8 +121,9 @@ class ShardFile:
 
     def finish(self) -> dict[str, Any]:
         if self._next != len(self._expected):
-            raise ValueError(f"{self.path.name}: {len(self._expected) - self._next} tensors were never "
-                             f"written")
+            raise ValueError(
+                f"{self.path.name}: {len(self._expected) - self._next} tensors were never written"
+            )
         try:
             if self.fsync:
                 os.fsync(self._handle.fileno())
@@ -136,8 +148,12 @@ class ShardFile:
             view = view[written:]
 
 
-def write_shard(path: str | os.PathLike[str], tensors: Sequence[tuple[str, Any]],
-                metadata: dict[str, str] | None = None, fsync: bool = True) -> dict[str, Any]:
+def write_shard(
+    path: str | os.PathLike[str],
+    tensors: Sequence[tuple[str, Any]],
+    metadata: dict[str, str] | None = None,
+    fsync: bool = True,
+) -> dict[str, Any]:
     """Write torch tensors as one safetensors file, atomically; returns {"size", "sha256"}."""
     layout = [(name, str(t.dtype).removeprefix("torch."), tuple(t.shape)) for name, t in tensors]
     shard = ShardFile(path, layout, metadata, fsync)
@@ -167,8 +183,14 @@ def _byte_view(tensor):
 class HiddenStates:
     """A finished extraction: `.manifest`, `.layer_ids`, `.records`; iterate for (meta, ids, states)."""
 
-    def __init__(self, directory: Path, manifest: dict[str, Any], columns: list[int] | None = None,
-                 verify: bool = True, _verified: set[str] | None = None):
+    def __init__(
+        self,
+        directory: Path,
+        manifest: dict[str, Any],
+        columns: list[int] | None = None,
+        verify: bool = True,
+        _verified: set[str] | None = None,
+    ):
         self.directory = directory
         self.manifest = manifest
         self.captured_layer_ids: list[int] = list(manifest["layer_ids"])
@@ -197,7 +219,8 @@ class HiddenStates:
             raise HiddenStatesError(
                 f"layers {missing} were not captured in {self.directory} (captured: "
                 f"{self.captured_layer_ids}): "
-                "rerun extract_hidden_states with layer_ids/capture_offsets that include them")
+                "rerun extract_hidden_states with layer_ids/capture_offsets that include them"
+            )
         columns = [self.captured_layer_ids.index(k) for k in layer_ids]
         return HiddenStates(self.directory, self.manifest, columns, self.verify, self._verified)
 
@@ -242,7 +265,8 @@ class HiddenStates:
         if size != expected["size"]:
             raise HiddenStatesError(
                 f"shard {path} is truncated or altered ({size} bytes, the manifest says "
-                f"{expected['size']}): {rerun}")
+                f"{expected['size']}): {rerun}"
+            )
         if self.verify and name not in self._verified:
             if sha256_file(path) != expected["sha256"]:
                 raise HiddenStatesError(f"shard {path} does not match its checksum in the manifest: {rerun}")
@@ -256,7 +280,8 @@ def open_hidden_states(directory: str | os.PathLike[str], verify: bool = True) -
     if not path.is_file():
         raise HiddenStatesError(
             f"{path} does not exist: the extraction into {directory} did not finish; run "
-            f"extract_hidden_states")
+            f"extract_hidden_states"
+        )
     try:
         manifest = json.loads(path.read_text())
     except json.JSONDecodeError as error:

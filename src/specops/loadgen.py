@@ -22,8 +22,13 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-PROMPTS = ("def fibonacci(n):", "Write a function that reverses a string.", "class Stack:",
-           "import numpy as np\n", "Sort a list of tuples by their second item.")
+PROMPTS = (
+    "def fibonacci(n):",
+    "Write a function that reverses a string.",
+    "class Stack:",
+    "import numpy as np\n",
+    "Sort a list of tuples by their second item.",
+)
 
 
 def require_loopback(url: str) -> None:
@@ -62,8 +67,16 @@ def summarize(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
 
 
 class LoadGenerator:
-    def __init__(self, url: str, concurrency: int, max_requests: int, max_seconds: float,
-                 max_new_tokens: int, timeout: float, stop_file: Path | None):
+    def __init__(
+        self,
+        url: str,
+        concurrency: int,
+        max_requests: int,
+        max_seconds: float,
+        max_new_tokens: int,
+        timeout: float,
+        stop_file: Path | None,
+    ):
         self.url = url.rstrip("/") + "/generate"
         self.concurrency = concurrency
         self.max_requests = max_requests
@@ -85,10 +98,16 @@ class LoadGenerator:
             return self._sent - 1
 
     def _one(self, number: int) -> dict[str, Any]:
-        body = {"text": PROMPTS[number % len(PROMPTS)],
-                "sampling_params": {"max_new_tokens": self.max_new_tokens, "temperature": 0}}
-        request = urllib.request.Request(self.url, data=json.dumps(body).encode(), method="POST",
-                                         headers={"Content-Type": "application/json"})
+        body = {
+            "text": PROMPTS[number % len(PROMPTS)],
+            "sampling_params": {"max_new_tokens": self.max_new_tokens, "temperature": 0},
+        }
+        request = urllib.request.Request(
+            self.url,
+            data=json.dumps(body).encode(),
+            method="POST",
+            headers={"Content-Type": "application/json"},
+        )
         start, status, error = time.time(), -1, None
         began = time.monotonic()
         try:
@@ -99,8 +118,14 @@ class LoadGenerator:
             status, error = exc.code, exc.read()[:200].decode("utf-8", "replace")
         except (OSError, ValueError) as exc:
             error = f"{type(exc).__name__}: {exc}"
-        return {"n": number, "start": start, "latency_s": time.monotonic() - began, "status": status,
-                "ok": status == 200, "error": error}
+        return {
+            "n": number,
+            "start": start,
+            "latency_s": time.monotonic() - began,
+            "status": status,
+            "ok": status == 200,
+            "error": error,
+        }
 
     def _worker(self) -> None:
         while (number := self._next()) is not None:
@@ -129,9 +154,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeout", type=float, default=120.0, help="seconds to wait for one answer")
     args = parser.parse_args(argv)
     require_loopback(args.url)
-    generator = LoadGenerator(args.url, args.concurrency, args.max_requests, args.max_seconds,
-                              args.max_new_tokens, args.timeout,
-                              Path(args.stop_file) if args.stop_file else None)
+    generator = LoadGenerator(
+        args.url,
+        args.concurrency,
+        args.max_requests,
+        args.max_seconds,
+        args.max_new_tokens,
+        args.timeout,
+        Path(args.stop_file) if args.stop_file else None,
+    )
     rows = generator.run()
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

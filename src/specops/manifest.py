@@ -105,8 +105,11 @@ def first_damaged_file(directory: str | os.PathLike[str], files: dict[str, Any])
 def matches(path: str | os.PathLike[str], digest: dict[str, Any]) -> bool:
     """The file exists with the recorded size and sha256 (size first: cheap, and tells most apart)."""
     path = Path(path)
-    return (path.is_file() and path.stat().st_size == digest.get("size")
-            and sha256_file(path) == digest.get("sha256"))
+    return (
+        path.is_file()
+        and path.stat().st_size == digest.get("size")
+        and sha256_file(path) == digest.get("sha256")
+    )
 
 
 def write_manifest(

@@ -22,15 +22,20 @@ STEPS_PER_FORWARD = 8
 
 
 @torch.inference_mode()
-def closest_call(drafter: DFlashDrafter, head: TargetHead, sequence: SequenceInput,
-                 block_starts: Sequence[int], accept_lengths: Sequence[int]) -> dict[str, Any]:
+def closest_call(
+    drafter: DFlashDrafter,
+    head: TargetHead,
+    sequence: SequenceInput,
+    block_starts: Sequence[int],
+    accept_lengths: Sequence[int],
+) -> dict[str, Any]:
     """{"closest": smallest deciding margin or None, "block_start", "position"} of one walked sequence."""
     group = _Group(drafter, head, [sequence])
     length = sequence.input_ids.shape[0]
     bs = drafter.block_size
     best: dict[str, Any] = {"closest": None, "block_start": None, "position": None}
     for first in range(0, len(block_starts), STEPS_PER_FORWARD):
-        starts = torch.tensor([list(block_starts[first:first + STEPS_PER_FORWARD])], device=head.device)
+        starts = torch.tensor([list(block_starts[first : first + STEPS_PER_FORWARD])], device=head.device)
         anchors = group.ids.gather(1, starts)
         embeds = drafter.block_embeddings(head.embed, anchors.clamp_min(0))
         hidden = drafter(embeds, starts, group.context)[:, :, 1:]

@@ -46,20 +46,39 @@ def render_plots(report: Mapping[str, Any], out_dir: str | Path) -> list[str]:
     fig, ax = plt.subplots(figsize=(max(6.0, 0.35 * len(rows) + 2), 4))
     x = list(range(len(rows)))
     width = 0.4 if reference else 0.8
-    ax.bar([i - width / 2 if reference else i for i in x], [r["tau"] or 0 for r in rows], width,
-           label=f"{drafter_label} (tau {rep._fmt(overall['tau'])})")
+    ax.bar(
+        [i - width / 2 if reference else i for i in x],
+        [r["tau"] or 0 for r in rows],
+        width,
+        label=f"{drafter_label} (tau {rep._fmt(overall['tau'])})",
+    )
     if reference:
-        ax.bar([i + width / 2 for i in x], [r["reference_tau"] or 0 for r in rows], width,
-               label=f"{reference_label} (tau {rep._fmt(reference['tau'])})")
-    online_points = [(i, r["online_tau"]) for i, r in zip(x, rows, strict=True)
-                     if r["online_tau"] is not None]
+        ax.bar(
+            [i + width / 2 for i in x],
+            [r["reference_tau"] or 0 for r in rows],
+            width,
+            label=f"{reference_label} (tau {rep._fmt(reference['tau'])})",
+        )
+    online_points = [
+        (i, r["online_tau"]) for i, r in zip(x, rows, strict=True) if r["online_tau"] is not None
+    ]
     if online_points:
-        ax.scatter([p[0] for p in online_points], [p[1] for p in online_points], marker="D", color="black",
-                   zorder=3, label="SGLang online")
+        ax.scatter(
+            [p[0] for p in online_points],
+            [p[1] for p in online_points],
+            marker="D",
+            color="black",
+            zorder=3,
+            label="SGLang online",
+        )
     ax.set_xticks(x)
     ax.set_xticklabels([str(r["id"]) for r in rows], rotation=60, ha="right", fontsize=7)
-    tallest = max([r["tau"] or 0 for r in rows] + [r["reference_tau"] or 0 for r in rows]
-                  + [p[1] for p in online_points] + [1.0])
+    tallest = max(
+        [r["tau"] or 0 for r in rows]
+        + [r["reference_tau"] or 0 for r in rows]
+        + [p[1] for p in online_points]
+        + [1.0]
+    )
     ax.set_ylim(0, tallest * 1.3)  # headroom so the legend does not hide the bars
     ax.set_ylabel("tau (accepted tokens per verify step)")
     ax.set_title("tau per prompt")
@@ -109,12 +128,18 @@ def render_comparison(summary: Mapping[str, Any], out_dir: str | Path) -> str:
         taus.append(summary["reference"]["tau"] or 0)
         speedups.append((summary.get("speedup_model") or {}).get("reference_expected"))
     fig, ax = plt.subplots(figsize=(max(5.0, 0.8 * len(names) + 2), 4))
-    bars = ax.bar(range(len(names)), taus,
-                  color=["tab:blue"] * len(rows) + ["tab:orange"] * (len(names) - len(rows)))
+    bars = ax.bar(
+        range(len(names)), taus, color=["tab:blue"] * len(rows) + ["tab:orange"] * (len(names) - len(rows))
+    )
     for bar, speedup in zip(bars, speedups, strict=True):
         if speedup is not None:
-            ax.annotate(f"{speedup:.2f}x", (bar.get_x() + bar.get_width() / 2, bar.get_height()),
-                        ha="center", va="bottom", fontsize=8)
+            ax.annotate(
+                f"{speedup:.2f}x",
+                (bar.get_x() + bar.get_width() / 2, bar.get_height()),
+                ha="center",
+                va="bottom",
+                fontsize=8,
+            )
     ax.set_xticks(range(len(names)))
     ax.set_xticklabels(names, rotation=30, ha="right", fontsize=8)
     ax.set_ylim(0, max(taus + [1.0]) * 1.2)
@@ -130,15 +155,24 @@ def render_trend(runs: Sequence[Mapping[str, Any]], drafters: Sequence[str], out
     fig, ax = plt.subplots(figsize=(max(6.0, 0.5 * len(runs) + 2), 4))
     x = list(range(len(runs)))
     for name in drafters:
-        points = [(i, run["tau"][name]) for i, run in zip(x, runs, strict=True)
-                  if run["tau"].get(name) is not None]
+        points = [
+            (i, run["tau"][name]) for i, run in zip(x, runs, strict=True) if run["tau"].get(name) is not None
+        ]
         if points:
             ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=name)
-    references = [(i, run.get("reference_tau")) for i, run in zip(x, runs, strict=True)
-                  if run.get("reference_tau") is not None]
+    references = [
+        (i, run.get("reference_tau"))
+        for i, run in zip(x, runs, strict=True)
+        if run.get("reference_tau") is not None
+    ]
     if references:
-        ax.plot([p[0] for p in references], [p[1] for p in references], linestyle="--", color="gray",
-                label="reference")
+        ax.plot(
+            [p[0] for p in references],
+            [p[1] for p in references],
+            linestyle="--",
+            color="gray",
+            label="reference",
+        )
     ax.set_xticks(x)
     ax.set_xticklabels([run["run_id"] for run in runs], rotation=60, ha="right", fontsize=7)
     ax.set_ylabel("tau")

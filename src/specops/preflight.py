@@ -42,8 +42,10 @@ def read_config(path: Path, what: str) -> dict[str, Any]:
     except FileNotFoundError:
         raise StageError(f"{what} {path} does not exist") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as error:
-        raise StageError(f"{what} {path} is not valid JSON ({error}): the file is damaged; copy it again "
-                         f"from where the model came from") from None
+        raise StageError(
+            f"{what} {path} is not valid JSON ({error}): the file is damaged; copy it again "
+            f"from where the model came from"
+        ) from None
     if not isinstance(config, dict):
         raise StageError(f"{what} {path} is not a JSON object: the file is damaged")
     return config
@@ -55,9 +57,11 @@ def check_drafter(drafter: str | os.PathLike[str], target_dir: Path, target_voca
     config = read_config(path, "drafter config")
     vocab = config.get("vocab_size")
     if vocab is not None and vocab != target_vocab_size:
-        raise StageError(f"{path}: vocab_size {vocab} differs from the target's {target_vocab_size} "
-                         f"({target_dir / 'config.json'}): the drafter was built for another target or "
-                         f"tokenizer; point drafter at the one trained for this target")
+        raise StageError(
+            f"{path}: vocab_size {vocab} differs from the target's {target_vocab_size} "
+            f"({target_dir / 'config.json'}): the drafter was built for another target or "
+            f"tokenizer; point drafter at the one trained for this target"
+        )
     error = diag.mask_token_error(diag.vocabulary_check(config, target_dir))
     if error:
         raise StageError(f"{path}: {error}")
@@ -70,8 +74,10 @@ def check_completions_file(path: Path) -> None:
     if not recorded or not path.is_file():
         return
     if not matches(path, recorded):
-        raise StageError(f"{path} does not match the sha256 in {path.parent / MANIFEST_NAME} (damaged or "
-                         f"edited): rerun sglang_completions, which fetches it again")
+        raise StageError(
+            f"{path} does not match the sha256 in {path.parent / MANIFEST_NAME} (damaged or "
+            f"edited): rerun sglang_completions, which fetches it again"
+        )
 
 
 def free_bytes(directory: Path) -> int:
@@ -101,17 +107,29 @@ def check_disk(out_dir: Path, needed: int, reserve: int = 0) -> None:
         raise StageError(
             f"not enough disk space for {out_dir}: the hidden states need {format_bytes(needed)}{kept}, "
             f"{format_bytes(free)} are free: free space, choose another out_dir, or extract fewer "
-            f"records/layers")
+            f"records/layers"
+        )
 
 
-def estimate_seconds(device_type: str, weights_bytes: int, weight_itemsize: int, layers_run: int,
-                     num_layers: int, tokens: int, forwards: int, parity_tokens: int,
-                     write_bytes: int) -> float:
+def estimate_seconds(
+    device_type: str,
+    weights_bytes: int,
+    weight_itemsize: int,
+    layers_run: int,
+    num_layers: int,
+    tokens: int,
+    forwards: int,
+    parity_tokens: int,
+    write_bytes: int,
+) -> float:
     """A pessimistic duration of the extraction: start, load, forwards (only the layers run), writes."""
     params = weights_bytes / max(weight_itemsize, 1) * layers_run / max(num_layers, 1)
     flops = ASSUMED_FLOPS.get(device_type, ASSUMED_FLOPS["cpu"])
     per_forward = PER_FORWARD_S.get(device_type, PER_FORWARD_S["cpu"])
     computed = tokens + PARITY_PASSES * parity_tokens
-    compute = (2.0 * params * computed / flops + forwards * per_forward
-               + computed * PER_TOKEN_S.get(device_type, PER_TOKEN_S["cpu"]))
+    compute = (
+        2.0 * params * computed / flops
+        + forwards * per_forward
+        + computed * PER_TOKEN_S.get(device_type, PER_TOKEN_S["cpu"])
+    )
     return STARTUP_S + weights_bytes / LOAD_BYTES_PER_S + compute + write_bytes / WRITE_BYTES_PER_S

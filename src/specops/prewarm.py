@@ -39,15 +39,22 @@ from specops.schema import Option, Schema
 from specops.stage import StageError, log, serve
 
 # The batching options are the extraction's own, so the shapes tuned are the ones it runs.
-REQUEST = Schema("prewarm", (
-    Option("target", "path", "Target model directory (config.json and *.safetensors).", required=True),
-    Option("completions", "path", "The sglang_completions output directory.", required=True),
-    *(EXTRACT_REQUEST.option(name) for name in ("batch_tokens", "shard_tokens", "dtype", "device")),
-    Option("read_weights", "bool", "Read the target's weights into the page cache.", default=True),
-    Option("tune_kernels", "bool", "Compile and autotune fla's kernels for the planned batch shapes.",
-           default=True),
-    Option("max_shapes", "int", "Most distinct batch shapes to tune.", default=64),
-))
+REQUEST = Schema(
+    "prewarm",
+    (
+        Option("target", "path", "Target model directory (config.json and *.safetensors).", required=True),
+        Option("completions", "path", "The sglang_completions output directory.", required=True),
+        *(EXTRACT_REQUEST.option(name) for name in ("batch_tokens", "shard_tokens", "dtype", "device")),
+        Option("read_weights", "bool", "Read the target's weights into the page cache.", default=True),
+        Option(
+            "tune_kernels",
+            "bool",
+            "Compile and autotune fla's kernels for the planned batch shapes.",
+            default=True,
+        ),
+        Option("max_shapes", "int", "Most distinct batch shapes to tune.", default=64),
+    ),
+)
 DEFAULTS: dict[str, Any] = REQUEST.defaults
 REQUIRED = REQUEST.required
 READ_CHUNK = 64 << 20
@@ -84,8 +91,10 @@ def read_into_page_cache(files: Sequence[Path]) -> dict[str, Any]:
     total = sum(f.stat().st_size for f in files)
     available = available_memory_bytes()
     if available is not None and total > available * PAGE_CACHE_SHARE:
-        reason = (f"{total / 2**30:.1f} GiB of weights would not fit in {available / 2**30:.1f} GiB of "
-                  "available host memory")
+        reason = (
+            f"{total / 2**30:.1f} GiB of weights would not fit in {available / 2**30:.1f} GiB of "
+            "available host memory"
+        )
         return {"done": False, "bytes": total, "reason": reason}
     buffer = bytearray(READ_CHUNK)
     view = memoryview(buffer)
@@ -97,8 +106,13 @@ def read_into_page_cache(files: Sequence[Path]) -> dict[str, Any]:
             while handle.readinto(view):
                 pass
     seconds = time.perf_counter() - started
-    return {"done": True, "bytes": total, "files": len(files), "s": round(seconds, 3),
-            "gb_per_s": round(total / seconds / 1e9, 2) if seconds else None}
+    return {
+        "done": True,
+        "bytes": total,
+        "files": len(files),
+        "s": round(seconds, 3),
+        "gb_per_s": round(total / seconds / 1e9, 2) if seconds else None,
+    }
 
 
 Shape = tuple[int, int, bool]
@@ -139,8 +153,12 @@ def tune_kernels(target: Path, shapes: Sequence[Shape], device: Any, dtype: Any)
     modeling = modeling_module_for(config)
     plan = planned_backends(modeling) if modeling is not None else {}
     if device.type != "cuda" or plan.get("gated_delta_rule") != "fla":
-        return {"done": False, "reason": f"nothing to tune: device {device}, gated_delta_rule "
-                f"{plan.get('gated_delta_rule')} (fla's kernels run on CUDA only)", "backends": plan}
+        return {
+            "done": False,
+            "reason": f"nothing to tune: device {device}, gated_delta_rule "
+            f"{plan.get('gated_delta_rule')} (fla's kernels run on CUDA only)",
+            "backends": plan,
+        }
     cut = one_layer_of_each_kind(config)
     started = time.perf_counter()
     with torch.device(device):
@@ -154,8 +172,9 @@ def tune_kernels(target: Path, shapes: Sequence[Shape], device: Any, dtype: Any)
             t0 = time.perf_counter()
             # Rows after the first are shorter when the planned batch is padded, so it gets a mask too.
             lengths = [max(1, width - (i if padded else 0)) for i in range(size)]
-            records = [Record(i, i, torch.randint(0, cut.vocab_size, (n,)).numpy(), 0)
-                       for i, n in enumerate(lengths)]
+            records = [
+                Record(i, i, torch.randint(0, cut.vocab_size, (n,)).numpy(), 0) for i, n in enumerate(lengths)
+            ]
             ids, mask = pad_batch(records)
             capture(ids.to(device), None if mask is None else mask.to(device))
             torch.cuda.synchronize(device)
@@ -163,9 +182,15 @@ def tune_kernels(target: Path, shapes: Sequence[Shape], device: Any, dtype: Any)
             timings.append({"batch": size, "tokens": width, "padded": padded, "s": seconds})
     del model
     torch.cuda.empty_cache()
-    return {"done": True, "layers": cut.num_hidden_layers, "build_s": round(build_s, 3), "shapes": timings,
-            "s": round(time.perf_counter() - started, 3), "backends": plan,
-            "triton_cache_dir": os.environ.get("TRITON_CACHE_DIR")}
+    return {
+        "done": True,
+        "layers": cut.num_hidden_layers,
+        "build_s": round(build_s, 3),
+        "shapes": timings,
+        "s": round(time.perf_counter() - started, 3),
+        "backends": plan,
+        "triton_cache_dir": os.environ.get("TRITON_CACHE_DIR"),
+    }
 
 
 def _inputs(req: dict[str, Any]) -> tuple[Path, list[Shape], int]:
@@ -178,8 +203,12 @@ def _inputs(req: dict[str, Any]) -> tuple[Path, list[Shape], int]:
 def plan(request: dict[str, Any]) -> dict[str, Any]:
     req = parse_request(request)
     target, shapes, total = _inputs(req)
-    return {"changed": True, "weights_bytes": sum(f.stat().st_size for f in weight_files(target)),
-            "shapes": [list(s) for s in shapes], "shapes_planned": total}
+    return {
+        "changed": True,
+        "weights_bytes": sum(f.stat().st_size for f in weight_files(target)),
+        "shapes": [list(s) for s in shapes],
+        "shapes_planned": total,
+    }
 
 
 def run(request: dict[str, Any]) -> dict[str, Any]:

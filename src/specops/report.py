@@ -129,12 +129,17 @@ def online_from_offline(accept_lengths: Sequence[int], num_draft_tokens: int | N
         rate = (walked - steps) / (steps * (num_draft_tokens - 1))
     else:
         rate = None
-    return {"spec_verify_ct": steps, "completion_tokens": walked + 1,
-            "spec_accept_length": (walked + 1) / steps if steps else 0, "spec_accept_rate": rate}
+    return {
+        "spec_verify_ct": steps,
+        "completion_tokens": walked + 1,
+        "spec_accept_length": (walked + 1) / steps if steps else 0,
+        "spec_accept_rate": rate,
+    }
 
 
-def online_comparison(online: Mapping[str, Mapping[str, Any]], scores: Mapping[str, Any] | None,
-                      server_drafter: str) -> dict[str, Any] | None:
+def online_comparison(
+    online: Mapping[str, Mapping[str, Any]], scores: Mapping[str, Any] | None, server_drafter: str
+) -> dict[str, Any] | None:
     """SGLang's online tau next to the offline tau of the drafter the server ran, on the same prompts.
 
     online: {id: {"tau", "verify_ct", "completion_tokens"}}; scores: that drafter's offline
@@ -154,8 +159,13 @@ def online_comparison(online: Mapping[str, Mapping[str, Any]], scores: Mapping[s
     online_steps = sum(online[i]["verify_ct"] for i in ids)
     online_tokens = sum(online[i]["completion_tokens"] for i in ids)
     mismatched = [
-        {"id": i, "online_tau": online[i]["tau"], "expected_tau": expected[i]["spec_accept_length"],
-         "online_verify_ct": online[i]["verify_ct"], "expected_verify_ct": expected[i]["spec_verify_ct"]}
+        {
+            "id": i,
+            "online_tau": online[i]["tau"],
+            "expected_tau": expected[i]["spec_accept_length"],
+            "online_verify_ct": online[i]["verify_ct"],
+            "expected_verify_ct": expected[i]["spec_verify_ct"],
+        }
         for i in ids
         if abs(online[i]["tau"] - expected[i]["spec_accept_length"]) > ONLINE_AGREEMENT_TOLERANCE
         or online[i]["verify_ct"] != expected[i]["spec_verify_ct"]
@@ -191,8 +201,10 @@ def build_report(
     """
     for diagnostic in diagnostics:
         if diagnostic["status"] not in STATUSES:
-            raise ValueError(f"diagnostic {diagnostic['name']}: status {diagnostic['status']!r} "
-                             f"is not one of {', '.join(STATUSES)}")
+            raise ValueError(
+                f"diagnostic {diagnostic['name']}: status {diagnostic['status']!r} "
+                f"is not one of {', '.join(STATUSES)}"
+            )
     online = online or {}
     overall = summarize(drafter["sequences"], drafter["block_size"])
     reference_overall = summarize(reference["sequences"], reference["block_size"]) if reference else None
@@ -243,13 +255,14 @@ def verdict(report: Mapping[str, Any]) -> str:
     warned = [d["name"] for d in report["diagnostics"] if d["status"] == "warning"]
     if warned:
         line += f"; {len(warned)} diagnostic{'s' if len(warned) > 1 else ''} warn: {', '.join(warned)}"
-    causes = [d["details"]["cause"] for d in report["diagnostics"]
-              if d["status"] == "warning" and (d.get("details") or {}).get("cause")]
+    causes = [
+        d["details"]["cause"]
+        for d in report["diagnostics"]
+        if d["status"] == "warning" and (d.get("details") or {}).get("cause")
+    ]
     if causes:
         line += f"; likely cause: {'; '.join(causes)}"
     return line
-
-
 
 
 def comparison_rows(reports: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
@@ -258,14 +271,16 @@ def comparison_rows(reports: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]
     for report in reports:
         by_pos = report["overall"]["acceptance_by_position"]["rate"]
         speedup = report.get("speedup") or {}
-        rows.append({
-            "name": report["name"],
-            "tau": report["overall"]["tau"],
-            "ratio": report.get("ratio"),
-            "position_1": by_pos[0] if by_pos else None,
-            "expected_speedup": speedup.get("expected"),
-            "warnings": [d["name"] for d in report["diagnostics"] if d["status"] == "warning"],
-        })
+        rows.append(
+            {
+                "name": report["name"],
+                "tau": report["overall"]["tau"],
+                "ratio": report.get("ratio"),
+                "position_1": by_pos[0] if by_pos else None,
+                "expected_speedup": speedup.get("expected"),
+                "warnings": [d["name"] for d in report["diagnostics"] if d["status"] == "warning"],
+            }
+        )
     return rows
 
 
@@ -284,9 +299,12 @@ def summary_verdict(summary: Mapping[str, Any]) -> str:
     return line
 
 
-def build_summary(run: Mapping[str, Any], reports: Sequence[Mapping[str, Any]],
-                  speedup_model: Mapping[str, Any] | None = None,
-                  history: Mapping[str, Any] | None = None) -> dict[str, Any]:
+def build_summary(
+    run: Mapping[str, Any],
+    reports: Sequence[Mapping[str, Any]],
+    speedup_model: Mapping[str, Any] | None = None,
+    history: Mapping[str, Any] | None = None,
+) -> dict[str, Any]:
     """report.json of the run: every drafter's report, the comparison, the speedup model, the history.
 
     The first drafter's figures also stand at the top level (overall, ratio, per_prompt,
@@ -302,8 +320,9 @@ def build_summary(run: Mapping[str, Any], reports: Sequence[Mapping[str, Any]],
         "comparison": comparison_rows(reports),
         "reference": first.get("reference"),
         "online": first.get("online"),
-        "online_comparison": next((r["online_comparison"] for r in reports if r.get("online_comparison")),
-                                  None),
+        "online_comparison": next(
+            (r["online_comparison"] for r in reports if r.get("online_comparison")), None
+        ),
         "speedup_model": dict(speedup_model) if speedup_model else None,
         "history": dict(history) if history else None,
         "overall": first["overall"],
@@ -320,6 +339,7 @@ def build_summary(run: Mapping[str, Any], reports: Sequence[Mapping[str, Any]],
 # Markdown: the layout lives in specops/templates
 # ----------------------------------------------------------------------------------------------
 
+
 def _cell(text: Any) -> str:
     return str(text).replace("|", "\\|").replace("\n", " ")
 
@@ -330,12 +350,17 @@ def _environment():
     env = jinja2.Environment(
         loader=jinja2.PackageLoader("specops", "templates"),
         undefined=jinja2.StrictUndefined,  # a misspelt field fails the render instead of printing ""
-        trim_blocks=True, lstrip_blocks=True, keep_trailing_newline=True, autoescape=False,
+        trim_blocks=True,
+        lstrip_blocks=True,
+        keep_trailing_newline=True,
+        autoescape=False,
     )
     env.filters.update(fmt=_fmt, cell=_cell)
-    env.globals.update(verdict=verdict, titles=PLOT_TITLES,
-                       marks={"ok": "OK", "warning": "WARNING", "inconclusive": "INCONCLUSIVE",
-                              "skipped": "skipped"})
+    env.globals.update(
+        verdict=verdict,
+        titles=PLOT_TITLES,
+        marks={"ok": "OK", "warning": "WARNING", "inconclusive": "INCONCLUSIVE", "skipped": "skipped"},
+    )
     return env
 
 
@@ -344,8 +369,9 @@ def render_markdown(report: Mapping[str, Any], plots: Sequence[str] = PLOT_FILES
     return _environment().get_template("drafter.md.j2").render(report=report, plots=list(plots))
 
 
-def render_summary(summary: Mapping[str, Any], plot_dirs: Mapping[str, str],
-                   plots: Sequence[str] = ()) -> str:
+def render_summary(
+    summary: Mapping[str, Any], plot_dirs: Mapping[str, str], plots: Sequence[str] = ()
+) -> str:
     """The run's report.md: verdict, comparison, optional sections, speedup, history, each drafter.
 
     plot_dirs: drafter name -> its directory relative to report.md; plots: the summary's own PNGs.
@@ -354,4 +380,5 @@ def render_summary(summary: Mapping[str, Any], plot_dirs: Mapping[str, str],
     present = set(env.list_templates())
     sections = [key for key in OPTIONAL_SECTIONS if summary.get(key) and f"sections/{key}.md.j2" in present]
     return env.get_template("report.md.j2").render(
-        summary=summary, plot_dirs=plot_dirs, plots=list(plots), sections=sections)
+        summary=summary, plot_dirs=plot_dirs, plots=list(plots), sections=sections
+    )

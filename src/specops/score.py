@@ -75,37 +75,81 @@ FLOAT32_MEMORY_SHARE = 0.25
 # Runs of the history the stage result (and so AWX) carries.
 TREND_RUNS = 20
 DEVICES = ("auto", "cpu", "cuda")
-REQUEST = Schema(STAGE, (
-    Option("hidden_states", "path", "The extract_hidden_states output directory (manifest.json, shards).",
-           required=True),
-    Option("completions", "path", "The sglang_completions output directory, for SGLang's online tau."),
-    Option("target", "path", "The target model directory (embed_tokens, lm_head, tokenizer).", required=True),
-    Option("drafter", "list", "The drafter checkpoint directory, or a list of them.", required=True,
-           elements="path"),
-    Option("reference_drafter", "path", "A drafter to compare with, scored on the same hidden states."),
-    Option("server_drafter", "str", "Which drafter the SGLang server speculated with: drafter, a drafter's "
-           "name, reference, or '' when unknown.", default=""),
-    Option("out_dir", "path", "Directory the report is written to.", required=True),
-    # The server is back on the GPUs when scoring runs: a GPU only when asked.
-    Option("device", "str", "Where to score: cpu, cuda, cuda:N, or auto (a CUDA GPU when torch sees one).",
-           default="cpu"),
-    Option("gpu_memory_gib", "float", "On a GPU, the most memory scoring may allocate; 0 sets no limit.",
-           default=0.0),
-    Option("dtype", "str", "Precision of the drafter and the target head.", default="auto",
-           choices=DTYPES),
-    Option("diagnostics", "list", "Which diagnostics to run.", default=list(diag.DIAGNOSTICS),
-           choices=diag.DIAGNOSTICS, elements="str"),
-    Option("layer_offset_tolerance", "float", "A layer shift warns when its tau beats the configured layers' "
-           "by more than this fraction.", default=diag.DEFAULT_LAYER_OFFSET_TOLERANCE),
-    Option("step_costs", "dict", "Measured draft_cost and verify_cost in target decode steps; empty to "
-           "estimate them."),
-    Option("history", "path", "Directory of past runs (index.jsonl and one directory per run)."),
-    Option("force", "bool", "Score again even when the report is up to date.", default=False),
-))
+REQUEST = Schema(
+    STAGE,
+    (
+        Option(
+            "hidden_states",
+            "path",
+            "The extract_hidden_states output directory (manifest.json, shards).",
+            required=True,
+        ),
+        Option("completions", "path", "The sglang_completions output directory, for SGLang's online tau."),
+        Option(
+            "target", "path", "The target model directory (embed_tokens, lm_head, tokenizer).", required=True
+        ),
+        Option(
+            "drafter",
+            "list",
+            "The drafter checkpoint directory, or a list of them.",
+            required=True,
+            elements="path",
+        ),
+        Option("reference_drafter", "path", "A drafter to compare with, scored on the same hidden states."),
+        Option(
+            "server_drafter",
+            "str",
+            "Which drafter the SGLang server speculated with: drafter, a drafter's "
+            "name, reference, or '' when unknown.",
+            default="",
+        ),
+        Option("out_dir", "path", "Directory the report is written to.", required=True),
+        # The server is back on the GPUs when scoring runs: a GPU only when asked.
+        Option(
+            "device",
+            "str",
+            "Where to score: cpu, cuda, cuda:N, or auto (a CUDA GPU when torch sees one).",
+            default="cpu",
+        ),
+        Option(
+            "gpu_memory_gib",
+            "float",
+            "On a GPU, the most memory scoring may allocate; 0 sets no limit.",
+            default=0.0,
+        ),
+        Option(
+            "dtype", "str", "Precision of the drafter and the target head.", default="auto", choices=DTYPES
+        ),
+        Option(
+            "diagnostics",
+            "list",
+            "Which diagnostics to run.",
+            default=list(diag.DIAGNOSTICS),
+            choices=diag.DIAGNOSTICS,
+            elements="str",
+        ),
+        Option(
+            "layer_offset_tolerance",
+            "float",
+            "A layer shift warns when its tau beats the configured layers' by more than this fraction.",
+            default=diag.DEFAULT_LAYER_OFFSET_TOLERANCE,
+        ),
+        Option(
+            "step_costs",
+            "dict",
+            "Measured draft_cost and verify_cost in target decode steps; empty to estimate them.",
+        ),
+        Option("history", "path", "Directory of past runs (index.jsonl and one directory per run)."),
+        Option("force", "bool", "Score again even when the report is up to date.", default=False),
+    ),
+)
 # The target's files that identify it cheaply; its weights are tens of GB and the hidden-state
 # manifest already fingerprints the model they came from.
 TARGET_IDENTITY_FILES = (
-    "config.json", "tokenizer.json", "tokenizer_config.json", "model.safetensors.index.json",
+    "config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "model.safetensors.index.json",
 )
 
 
@@ -162,8 +206,10 @@ def _step_costs(value: Any) -> tuple[tuple[str, float], ...]:
     if not value:
         return ()
     if not isinstance(value, Mapping) or set(value) != {"draft_cost", "verify_cost"}:
-        raise StageError(f"step_costs {value!r} must be a mapping with draft_cost and verify_cost (in target "
-                         "decode steps, as benchmarks/speedup_h200.py measures them), or empty")
+        raise StageError(
+            f"step_costs {value!r} must be a mapping with draft_cost and verify_cost (in target "
+            "decode steps, as benchmarks/speedup_h200.py measures them), or empty"
+        )
     costs = {k: float(v) for k, v in value.items()}
     if costs["draft_cost"] < 0 or costs["verify_cost"] <= 0:
         raise StageError(f"step_costs {costs} must be positive: draft_cost >= 0, verify_cost > 0")
@@ -171,13 +217,16 @@ def _step_costs(value: Any) -> tuple[tuple[str, float], ...]:
 
 
 @overload
-def _directory(request: Mapping[str, Any], key: str, required: Literal[True],
-               must_hold: str | None = None) -> Path: ...
+def _directory(
+    request: Mapping[str, Any], key: str, required: Literal[True], must_hold: str | None = None
+) -> Path: ...
 @overload
-def _directory(request: Mapping[str, Any], key: str, required: bool,
-               must_hold: str | None = None) -> Path | None: ...
-def _directory(request: Mapping[str, Any], key: str, required: bool,
-               must_hold: str | None = None) -> Path | None:
+def _directory(
+    request: Mapping[str, Any], key: str, required: bool, must_hold: str | None = None
+) -> Path | None: ...
+def _directory(
+    request: Mapping[str, Any], key: str, required: bool, must_hold: str | None = None
+) -> Path | None:
     value = request.get(key)
     if not value:
         if required:
@@ -187,8 +236,10 @@ def _directory(request: Mapping[str, Any], key: str, required: bool,
     if not path.is_dir():
         raise StageError(f"{key} {path} is not a directory: check the path")
     if must_hold and not (path / must_hold).is_file():
-        fix = {"manifest.json": "run the stage that makes it first (it writes manifest.json last)",
-               "config.json": "point it at a checkpoint directory (config.json + safetensors)"}[must_hold]
+        fix = {
+            "manifest.json": "run the stage that makes it first (it writes manifest.json last)",
+            "config.json": "point it at a checkpoint directory (config.json + safetensors)",
+        }[must_hold]
         raise StageError(f"{key} {path} has no {must_hold}: {fix}")
     return path
 
@@ -215,12 +266,16 @@ def parse_request(request: Mapping[str, Any]) -> Options:
     drafters = _drafter_list(request)
     server_drafter = request.get("server_drafter") or ""
     if server_drafter not in (*rep.SERVER_DRAFTERS, *drafter_names(drafters)):
-        raise StageError(f"server_drafter {server_drafter!r} is not one of 'drafter', 'reference', a "
-                         f"drafter's name ({', '.join(drafter_names(drafters))}) or '' (unknown): name the "
-                         "drafter the SGLang server speculated with")
+        raise StageError(
+            f"server_drafter {server_drafter!r} is not one of 'drafter', 'reference', a "
+            f"drafter's name ({', '.join(drafter_names(drafters))}) or '' (unknown): name the "
+            "drafter the SGLang server speculated with"
+        )
     if server_drafter == "reference" and not request.get("reference_drafter"):
-        raise StageError("server_drafter is 'reference' but no reference_drafter is given: pass the "
-                         "reference drafter's directory, or the drafter the server really ran")
+        raise StageError(
+            "server_drafter is 'reference' but no reference_drafter is given: pass the "
+            "reference drafter's directory, or the drafter the server really ran"
+        )
     gpu_memory_gib = float(request.get("gpu_memory_gib") or 0.0)
     if gpu_memory_gib < 0:
         raise StageError(f"gpu_memory_gib {gpu_memory_gib} is negative: give the GiB scoring may use, or 0")
@@ -262,15 +317,23 @@ def inputs_of(opts: Options) -> dict[str, Any]:
     return {
         "hidden_states": _stage_output_identity(opts.hidden_states),
         "completions": _stage_output_identity(opts.completions) if opts.completions else None,
-        "target": {name: file_identity(opts.target / name)["sha256"]
-                   for name in TARGET_IDENTITY_FILES if (opts.target / name).is_file()},
+        "target": {
+            name: file_identity(opts.target / name)["sha256"]
+            for name in TARGET_IDENTITY_FILES
+            if (opts.target / name).is_file()
+        },
         "drafter": [_checkpoint_identity(path) for path in opts.drafter],
         "reference_drafter": _checkpoint_identity(opts.reference_drafter) if opts.reference_drafter else None,
         "window": win.read_window(opts.hidden_states),
-        "options": {"device": opts.device, "dtype": opts.dtype, "diagnostics": sorted(opts.diagnostics),
-                    "layer_offset_tolerance": opts.layer_offset_tolerance,
-                    "server_drafter": opts.server_drafter, "step_costs": dict(opts.step_costs),
-                    "history": str(opts.history) if opts.history else None},
+        "options": {
+            "device": opts.device,
+            "dtype": opts.dtype,
+            "diagnostics": sorted(opts.diagnostics),
+            "layer_offset_tolerance": opts.layer_offset_tolerance,
+            "server_drafter": opts.server_drafter,
+            "step_costs": dict(opts.step_costs),
+            "history": str(opts.history) if opts.history else None,
+        },
     }
 
 
@@ -286,14 +349,23 @@ def key_figures(report: Mapping[str, Any], out_dir: Path, changed: bool) -> dict
         "steps": report["overall"]["steps"],
         "verdict": report.get("verdict") or rep.verdict(report),
         "warnings": report["warnings"],
-        "drafters": [{"name": row["name"], "tau": row["tau"], "ratio": row["ratio"],
-                      "expected_speedup": row["expected_speedup"], "warnings": row["warnings"]}
-                     for row in report.get("comparison") or []],
+        "drafters": [
+            {
+                "name": row["name"],
+                "tau": row["tau"],
+                "ratio": row["ratio"],
+                "expected_speedup": row["expected_speedup"],
+                "warnings": row["warnings"],
+            }
+            for row in report.get("comparison") or []
+        ],
         "expected_speedup": ((report.get("comparison") or [{}])[0]).get("expected_speedup"),
         "history_index": (report.get("history") or {}).get("index"),
         # The trend AWX shows: tau per drafter over the last runs of the index.
-        "trend": [{"run_id": r["run_id"], "tau": r["tau"], "reference_tau": r.get("reference_tau")}
-                  for r in ((report.get("history") or {}).get("runs") or [])[-TREND_RUNS:]],
+        "trend": [
+            {"run_id": r["run_id"], "tau": r["tau"], "reference_tau": r.get("reference_tau")}
+            for r in ((report.get("history") or {}).get("runs") or [])[-TREND_RUNS:]
+        ],
         "run_id": (report.get("history") or {}).get("run_id"),
         "out_dir": str(out_dir),
         "report_json": str(out_dir / REPORT_JSON),
@@ -308,16 +380,20 @@ def plan(request: dict[str, Any]) -> dict[str, Any]:
     if not opts.force and is_up_to_date(opts.out_dir, fingerprint(inputs)):
         report = json.loads((opts.out_dir / REPORT_JSON).read_text())
         return {**key_figures(report, opts.out_dir, changed=False), "msg": "the report is up to date"}
-    return {"changed": True, "out_dir": str(opts.out_dir),
-            "msg": f"would score {', '.join(map(str, opts.drafter))}"
-                   + (f" against {opts.reference_drafter}" if opts.reference_drafter else "")
-                   + f" on {opts.hidden_states} and write {REPORT_MD}, {REPORT_JSON} and the plots to "
-                     f"{opts.out_dir}"}
+    return {
+        "changed": True,
+        "out_dir": str(opts.out_dir),
+        "msg": f"would score {', '.join(map(str, opts.drafter))}"
+        + (f" against {opts.reference_drafter}" if opts.reference_drafter else "")
+        + f" on {opts.hidden_states} and write {REPORT_MD}, {REPORT_JSON} and the plots to "
+        f"{opts.out_dir}",
+    }
 
 
 # ----------------------------------------------------------------------------------------------
 # Inputs that are plain files: completions (online tau) and configs
 # ----------------------------------------------------------------------------------------------
+
 
 def online_acceptance(completions_dir: Path | None) -> dict[str, dict[str, Any]]:
     """Per completion id, SGLang's own figures when the server ran speculative decoding."""
@@ -333,8 +409,9 @@ def online_acceptance(completions_dir: Path | None) -> dict[str, dict[str, Any]]
         try:
             record = json.loads(line)
         except json.JSONDecodeError as error:
-            raise StageError(f"{path} line {number} is not JSON ({error}): rerun sglang_completions") \
-                from error
+            raise StageError(
+                f"{path} line {number} is not JSON ({error}): rerun sglang_completions"
+            ) from error
         meta = record.get("meta_info") or {}
         verify_ct = meta.get("spec_verify_ct")
         if verify_ct:
@@ -358,18 +435,23 @@ def require_layers(needed: list[int], captured: list[int], name: str, target_lay
     if target_layers is not None:
         out = [k for k in needed if not 0 <= k < target_layers]
         if out:
-            raise StageError(f"the {name}'s target layer {out[0]} is out of range: the target has "
-                             f"{target_layers} layers (0-{target_layers - 1}); the {name} was built for "
-                             "another target")
+            raise StageError(
+                f"the {name}'s target layer {out[0]} is out of range: the target has "
+                f"{target_layers} layers (0-{target_layers - 1}); the {name} was built for "
+                "another target"
+            )
     absent = [k for k in needed if k not in captured]
     if absent:
-        raise StageError(f"the hidden states hold layers {captured} but the {name} needs {needed} "
-                         f"(missing {absent}): rerun extract_hidden_states with these target layer ids")
+        raise StageError(
+            f"the hidden states hold layers {captured} but the {name} needs {needed} "
+            f"(missing {absent}): rerun extract_hidden_states with these target layer ids"
+        )
 
 
 # ----------------------------------------------------------------------------------------------
 # The engine: models, hidden states, acceptance
 # ----------------------------------------------------------------------------------------------
+
 
 def versions() -> dict[str, str]:
     from specops import __version__
@@ -387,8 +469,10 @@ def limit_gpu_memory(device: str, gib: float) -> None:
 
     free, total = torch.cuda.mem_get_info(torch.device(device))
     if free < gib * 2**30:
-        raise StageError(f"{device} has {free / 2**30:.1f} GiB free, less than gpu_memory_gib {gib}: the "
-                         "server holds the rest; lower gpu_memory_gib, choose another GPU, or score on cpu")
+        raise StageError(
+            f"{device} has {free / 2**30:.1f} GiB free, less than gpu_memory_gib {gib}: the "
+            "server holds the rest; lower gpu_memory_gib, choose another GPU, or score on cpu"
+        )
     torch.cuda.set_per_process_memory_fraction(min(1.0, gib * 2**30 / total), torch.device(device))
 
 
@@ -432,8 +516,12 @@ class Scorer:
     def sequences(self, layer_ids: list[int]):
         selected = self.hidden.select_layers(layer_ids)
         for meta, input_ids, features in selected:
-            yield {"id": str(meta["id"]), "input_ids": input_ids, "features": features,
-                   "prompt_len": int(meta["prompt_tokens"])}
+            yield {
+                "id": str(meta["id"]),
+                "input_ids": input_ids,
+                "features": features,
+                "prompt_len": int(meta["prompt_tokens"]),
+            }
 
     def score(self, drafter, layer_ids: list[int]) -> dict[str, Any]:
         """{"block_size", "sequences": [{"id", "accept_lengths", "block_starts"}]} for one drafter and
@@ -446,8 +534,13 @@ class Scorer:
 
         def flush() -> None:
             for result in offline_acceptance(drafter, self.head, chunk):
-                scored.append({"id": result.id, "accept_lengths": list(result.accept_lengths),
-                               "block_starts": list(result.block_starts)})
+                scored.append(
+                    {
+                        "id": result.id,
+                        "accept_lengths": list(result.accept_lengths),
+                        "block_starts": list(result.block_starts),
+                    }
+                )
             log(f"score: {len(scored)}/{total} sequences")
             chunk.clear()
 
@@ -459,8 +552,9 @@ class Scorer:
             flush()
         return {"block_size": drafter.block_size, "sequences": scored}
 
-    def margins(self, drafter, layer_ids: list[int], scores: Mapping[str, Any],
-                ids: Sequence[str]) -> dict[str, dict[str, Any]]:
+    def margins(
+        self, drafter, layer_ids: list[int], scores: Mapping[str, Any], ids: Sequence[str]
+    ) -> dict[str, dict[str, Any]]:
         """The closest call of every draft of the given prompts (specops.margins)."""
         from specops.acceptance import as_input
         from specops.margins import closest_call
@@ -470,8 +564,9 @@ class Scorer:
         for sequence in self.sequences(layer_ids):
             if sequence["id"] in ids and sequence["id"] in walked:
                 seq = walked[sequence["id"]]
-                found[sequence["id"]] = closest_call(drafter, self.head, as_input(sequence),
-                                                     seq["block_starts"], seq["accept_lengths"])
+                found[sequence["id"]] = closest_call(
+                    drafter, self.head, as_input(sequence), seq["block_starts"], seq["accept_lengths"]
+                )
         return found
 
 
@@ -484,8 +579,9 @@ def model_errors() -> tuple[type[Exception], ...]:
     return DrafterError, HiddenStatesError, TargetHeadError
 
 
-def _layer_offset(scorer: Scorer, drafter, opts: Options, captured: list[int], layer_ids: list[int],
-                  base: Mapping[str, Any]) -> dict[str, Any]:
+def _layer_offset(
+    scorer: Scorer, drafter, opts: Options, captured: list[int], layer_ids: list[int], base: Mapping[str, Any]
+) -> dict[str, Any]:
     base_tau = rep.summarize(base["sequences"], base["block_size"])["tau"]
 
     def tau_at(ids: list[int]) -> float | None:
@@ -493,12 +589,14 @@ def _layer_offset(scorer: Scorer, drafter, opts: Options, captured: list[int], l
         scores = scorer.score(drafter, ids)
         return rep.summarize(scores["sequences"], scores["block_size"])["tau"]
 
-    return diag.layer_offset_check(tau_at, captured, layer_ids, base_tau,
-                                   tolerance=opts.layer_offset_tolerance)
+    return diag.layer_offset_check(
+        tau_at, captured, layer_ids, base_tau, tolerance=opts.layer_offset_tolerance
+    )
 
 
-def _checked_config(path: Path, label: str, target: Path, target_config: Mapping[str, Any],
-                    captured: list[int]) -> tuple[dict[str, Any], list[int]]:
+def _checked_config(
+    path: Path, label: str, target: Path, target_config: Mapping[str, Any], captured: list[int]
+) -> tuple[dict[str, Any], list[int]]:
     """A drafter's config and target layers, checked against the target and the hidden states before
     any model loads (a bad mask id or layer would only crash the engine)."""
     config = diag.read_json(path / "config.json") or {}
@@ -506,8 +604,10 @@ def _checked_config(path: Path, label: str, target: Path, target_config: Mapping
     layer_ids = drafter_layer_ids(config, label)
     require_layers(layer_ids, captured, label, text.get("num_hidden_layers"))
     if text.get("hidden_size") and config.get("hidden_size") != text["hidden_size"]:
-        raise StageError(f"the {label}'s hidden_size {config.get('hidden_size')} differs from the "
-                         f"target's {text['hidden_size']}: the {label} was built for another target")
+        raise StageError(
+            f"the {label}'s hidden_size {config.get('hidden_size')} differs from the "
+            f"target's {text['hidden_size']}: the {label} was built for another target"
+        )
     error = diag.mask_token_error(diag.vocabulary_check(config, target))
     if error:
         raise StageError(error.replace("the drafter's", f"the {label}'s"))
@@ -536,12 +636,15 @@ def run(request: dict[str, Any]) -> dict[str, Any]:
     target_config = diag.read_json(opts.target / "config.json") or {}
     names = opts.names
     label = {name: "drafter" if len(names) == 1 else f"drafter {name}" for name in names}
-    configs = {name: _checked_config(path, label[name], opts.target, target_config, captured)
-               for name, path in zip(names, opts.drafter, strict=True)}
+    configs = {
+        name: _checked_config(path, label[name], opts.target, target_config, captured)
+        for name, path in zip(names, opts.drafter, strict=True)
+    }
     reference_config, reference_ids = None, None
     if opts.reference_drafter:
-        reference_config, reference_ids = _checked_config(opts.reference_drafter, "reference drafter",
-                                                          opts.target, target_config, captured)
+        reference_config, reference_ids = _checked_config(
+            opts.reference_drafter, "reference drafter", opts.target, target_config, captured
+        )
     online = online_acceptance(opts.completions)
     device = str(resolve_device(opts.device))
     limit_gpu_memory(device, opts.gpu_memory_gib)
@@ -565,8 +668,9 @@ def run(request: dict[str, Any]) -> dict[str, Any]:
             log(f"score: scoring {name} ({path}) at target layers {layer_ids}")
             scores = scorer.score(drafter, layer_ids)
             if not scores["sequences"]:
-                raise StageError(f"the hidden states in {opts.hidden_states} hold no sequence: "
-                                 "rerun extract_hidden_states")
+                raise StageError(
+                    f"the hidden states in {opts.hidden_states} hold no sequence: rerun extract_hidden_states"
+                )
             findings = []
             if "layer_offset" in opts.diagnostics:
                 findings.append(_layer_offset(scorer, drafter, opts, captured, layer_ids, scores))
@@ -576,8 +680,9 @@ def run(request: dict[str, Any]) -> dict[str, Any]:
             # parse_request refuses server_drafter 'reference' without a reference drafter.
             elif server_name == "reference" and reference_scores is not None and reference_ids is not None:
                 if server_check is None:  # the reference's check is the same for every drafter
-                    server_check = _online_check(scorer, online, opts, reference_model, reference_scores,
-                                                 reference_ids)
+                    server_check = _online_check(
+                        scorer, online, opts, reference_model, reference_scores, reference_ids
+                    )
                 comparison, margins = server_check
             run_info = {
                 "target": str(opts.target),
@@ -598,10 +703,15 @@ def run(request: dict[str, Any]) -> dict[str, Any]:
             if server_name in (name, "reference"):
                 findings.append(diag.online_agreement_check(comparison, opts.server_drafter, margins=margins))
             if "acceptance" in opts.diagnostics:
-                findings.insert(0, diag.acceptance_pattern_check(report["overall"], report["reference"],
-                                                                 report["per_prompt"]))
-            report = rep.build_report(run_info, scores, reference_scores, online, findings, comparison,
-                                      name=name)
+                findings.insert(
+                    0,
+                    diag.acceptance_pattern_check(
+                        report["overall"], report["reference"], report["per_prompt"]
+                    ),
+                )
+            report = rep.build_report(
+                run_info, scores, reference_scores, online, findings, comparison, name=name
+            )
             reports.append(report)
             del drafter
     except model_errors() as error:
@@ -610,26 +720,44 @@ def run(request: dict[str, Any]) -> dict[str, Any]:
     return _write(opts, inputs, inputs_fingerprint, reports)
 
 
-def _online_check(scorer: Scorer, online: Mapping[str, Any], opts: Options, model, scores: Mapping[str, Any],
-                  layer_ids: list[int]) -> tuple[dict | None, dict | None]:
+def _online_check(
+    scorer: Scorer,
+    online: Mapping[str, Any],
+    opts: Options,
+    model,
+    scores: Mapping[str, Any],
+    layer_ids: list[int],
+) -> tuple[dict | None, dict | None]:
     """SGLang's online figures against the server drafter's offline walk, with the logit margins of the
     prompts that differ (to tell a near-tie from a configuration error)."""
     comparison = rep.online_comparison(online, scores, opts.server_drafter)
     if not comparison or not comparison["mismatched"]:
         return comparison, None
-    log(f"score: measuring the logit margins of {len(comparison['mismatched'])} prompts whose online and "
-        "offline tau differ")
+    log(
+        f"score: measuring the logit margins of {len(comparison['mismatched'])} prompts whose online and "
+        "offline tau differ"
+    )
     differing = [row["id"] for row in comparison["mismatched"]]
     return comparison, scorer.margins(model, layer_ids, scores, differing)
 
 
-def _config_findings(opts: Options, config: Mapping[str, Any], hidden_manifest: Mapping[str, Any],
-                     target_config: Mapping[str, Any], report: Mapping[str, Any]) -> list[dict[str, Any]]:
+def _config_findings(
+    opts: Options,
+    config: Mapping[str, Any],
+    hidden_manifest: Mapping[str, Any],
+    target_config: Mapping[str, Any],
+    report: Mapping[str, Any],
+) -> list[dict[str, Any]]:
     findings = []
     if "backend" in opts.diagnostics:
-        findings.append(diag.backend_check(hidden_manifest, target_config,
-                                           reference_tau=(report.get("reference") or {}).get("tau"),
-                                           drafter_tau=report["overall"]["tau"]))
+        findings.append(
+            diag.backend_check(
+                hidden_manifest,
+                target_config,
+                reference_tau=(report.get("reference") or {}).get("tau"),
+                drafter_tau=report["overall"]["tau"],
+            )
+        )
     if "vocabulary" in opts.diagnostics:
         findings.append(diag.vocabulary_check(config, opts.target))
     return findings
@@ -640,8 +768,11 @@ def _speedup(opts: Options, reports: list[dict[str, Any]]) -> dict[str, Any]:
     measured = dict(opts.step_costs)
     for report, path in zip(reports, opts.drafter, strict=True):
         costs = measured or spd.estimated_costs(opts.target, path)
-        report["speedup"] = {**costs, "source": "measured" if measured else "estimated",
-                             "expected": spd.expected_speedup(report["overall"]["tau"], **costs)}
+        report["speedup"] = {
+            **costs,
+            "source": "measured" if measured else "estimated",
+            "expected": spd.expected_speedup(report["overall"]["tau"], **costs),
+        }
     model = spd.model_description("measured" if measured else "estimated", measured)
     if opts.reference_drafter and reports[0].get("reference"):
         costs = measured or spd.estimated_costs(opts.target, opts.reference_drafter)
@@ -649,8 +780,9 @@ def _speedup(opts: Options, reports: list[dict[str, Any]]) -> dict[str, Any]:
     return model
 
 
-def _write(opts: Options, inputs: dict[str, Any], inputs_fingerprint: str,
-           reports: list[dict[str, Any]]) -> dict[str, Any]:
+def _write(
+    opts: Options, inputs: dict[str, Any], inputs_fingerprint: str, reports: list[dict[str, Any]]
+) -> dict[str, Any]:
     """Every drafter's directory, then the summary; the history; the manifest last."""
     from specops import plots
 
@@ -666,14 +798,16 @@ def _write(opts: Options, inputs: dict[str, Any], inputs_fingerprint: str,
         atomic_write_text(directory / REPORT_MD, rep.render_markdown(report))
         atomic_write_json(directory / REPORT_JSON, report)
         plot_dirs[report["name"]] = f"{DRAFTERS_DIR}/{report['name']}/"
-        files += [f"{DRAFTERS_DIR}/{report['name']}/{name}" for name in (REPORT_MD, REPORT_JSON,
-                                                                          *report["plots"])]
+        files += [
+            f"{DRAFTERS_DIR}/{report['name']}/{name}" for name in (REPORT_MD, REPORT_JSON, *report["plots"])
+        ]
     # A drafter no longer in the list leaves no stale directory behind.
     for stale in (out / DRAFTERS_DIR).iterdir():
         if stale.name not in plot_dirs and stale.is_dir():
             shutil.rmtree(stale)
-    run_info = {key: value for key, value in reports[0]["run"].items()
-                if key not in ("drafter", "target_layer_ids")}
+    run_info = {
+        key: value for key, value in reports[0]["run"].items() if key not in ("drafter", "target_layer_ids")
+    }
     summary = rep.build_summary(run_info, reports, model)
     summary_plots = [plots.render_comparison(summary, out)]
     run_id = None
@@ -685,15 +819,24 @@ def _write(opts: Options, inputs: dict[str, Any], inputs_fingerprint: str,
         summary_plots.append(plots.render_trend(runs, summary["history"]["drafters"], out))
     summary["plots"] = summary_plots
     summary["window"] = win.read_window(opts.hidden_states)
-    atomic_write_text(out / REPORT_MD, rep.render_summary(summary, plot_dirs, summary_plots)
-                      + win.render_markdown(summary["window"]))
+    atomic_write_text(
+        out / REPORT_MD,
+        rep.render_summary(summary, plot_dirs, summary_plots) + win.render_markdown(summary["window"]),
+    )
     atomic_write_json(out / REPORT_JSON, summary)
     files = [REPORT_JSON, REPORT_MD, *summary_plots, *files]
     if opts.history and run_id:
-        hist.keep_run(opts.history, run_id, [out / name for name in (REPORT_JSON, REPORT_MD, *summary_plots)]
-                      + [out / DRAFTERS_DIR])
-    figures = {"tau": summary["overall"]["tau"], "reference_tau": (summary.get("reference") or {}).get("tau"),
-               "ratio": summary.get("ratio"), "drafters": {r["name"]: r["overall"]["tau"] for r in reports}}
+        hist.keep_run(
+            opts.history,
+            run_id,
+            [out / name for name in (REPORT_JSON, REPORT_MD, *summary_plots)] + [out / DRAFTERS_DIR],
+        )
+    figures = {
+        "tau": summary["overall"]["tau"],
+        "reference_tau": (summary.get("reference") or {}).get("tau"),
+        "ratio": summary.get("ratio"),
+        "drafters": {r["name"]: r["overall"]["tau"] for r in reports},
+    }
     write_manifest(out, STAGE, inputs, files, figures=figures)
     log(f"score: {summary['verdict']}; report in {out / REPORT_MD}")
     return key_figures(summary, out, changed=True)

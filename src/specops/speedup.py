@@ -23,8 +23,20 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "F8_E5M2": 1, "I64": 8, "I32": 4,
-               "I16": 2, "I8": 1, "U8": 1, "BOOL": 1}
+DTYPE_BYTES = {
+    "F64": 8,
+    "F32": 4,
+    "F16": 2,
+    "BF16": 2,
+    "F8_E4M3": 1,
+    "F8_E5M2": 1,
+    "I64": 8,
+    "I32": 4,
+    "I16": 2,
+    "I8": 1,
+    "U8": 1,
+    "BOOL": 1,
+}
 
 
 def weight_bytes(model_dir: str | Path, suffix: str = "") -> int:
@@ -79,5 +91,8 @@ def model_description(source: str, measured: Mapping[str, Any] | None = None) ->
             "measured speedup within 0.32%; the estimate overpredicted a small launch-bound model by "
             "52-128%, so measure the costs where the weights are small",
         ]
-    return {"formula": "expected speedup = tau / (draft_cost + verify_cost)", "source": source,
-            "assumptions": assumptions}
+    return {
+        "formula": "expected speedup = tau / (draft_cost + verify_cost)",
+        "source": source,
+        "assumptions": assumptions,
+    }

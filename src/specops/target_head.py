@@ -35,11 +35,17 @@ class TargetHeadError(ValueError):
 class TargetHead:
     """embed(ids) and argmax(hidden) with the target's matrices, the latter in row chunks."""
 
-    def __init__(self, embed_weight: torch.Tensor, lm_head_weight: torch.Tensor,
-                 logits_budget_bytes: int = DEFAULT_LOGITS_BUDGET):
+    def __init__(
+        self,
+        embed_weight: torch.Tensor,
+        lm_head_weight: torch.Tensor,
+        logits_budget_bytes: int = DEFAULT_LOGITS_BUDGET,
+    ):
         if embed_weight.shape[1] != lm_head_weight.shape[1]:
-            raise TargetHeadError(f"embed_tokens is {tuple(embed_weight.shape)} but lm_head is "
-                                  f"{tuple(lm_head_weight.shape)}: their hidden sizes differ")
+            raise TargetHeadError(
+                f"embed_tokens is {tuple(embed_weight.shape)} but lm_head is "
+                f"{tuple(lm_head_weight.shape)}: their hidden sizes differ"
+            )
         self.embed_weight = embed_weight
         self.lm_head_weight = lm_head_weight
         self.logits_budget_bytes = logits_budget_bytes
@@ -64,8 +70,9 @@ class TargetHead:
         """ids [...] -> [..., hidden]; a gather, so its memory is that of the output alone."""
         return F.embedding(ids.to(self.embed_weight.device), self.embed_weight)
 
-    def logits(self, hidden: torch.Tensor, multiplier: float = 1.0,
-               softcap: float | None = None) -> torch.Tensor:
+    def logits(
+        self, hidden: torch.Tensor, multiplier: float = 1.0, softcap: float | None = None
+    ) -> torch.Tensor:
         """Float32 logits [..., vocab] (for training and small inputs; argmax never builds them all).
 
         bf16 inputs, fp32 output: rounding logits to bf16 (1 ulp = 0.03 near 5) would turn close
@@ -78,8 +85,9 @@ class TargetHead:
             logits = torch.tanh(logits.float() / softcap) * softcap
         return logits
 
-    def argmax(self, hidden: torch.Tensor, multiplier: float = 1.0,
-               softcap: float | None = None) -> torch.Tensor:
+    def argmax(
+        self, hidden: torch.Tensor, multiplier: float = 1.0, softcap: float | None = None
+    ) -> torch.Tensor:
         """Greedy tokens for hidden [..., hidden] -> [...], a chunk of rows at a time.
 
         Ties go to the lowest token id (torch.argmax returns the first maximum), and chunking over
@@ -89,7 +97,7 @@ class TargetHead:
         rows = max(1, self.logits_budget_bytes // (self.vocab_size * 4))
         out = torch.empty(flat.shape[0], dtype=torch.long, device=flat.device)
         for i in range(0, flat.shape[0], rows):
-            out[i:i + rows] = self.logits(flat[i:i + rows], multiplier, softcap).argmax(dim=-1)
+            out[i : i + rows] = self.logits(flat[i : i + rows], multiplier, softcap).argmax(dim=-1)
         return out.view(hidden.shape[:-1])
 
 
@@ -116,8 +124,10 @@ def _weight_files(target_dir: Path) -> dict[str, Path]:
         return {name: target_dir / file for name, file in weight_map.items()}
     files = sorted(target_dir.glob("*.safetensors"))
     if not files:
-        raise TargetHeadError(f"{target_dir} holds no .safetensors files: point target at a checkpoint "
-                              "directory (model.safetensors or shards with model.safetensors.index.json)")
+        raise TargetHeadError(
+            f"{target_dir} holds no .safetensors files: point target at a checkpoint "
+            "directory (model.safetensors or shards with model.safetensors.index.json)"
+        )
     names: dict[str, Path] = {}
     for file in files:
         with safe_open(str(file), framework="pt") as handle:
@@ -141,20 +151,27 @@ def _read(name: str, file: Path) -> torch.Tensor:
         return handle.get_tensor(name)
 
 
-def load_target_head(target_dir: str | Path, device: str | torch.device = "cpu",
-                     dtype: torch.dtype = torch.float32,
-                     logits_budget_bytes: int = DEFAULT_LOGITS_BUDGET) -> TargetHead:
+def load_target_head(
+    target_dir: str | Path,
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype = torch.float32,
+    logits_budget_bytes: int = DEFAULT_LOGITS_BUDGET,
+) -> TargetHead:
     """Read embed_tokens and lm_head (or the tied embedding) from the target's safetensors."""
     target_dir = Path(target_dir)
     files = _weight_files(target_dir)
     embed_name = next((n for n in EMBED_NAMES if n in files), None)
     if embed_name is None:
-        raise TargetHeadError(f"{target_dir}: no token embedding among {list(EMBED_NAMES)}; is this the "
-                              "target model's checkpoint?")
+        raise TargetHeadError(
+            f"{target_dir}: no token embedding among {list(EMBED_NAMES)}; is this the "
+            "target model's checkpoint?"
+        )
     head_name = next((n for n in LM_HEAD_NAMES if n in files), None)
     if head_name is None and not _tied(target_dir):
-        raise TargetHeadError(f"{target_dir}: no lm_head among {list(LM_HEAD_NAMES)} and config.json does "
-                              "not set tie_word_embeddings; the checkpoint lacks its output head")
+        raise TargetHeadError(
+            f"{target_dir}: no lm_head among {list(LM_HEAD_NAMES)} and config.json does "
+            "not set tie_word_embeddings; the checkpoint lacks its output head"
+        )
     embed = _read(embed_name, files[embed_name]).to(device=device, dtype=dtype)
     head = embed if head_name is None else _read(head_name, files[head_name]).to(device=device, dtype=dtype)
     return TargetHead(embed, head, logits_budget_bytes)

@@ -47,12 +47,16 @@ def _parse_marks(marks: Sequence[Sequence[Any]]) -> list[tuple[str, float]]:
             raise StageError(f"window mark {mark!r} is not [stage, epoch seconds]")
         parsed.append((str(mark[0]), float(mark[1])))
     if len(parsed) < 2 or parsed[-1][0] != READY:
-        raise StageError(f"the window's marks must end with '{READY}' after at least one stage; got "
-                         f"{[name for name, _ in parsed]}: mark when the service answered again")
+        raise StageError(
+            f"the window's marks must end with '{READY}' after at least one stage; got "
+            f"{[name for name, _ in parsed]}: mark when the service answered again"
+        )
     for (name, at), (next_name, next_at) in zip(parsed, parsed[1:], strict=False):
         if next_at < at:
-            raise StageError(f"window mark '{next_name}' ({next_at}) comes before '{name}' ({at}): "
-                             "the marks must be taken in order, on one clock")
+            raise StageError(
+                f"window mark '{next_name}' ({next_at}) comes before '{name}' ({at}): "
+                "the marks must be taken in order, on one clock"
+            )
     return parsed
 
 
@@ -76,16 +80,22 @@ def extraction_figures(manifest: Mapping[str, Any] | None) -> dict[str, Any]:
     }
 
 
-def build_window(marks: Sequence[Sequence[Any]], mode: str, manifest: Mapping[str, Any] | None,
-                 prepared: Mapping[str, Any] | None = None) -> dict[str, Any]:
+def build_window(
+    marks: Sequence[Sequence[Any]],
+    mode: str,
+    manifest: Mapping[str, Any] | None,
+    prepared: Mapping[str, Any] | None = None,
+) -> dict[str, Any]:
     """The window record from the play's marks and the extraction's manifest; `prepared` is what
     specops.prewarm did before the window (outside the downtime, recorded beside it)."""
     if mode not in MODES:
         raise StageError(f"window mode {mode!r} is not one of {', '.join(MODES)}")
     parsed = _parse_marks(marks)
     down_at, ready_at = parsed[0][1], parsed[-1][1]
-    stages: list[dict[str, Any]] = [{"stage": name, "s": round(next_at - at, 3)}
-              for (name, at), (_, next_at) in zip(parsed, parsed[1:], strict=False)]
+    stages: list[dict[str, Any]] = [
+        {"stage": name, "s": round(next_at - at, 3)}
+        for (name, at), (_, next_at) in zip(parsed, parsed[1:], strict=False)
+    ]
     downtime = ready_at - down_at
     extraction = extraction_figures(manifest)
     extract_stage = sum(s["s"] for s in stages if s["stage"] == EXTRACT_STAGE)
@@ -124,32 +134,50 @@ def render_markdown(window: Mapping[str, Any] | None) -> str:
     lines = ["", "## Service window", ""]
     taken = "released (memory saver)" if window["mode"] == "memory_saver" else "stopped"
     share = window.get("compute_share")
-    compute = ("extraction compute not recorded" if window.get("compute_s") is None else
-               f"extraction compute {window['compute_s']:.1f} s ({share:.0%}), everything else "
-               f"{window['other_s']:.1f} s")
-    lines.append(f"The service was {taken} for **{window['downtime_s']:.1f} s** ({window['down_at']} to "
-                 f"{window['ready_at']}, ready = /health_generate 200): {compute}.")
+    compute = (
+        "extraction compute not recorded"
+        if window.get("compute_s") is None
+        else f"extraction compute {window['compute_s']:.1f} s ({share:.0%}), everything else "
+        f"{window['other_s']:.1f} s"
+    )
+    lines.append(
+        f"The service was {taken} for **{window['downtime_s']:.1f} s** ({window['down_at']} to "
+        f"{window['ready_at']}, ready = /health_generate 200): {compute}."
+    )
     lines += ["", "| stage | s |", "| --- | ---: |"]
     lines += [f"| {s['stage']} | {s['s']:.1f} |" for s in window["stages"]]
     extraction = window.get("extraction") or {}
     prestart = extraction.get("prestart") or {}
     if extraction.get("around_s") is not None:
-        load = (f"weights host -> device {extraction['load_s'] or 0:.1f} s" if prestart else
-                f"model load {extraction['load_s'] or 0:.1f} s")
-        lines += ["", f"Inside `extract`: {load}, the extraction's loop {extraction['loop_s']:.1f} s "
-                  f"(of which the writers' tail {extraction.get('write_tail_s') or 0:.1f} s), process and "
-                  f"polling around them {extraction['around_s']:.1f} s."]
+        load = (
+            f"weights host -> device {extraction['load_s'] or 0:.1f} s"
+            if prestart
+            else f"model load {extraction['load_s'] or 0:.1f} s"
+        )
+        lines += [
+            "",
+            f"Inside `extract`: {load}, the extraction's loop {extraction['loop_s']:.1f} s "
+            f"(of which the writers' tail {extraction.get('write_tail_s') or 0:.1f} s), process and "
+            f"polling around them {extraction['around_s']:.1f} s.",
+        ]
     if prestart:
-        lines += ["", "The extraction started before the window and waited for it: process start, imports "
-                  f"and inputs {prestart.get('before_load_s') or 0:.1f} s, weights into host memory "
-                  f"{prestart.get('host_load_s') or 0:.1f} s, waiting {prestart.get('waited_s') or 0:.1f} s."]
+        lines += [
+            "",
+            "The extraction started before the window and waited for it: process start, imports "
+            f"and inputs {prestart.get('before_load_s') or 0:.1f} s, weights into host memory "
+            f"{prestart.get('host_load_s') or 0:.1f} s, waiting {prestart.get('waited_s') or 0:.1f} s.",
+        ]
     prepared = window.get("prepared") or {}
     weights, kernels = prepared.get("read_weights") or {}, prepared.get("tune_kernels") or {}
     if prepared:
-        done = [f"weights read in {weights['s']:.1f} s" if weights.get("done") else
-                f"weights not read ({weights.get('reason', 'off')})",
-                f"kernels tuned in {kernels['s']:.1f} s for {len(kernels['shapes'])} batch shapes"
-                if kernels.get("done") else f"kernels not tuned ({kernels.get('reason', 'off')})"]
+        done = [
+            f"weights read in {weights['s']:.1f} s"
+            if weights.get("done")
+            else f"weights not read ({weights.get('reason', 'off')})",
+            f"kernels tuned in {kernels['s']:.1f} s for {len(kernels['shapes'])} batch shapes"
+            if kernels.get("done")
+            else f"kernels not tuned ({kernels.get('reason', 'off')})",
+        ]
         lines += ["", f"Before the window, while the service served: {'; '.join(done)}."]
     return "\n".join(lines) + "\n"
 
@@ -157,8 +185,9 @@ def render_markdown(window: Mapping[str, Any] | None) -> str:
 def _request(request: Mapping[str, Any]) -> tuple[list, str, Path]:
     unknown = set(request) - {"marks", "mode", "hidden_states", "prepared"}
     if unknown:
-        raise StageError(f"unknown request keys {sorted(unknown)}: allowed are hidden_states, marks, mode, "
-                         "prepared")
+        raise StageError(
+            f"unknown request keys {sorted(unknown)}: allowed are hidden_states, marks, mode, prepared"
+        )
     if not request.get("hidden_states"):
         raise StageError("'hidden_states' is required: the extraction's output directory")
     marks = list(request.get("marks") or [])

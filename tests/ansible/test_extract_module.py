@@ -46,8 +46,14 @@ def inputs(tmp_path_factory):
     base = tmp_path_factory.mktemp("extract")
     fixtures = os.environ.get("SPECOPS_FIXTURES") or str(base / "fixtures")
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
-    built = subprocess.run([str(ML_PYTHON), "-c", BUILD, fixtures, str(base / "completions")], env=env,
-                           capture_output=True, text=True, check=True, timeout=600)
+    built = subprocess.run(
+        [str(ML_PYTHON), "-c", BUILD, fixtures, str(base / "completions")],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=600,
+    )
     paths = json.loads(built.stdout.strip().splitlines()[-1])
     return {**paths, "completions": str(base / "completions"), "base": base}
 
@@ -59,14 +65,23 @@ def ansible_env():
 
 def run_module(args: dict, tree: Path, check: bool = False) -> tuple[int, dict]:
     """Run the module through `ansible localhost -m` (the repository's inventory); its exit code and JSON."""
-    cmd = [str(ANSIBLE), "localhost", "-m", "specops.drafter.extract_hidden_states", "-a", json.dumps(args),
-           "--tree", str(tree)]
+    cmd = [
+        str(ANSIBLE),
+        "localhost",
+        "-m",
+        "specops.drafter.extract_hidden_states",
+        "-a",
+        json.dumps(args),
+        "--tree",
+        str(tree),
+    ]
     if check:
         cmd.append("--check")
     done = subprocess.run(cmd, cwd=ROOT, env=ansible_env(), capture_output=True, text=True, timeout=600)
     result_file = tree / "localhost"
     assert result_file.exists(), (
-        f"no result from ansible (exit {done.returncode}):\n{done.stdout}\n{done.stderr}")
+        f"no result from ansible (exit {done.returncode}):\n{done.stdout}\n{done.stderr}"
+    )
     result = json.loads(result_file.read_text())
     result_file.unlink()
     return done.returncode, result
@@ -74,9 +89,15 @@ def run_module(args: dict, tree: Path, check: bool = False) -> tuple[int, dict]:
 
 def test_module_extracts_then_reports_unchanged(inputs):
     out_dir = inputs["base"] / "module_out"
-    args = {"python": str(ML_PYTHON), "target": inputs["target"], "drafter": inputs["drafter"],
-            "completions": inputs["completions"], "out_dir": str(out_dir), "device": "cpu",
-            "shard_tokens": 50}
+    args = {
+        "python": str(ML_PYTHON),
+        "target": inputs["target"],
+        "drafter": inputs["drafter"],
+        "completions": inputs["completions"],
+        "out_dir": str(out_dir),
+        "device": "cpu",
+        "shard_tokens": 50,
+    }
 
     tree = inputs["base"] / "tree"
     rc, planned = run_module(args, tree, check=True)
@@ -93,9 +114,17 @@ def test_module_extracts_then_reports_unchanged(inputs):
 
 
 def test_module_reports_a_bad_layer_id_with_the_fix(inputs):
-    rc, result = run_module({"python": str(ML_PYTHON), "target": inputs["target"], "layer_ids": [9],
-                             "completions": inputs["completions"], "out_dir": str(inputs["base"] / "bad"),
-                             "device": "cpu"}, inputs["base"] / "tree-bad")
+    rc, result = run_module(
+        {
+            "python": str(ML_PYTHON),
+            "target": inputs["target"],
+            "layer_ids": [9],
+            "completions": inputs["completions"],
+            "out_dir": str(inputs["base"] / "bad"),
+            "device": "cpu",
+        },
+        inputs["base"] / "tree-bad",
+    )
     assert rc != 0
     assert "target layer 9 out of range: the model has 8 layers (0-7)" in result["msg"]
 
@@ -103,7 +132,8 @@ def test_module_reports_a_bad_layer_id_with_the_fix(inputs):
 def test_role_runs_the_extraction_as_an_async_job_with_progress(inputs):
     out_dir = inputs["base"] / "role_out"
     playbook = inputs["base"] / "play.yml"
-    playbook.write_text(textwrap.dedent(f"""
+    playbook.write_text(
+        textwrap.dedent(f"""
         - hosts: localhost
           gather_facts: false
           roles:
@@ -125,9 +155,16 @@ def test_role_runs_the_extraction_as_an_async_job_with_progress(inputs):
             - name: Show the result
               ansible.builtin.debug:
                 msg: "RESULT {{{{ extract_hidden_states_result | to_json }}}}"
-    """))
-    done = subprocess.run([str(ANSIBLE_PLAYBOOK), str(playbook)], cwd=ROOT,
-                          env=ansible_env(), capture_output=True, text=True, timeout=600)
+    """)
+    )
+    done = subprocess.run(
+        [str(ANSIBLE_PLAYBOOK), str(playbook)],
+        cwd=ROOT,
+        env=ansible_env(),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert done.returncode == 0, done.stdout[-4000:]
     assert "tokens " in done.stdout and "tok/s" in done.stdout  # a progress line was printed
     manifest = json.loads((out_dir / "manifest.json").read_text())

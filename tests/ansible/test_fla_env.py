@@ -198,12 +198,19 @@ def test_specops_is_reinstalled_only_when_its_sources_change(first_run, session_
 # -- check mode -----------------------------------------------------------------------------------
 
 
-def test_environment_made_from_a_venv_interpreter_sees_that_venvs_torch(first_run, session_venv, source,
-                                                                         tmp_path):
+def test_environment_made_from_a_venv_interpreter_sees_that_venvs_torch(
+    first_run, session_venv, source, tmp_path
+):
     """An image whose torch lives in its own venv: the new environment uses that torch, installs none."""
     inner = tmp_path / "inner"
-    args = base_args(inner, source, python=str(session_venv / "bin" / "python"), system_site_packages=True,
-                     torch="torch", verify=False)
+    args = base_args(
+        inner,
+        source,
+        python=str(session_venv / "bin" / "python"),
+        system_site_packages=True,
+        torch="torch",
+        verify=False,
+    )
     status, result = run_module(args)
     assert status == "CHANGED", result
     assert "torch" not in result["installed"]
@@ -222,8 +229,9 @@ def test_verification_is_reused_for_the_same_environment_and_gpu(first_run, sess
     assert second["backend"] == first["backend"] and second["verification"] == first["verification"]
 
 
-def test_verification_cache_misses_when_the_verification_options_change(first_run, session_venv, source,
-                                                                        tmp_path):
+def test_verification_cache_misses_when_the_verification_options_change(
+    first_run, session_venv, source, tmp_path
+):
     args = base_args(session_venv, source, verify_cache_dir=str(tmp_path / "envcheck"))
     run_module(args)
     sizes = [{"batch": 1, "seq_len": 64, "dtype": "float32"}]

@@ -489,6 +489,7 @@ def test_terminate_escalates_to_sigkill_only_for_the_stubborn(procs, devices, to
 def test_unit_cgroup_names_the_unit_when_systemd_is_not_pid_1():
     if gr._pid1_name() == "systemd":
         pytest.skip("this host runs systemd as PID 1")
+
     def never(cmd):
         raise AssertionError("systemctl must not run without systemd")
 
@@ -651,8 +652,16 @@ def two_tenants(procs, devices, tmp_path):
     spec = run / "server.json"
     run.mkdir()
     argv = [sys.executable, "-c", FAKE_SGLANG, "sglang.launch_server --port 31001", str(devices["paths"][0])]
-    spec.write_text(json.dumps({"argv": argv, "pid_file": str(run / "server.pid"), "log_file": str(log),
-                                "tree_file": str(run / "server.tree.json")}))
+    spec.write_text(
+        json.dumps(
+            {
+                "argv": argv,
+                "pid_file": str(run / "server.pid"),
+                "log_file": str(log),
+                "tree_file": str(run / "server.tree.json"),
+            }
+        )
+    )
     assert _helper("start", "--spec", str(spec))["changed"] is True
     deadline = time.monotonic() + 20
     # The launcher logs before its worker has started: wait for the worker's own line.
@@ -663,7 +672,8 @@ def two_tenants(procs, devices, tmp_path):
     procs.extra.append(pinned(worker))
     tenant = subprocess.Popen(
         [sys.executable, "-c", FAKE_SGLANG, "sglang.launch_server --port 31002", str(devices["paths"][1])],
-        stdout=subprocess.PIPE, start_new_session=True,
+        stdout=subprocess.PIPE,
+        start_new_session=True,
     )
     procs.popens.append(tenant)
     tenant_pids = [int(tenant.stdout.readline().split()[1]) for _ in range(2)]
@@ -676,8 +686,14 @@ def two_tenants(procs, devices, tmp_path):
 
 def test_only_our_recorded_leftover_dies_and_the_other_tenants_sglang_lives(two_tenants, devices, tmp_path):
     result = run_module(
-        {"tree_file": two_tenants["tree_file"], "device_pattern": devices["pattern"], "nvml": "false",
-         "grace": 1.0, "timeout": 10, "allow_foreign": True},
+        {
+            "tree_file": two_tenants["tree_file"],
+            "device_pattern": devices["pattern"],
+            "nvml": "false",
+            "grace": 1.0,
+            "timeout": 10,
+            "allow_foreign": True,
+        },
         tmp_path,
     )
 

@@ -45,33 +45,53 @@ def starting_server():
 def play(tmp_path: Path, tasks: str) -> subprocess.CompletedProcess:
     book = tmp_path / "play.yml"
     book.write_text(f"- hosts: localhost\n  gather_facts: false\n  tasks:\n{tasks}")
-    env = dict(os.environ, ANSIBLE_CONFIG=str(ROOT / "ansible.cfg"), ANSIBLE_LOCALHOST_WARNING="false",
-               ANSIBLE_INVENTORY_UNPARSED_WARNING="false")
-    command = [str(PLAYBOOK), "-i", "localhost,", "-c", "local", "-e",
-               "ansible_python_interpreter={{ ansible_playbook_python }}", str(book)]
+    env = dict(
+        os.environ,
+        ANSIBLE_CONFIG=str(ROOT / "ansible.cfg"),
+        ANSIBLE_LOCALHOST_WARNING="false",
+        ANSIBLE_INVENTORY_UNPARSED_WARNING="false",
+    )
+    command = [
+        str(PLAYBOOK),
+        "-i",
+        "localhost,",
+        "-c",
+        "local",
+        "-e",
+        "ansible_python_interpreter={{ ansible_playbook_python }}",
+        str(book),
+    ]
     return subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
 
 
 def test_http_wait_waits_for_a_starting_server_without_retry_lines(tmp_path, starting_server):
-    proc = play(tmp_path, f"""
+    proc = play(
+        tmp_path,
+        f"""
     - specops.drafter.http_wait: {{url: "{starting_server}", retries: 30, delay: 0.2}}
       register: waited
     - ansible.builtin.assert: {{that: [waited.status == 200, waited.attempts == 4]}}
-""")
+""",
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "FAILED - RETRYING" not in proc.stdout
 
 
 def test_http_wait_fails_naming_the_last_status(tmp_path, starting_server):
-    proc = play(tmp_path, f"""
+    proc = play(
+        tmp_path,
+        f"""
     - specops.drafter.http_wait: {{url: "{starting_server}", retries: 1, delay: 0.1}}
-""")
+""",
+    )
     assert proc.returncode != 0
     assert "answered 503 after 2 tries" in proc.stdout
 
 
 def test_job_wait_waits_for_an_async_job_without_retry_lines(tmp_path):
-    proc = play(tmp_path, """
+    proc = play(
+        tmp_path,
+        """
     - ansible.builtin.command: sleep 2
       async: 60
       poll: 0
@@ -81,13 +101,16 @@ def test_job_wait_waits_for_an_async_job_without_retry_lines(tmp_path):
     - ansible.builtin.async_status: {jid: "{{ job.ansible_job_id }}"}
       register: status
     - ansible.builtin.assert: {that: [waited.finished, status.finished]}
-""")
+""",
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "FAILED - RETRYING" not in proc.stdout
 
 
 def test_job_wait_returns_unfinished_when_the_time_is_up(tmp_path):
-    proc = play(tmp_path, """
+    proc = play(
+        tmp_path,
+        """
     - ansible.builtin.command: sleep 5
       async: 60
       poll: 0
@@ -95,5 +118,6 @@ def test_job_wait_returns_unfinished_when_the_time_is_up(tmp_path):
     - specops.drafter.job_wait: {results_file: "{{ job.results_file }}", timeout: 1, delay: 0.2}
       register: waited
     - ansible.builtin.assert: {that: [not waited.finished]}
-""")
+""",
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr

@@ -15,13 +15,22 @@ ANSIBLE = ROOT / ".venv/bin/ansible"
 
 
 def run_lock(args: dict, tree: Path) -> tuple[int, dict]:
-    cmd = [str(ANSIBLE), "localhost", "-m", "specops.drafter.run_lock", "-a", json.dumps(args),
-           "--tree", str(tree)]
+    cmd = [
+        str(ANSIBLE),
+        "localhost",
+        "-m",
+        "specops.drafter.run_lock",
+        "-a",
+        json.dumps(args),
+        "--tree",
+        str(tree),
+    ]
     env = {**os.environ, "ANSIBLE_LOCALHOST_WARNING": "false", "ANSIBLE_CONFIG": str(ROOT / "ansible.cfg")}
     done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     result_file = tree / "localhost"
     assert result_file.exists(), (
-        f"no result from ansible (exit {done.returncode}):\n{done.stdout}\n{done.stderr}")
+        f"no result from ansible (exit {done.returncode}):\n{done.stdout}\n{done.stderr}"
+    )
     result = json.loads(result_file.read_text())
     result_file.unlink()
     return done.returncode, result
@@ -48,8 +57,12 @@ def test_a_second_run_fails_at_once_naming_the_holder(lock, tmp_path):
     rc, second = run_lock({"path": str(path), "owner": {"playbook": "eval two"}}, tmp_path)
     assert rc != 0 and time.monotonic() - started < 60
     holder = first["holder"]
-    for detail in (f"pid {holder['pid']}", f"on host {holder['host']}", f"since {holder['started']}",
-                   "playbook eval one"):
+    for detail in (
+        f"pid {holder['pid']}",
+        f"on host {holder['host']}",
+        f"since {holder['started']}",
+        "playbook eval one",
+    ):
         assert detail in second["msg"], second["msg"]
 
 

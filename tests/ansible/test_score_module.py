@@ -22,16 +22,26 @@ pytestmark = pytest.mark.skipif(not ML_PYTHON.exists(), reason="needs the ML env
 
 
 def ml_env() -> dict:
-    return dict(os.environ, PYTHONPATH=str(ROOT / "src"), ANSIBLE_LOCALHOST_WARNING="false",
-                ANSIBLE_INVENTORY_UNPARSED_WARNING="false", ANSIBLE_CONFIG=str(ROOT / "ansible.cfg"))
+    return dict(
+        os.environ,
+        PYTHONPATH=str(ROOT / "src"),
+        ANSIBLE_LOCALHOST_WARNING="false",
+        ANSIBLE_INVENTORY_UNPARSED_WARNING="false",
+        ANSIBLE_CONFIG=str(ROOT / "ansible.cfg"),
+    )
 
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory) -> dict:
     root = tmp_path_factory.mktemp("score_module")
     fixtures = Path(os.environ.get("SPECOPS_FIXTURES", root / "fixtures"))
-    subprocess.run([str(ML_PYTHON), str(ROOT / "tests/unit/score_data.py"), str(fixtures), str(root / "run")],
-                   check=True, env=ml_env(), capture_output=True, timeout=900)
+    subprocess.run(
+        [str(ML_PYTHON), str(ROOT / "tests/unit/score_data.py"), str(fixtures), str(root / "run")],
+        check=True,
+        env=ml_env(),
+        capture_output=True,
+        timeout=900,
+    )
     return {
         "python": str(ML_PYTHON),
         "hidden_states": str(root / "run/hidden_states"),
@@ -47,8 +57,16 @@ def run(tmp_path_factory) -> dict:
 
 def run_module(args: dict, tmp_path: Path, check: bool = False) -> dict:
     tree = tmp_path / f"tree-{uuid.uuid4().hex[:6]}"
-    cmd = [str(ANSIBLE), "localhost", "-m", "specops.drafter.score_drafter", "-a", json.dumps(args),
-           "--tree", str(tree)] + (["--check"] if check else [])
+    cmd = [
+        str(ANSIBLE),
+        "localhost",
+        "-m",
+        "specops.drafter.score_drafter",
+        "-a",
+        json.dumps(args),
+        "--tree",
+        str(tree),
+    ] + (["--check"] if check else [])
     proc = subprocess.run(cmd, cwd=ROOT, env=ml_env(), capture_output=True, text=True, timeout=600)
     result_file = tree / "localhost"
     assert result_file.exists(), proc.stdout + proc.stderr

@@ -61,14 +61,31 @@ class LocalDefault:
 
     # A bound, not an expectation: a run from scratch takes minutes, more on a busy machine.
     def play(self, playbook: str, timeout: int = 1800, args: tuple[str, ...] = (), **overrides) -> PlayResult:
-        cmd = [str(ANSIBLE_PLAYBOOK), str(REPO / "playbooks" / playbook),
-               "-e", json.dumps(self.extra_vars(**overrides)), *args]
-        proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout,
-                              env={**os.environ, "ANSIBLE_CONFIG": str(REPO / "ansible.cfg"),
-                                   "ANSIBLE_NOCOLOR": "1", "ANSIBLE_FORCE_COLOR": "0"})
+        cmd = [
+            str(ANSIBLE_PLAYBOOK),
+            str(REPO / "playbooks" / playbook),
+            "-e",
+            json.dumps(self.extra_vars(**overrides)),
+            *args,
+        ]
+        proc = subprocess.run(
+            cmd,
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            env={
+                **os.environ,
+                "ANSIBLE_CONFIG": str(REPO / "ansible.cfg"),
+                "ANSIBLE_NOCOLOR": "1",
+                "ANSIBLE_FORCE_COLOR": "0",
+            },
+        )
         output = proc.stdout + proc.stderr
-        recap = {m["host"]: {k: int(m[k]) for k in ("ok", "changed", "unreachable", "failed")}
-                 for m in RECAP.finditer(output)}
+        recap = {
+            m["host"]: {k: int(m[k]) for k in ("ok", "changed", "unreachable", "failed")}
+            for m in RECAP.finditer(output)
+        }
         return PlayResult(proc.returncode, output, recap)
 
     @property

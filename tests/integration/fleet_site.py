@@ -19,8 +19,11 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
-RECAP = re.compile(r"^(?P<host>\S+)\s*:\s*ok=(?P<ok>\d+)\s+changed=(?P<changed>\d+)\s+"
-                   r"unreachable=(?P<unreachable>\d+)\s+failed=(?P<failed>\d+)", re.M)
+RECAP = re.compile(
+    r"^(?P<host>\S+)\s*:\s*ok=(?P<ok>\d+)\s+changed=(?P<changed>\d+)\s+"
+    r"unreachable=(?P<unreachable>\d+)\s+failed=(?P<failed>\d+)",
+    re.M,
+)
 HOSTS = ("replica1", "replica2", "replica3")
 
 
@@ -69,27 +72,61 @@ class LocalFleet:
         return [f"http://127.0.0.1:{port}" for port in self.replica_ports]
 
     def extra_vars(self, **overrides: Any) -> dict[str, Any]:
-        return {"specops_fleet_work_dir": str(self.work_dir), "specops_models_dir": str(self.models_dir),
-                "specops_fleet_ports": self.replica_ports, "sglang_router_url": self.router_url,
-                "sglang_service_deadman": False, **overrides}
+        return {
+            "specops_fleet_work_dir": str(self.work_dir),
+            "specops_models_dir": str(self.models_dir),
+            "specops_fleet_ports": self.replica_ports,
+            "sglang_router_url": self.router_url,
+            "sglang_service_deadman": False,
+            **overrides,
+        }
 
     def play(self, playbook: str, timeout: int = 3600, **overrides: Any) -> Play:
-        cmd = [str(BIN / "ansible-playbook"), "-i", str(REPO / "inventory" / "fleet"),
-               str(REPO / "playbooks" / playbook), "-e", json.dumps(self.extra_vars(**overrides))]
+        cmd = [
+            str(BIN / "ansible-playbook"),
+            "-i",
+            str(REPO / "inventory" / "fleet"),
+            str(REPO / "playbooks" / playbook),
+            "-e",
+            json.dumps(self.extra_vars(**overrides)),
+        ]
         began = time.monotonic()
-        proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout,
-                              env={**os.environ, "ANSIBLE_CONFIG": str(REPO / "ansible.cfg"),
-                                   "ANSIBLE_NOCOLOR": "1", "ANSIBLE_FORCE_COLOR": "0"})
+        proc = subprocess.run(
+            cmd,
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            env={
+                **os.environ,
+                "ANSIBLE_CONFIG": str(REPO / "ansible.cfg"),
+                "ANSIBLE_NOCOLOR": "1",
+                "ANSIBLE_FORCE_COLOR": "0",
+            },
+        )
         output = proc.stdout + proc.stderr
-        recap = {m["host"]: {k: int(m[k]) for k in ("ok", "changed", "unreachable", "failed")}
-                 for m in RECAP.finditer(output)}
+        recap = {
+            m["host"]: {k: int(m[k]) for k in ("ok", "changed", "unreachable", "failed")}
+            for m in RECAP.finditer(output)
+        }
         return Play(proc.returncode, output, time.monotonic() - began, recap)
 
     # -- the site ---------------------------------------------------------------------------
     def build_models(self, ml_python: Path) -> None:
         if not (self.models_dir / "fixtures.json").is_file():
-            subprocess.run([str(ml_python), "-m", "specops.fixtures", "--out", str(self.models_dir),
-                            "--prompts", str(REPO / "prompts" / "coding.jsonl")], check=True, cwd=REPO)
+            subprocess.run(
+                [
+                    str(ml_python),
+                    "-m",
+                    "specops.fixtures",
+                    "--out",
+                    str(self.models_dir),
+                    "--prompts",
+                    str(REPO / "prompts" / "coding.jsonl"),
+                ],
+                check=True,
+                cwd=REPO,
+            )
 
     def start(self) -> None:
         started = self.play("service.yml", sglang_service_state="started", timeout=600)
@@ -100,12 +137,33 @@ class LocalFleet:
     def start_router(self) -> None:
         log = open(self.work_dir / "router.log", "w")
         self.router = subprocess.Popen(
-            [str(BIN / "python"), "-m", "sglang_router.launch_router", "--host", "127.0.0.1",
-             "--port", str(self.ports[3]), "--prometheus-host", "127.0.0.1", "--prometheus-port",
-             str(self.ports[4]), "--worker-urls", *self.worker_urls, "--policy", "round_robin",
-             # No retry: a request the drain failed to protect shows up as a failure.
-             "--disable-retries", "--health-check-interval-secs", "1", "--log-level", "warn"],
-            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+            [
+                str(BIN / "python"),
+                "-m",
+                "sglang_router.launch_router",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(self.ports[3]),
+                "--prometheus-host",
+                "127.0.0.1",
+                "--prometheus-port",
+                str(self.ports[4]),
+                "--worker-urls",
+                *self.worker_urls,
+                "--policy",
+                "round_robin",
+                # No retry: a request the drain failed to protect shows up as a failure.
+                "--disable-retries",
+                "--health-check-interval-secs",
+                "1",
+                "--log-level",
+                "warn",
+            ],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
         self.wait_for_workers(set(self.worker_urls), timeout=120)
 
     def healthy_workers(self) -> set[str]:
@@ -125,10 +183,27 @@ class LocalFleet:
     def start_load(self, name: str, concurrency: int = 1, max_seconds: float = 3600) -> None:
         self.stop_file(name).unlink(missing_ok=True)
         self.load = subprocess.Popen(
-            [sys.executable, "-m", "specops.loadgen", "--url", self.router_url,
-             "--out", str(self.work_dir / f"{name}.jsonl"), "--stop-file", str(self.stop_file(name)),
-             "--concurrency", str(concurrency), "--max-seconds", str(max_seconds), "--max-requests", "20000"],
-            stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": str(REPO / "src")})
+            [
+                sys.executable,
+                "-m",
+                "specops.loadgen",
+                "--url",
+                self.router_url,
+                "--out",
+                str(self.work_dir / f"{name}.jsonl"),
+                "--stop-file",
+                str(self.stop_file(name)),
+                "--concurrency",
+                str(concurrency),
+                "--max-seconds",
+                str(max_seconds),
+                "--max-requests",
+                "20000",
+            ],
+            stdout=subprocess.PIPE,
+            text=True,
+            env={**os.environ, "PYTHONPATH": str(REPO / "src")},
+        )
 
     def stop_file(self, name: str) -> Path:
         return self.work_dir / f"{name}.stop"

@@ -10,8 +10,10 @@ import pytest
 
 def test_eval_writes_a_report_with_tau_per_prompt_and_overall(first_run, local_default):
     report = json.loads((local_default.run_dir / "score" / "report.json").read_text())
-    prompts = [json.loads(line)["id"] for line in
-               (local_default.run_dir / "completions" / "completions.jsonl").read_text().splitlines()]
+    prompts = [
+        json.loads(line)["id"]
+        for line in (local_default.run_dir / "completions" / "completions.jsonl").read_text().splitlines()
+    ]
     assert [row["id"] for row in report["per_prompt"]] == prompts
     assert all(row["tau"] >= 1.0 for row in report["per_prompt"])
     assert report["overall"]["tau"] >= 1.0
@@ -21,8 +23,13 @@ def test_eval_writes_a_report_with_tau_per_prompt_and_overall(first_run, local_d
 
 def test_eval_reports_the_service_window_with_its_stages(first_run, local_default):
     window = json.loads((local_default.run_dir / "score" / "report.json").read_text())["window"]
-    assert [s["stage"] for s in window["stages"]] == ["stop-server", "release-gpus", "verify-environment",
-                                                      "extract", "start-server"]
+    assert [s["stage"] for s in window["stages"]] == [
+        "stop-server",
+        "release-gpus",
+        "verify-environment",
+        "extract",
+        "start-server",
+    ]
     assert window["downtime_s"] == pytest.approx(sum(s["s"] for s in window["stages"]), abs=0.01)
     assert 0 < window["compute_s"] < window["downtime_s"]
     assert "## Service window" in (local_default.run_dir / "score" / "report.md").read_text()

@@ -62,8 +62,9 @@ def test_a_mask_token_out_of_range_is_refused_before_the_window(serving, refused
     drafter = copy_drafter(serving, tmp_path, mask_token_id=10**6)
     pid = serving.server_pid()
     result = serving.play("eval.yml", specops_run_dir=refused_run_dir, specops_drafter=str(drafter))
-    assert_refused_before_the_window(serving, result, pid, f"{drafter}/config.json",
-                                     "mask_token_id 1000000 is out of range")
+    assert_refused_before_the_window(
+        serving, result, pid, f"{drafter}/config.json", "mask_token_id 1000000 is out of range"
+    )
 
 
 def test_a_drafter_for_another_vocabulary_is_refused_before_the_window(serving, refused_run_dir, tmp_path):
@@ -78,15 +79,17 @@ def test_a_garbled_drafter_config_is_named_before_the_window(serving, refused_ru
     (drafter / "config.json").write_text('{"dflash_config": {')
     pid = serving.server_pid()
     result = serving.play("eval.yml", specops_run_dir=refused_run_dir, specops_drafter=str(drafter))
-    assert_refused_before_the_window(serving, result, pid,
-                                     f"drafter config {drafter}/config.json is not valid JSON")
+    assert_refused_before_the_window(
+        serving, result, pid, f"drafter config {drafter}/config.json is not valid JSON"
+    )
     assert "the request is not JSON" not in said(result)
 
 
 def test_require_fla_where_the_extraction_lacks_it_is_refused_before_the_window(serving, refused_run_dir):
     pid = serving.server_pid()
-    result = serving.play("eval.yml", specops_run_dir=refused_run_dir,
-                         extract_hidden_states_require_backend="fla")
+    result = serving.play(
+        "eval.yml", specops_run_dir=refused_run_dir, extract_hidden_states_require_backend="fla"
+    )
     assert_refused_before_the_window(serving, result, pid, "require_backend is fla")
 
 
@@ -94,8 +97,9 @@ def test_too_little_disk_is_refused_before_the_window_with_the_figures(serving, 
     # The reserve makes the output's file system too small for the shards, whatever its real size.
     free = shutil.disk_usage(tmp_path).free
     pid = serving.server_pid()
-    result = serving.play("eval.yml", specops_run_dir=refused_run_dir,
-                         extract_hidden_states_disk_reserve_bytes=free)
+    result = serving.play(
+        "eval.yml", specops_run_dir=refused_run_dir, extract_hidden_states_disk_reserve_bytes=free
+    )
     assert_refused_before_the_window(serving, result, pid, "not enough disk space")
     assert re.search(r"the hidden states need \d+\.\d\d [KM]iB", said(result)), result.output[-3000:]
 
@@ -111,10 +115,20 @@ def test_a_second_run_on_a_locked_run_directory_fails_at_once_naming_the_holder(
     lock = run_dir / ".specops.lock"
     # The first run's lock, taken as eval.yml takes it.
     holder = subprocess.run(
-        [str(Path(sys.executable).parent / "ansible"), "localhost", "-m", "specops.drafter.run_lock", "-a",
-         json.dumps({"path": str(lock), "owner": {"playbook": "the first run"}})],
-        cwd=REPO, capture_output=True, text=True, timeout=300,
-        env={**os.environ, "ANSIBLE_CONFIG": str(REPO / "ansible.cfg"), "ANSIBLE_LOCALHOST_WARNING": "false"})
+        [
+            str(Path(sys.executable).parent / "ansible"),
+            "localhost",
+            "-m",
+            "specops.drafter.run_lock",
+            "-a",
+            json.dumps({"path": str(lock), "owner": {"playbook": "the first run"}}),
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "ANSIBLE_CONFIG": str(REPO / "ansible.cfg"), "ANSIBLE_LOCALHOST_WARNING": "false"},
+    )
     assert holder.returncode == 0, holder.stdout + holder.stderr
     recorded = json.loads(lock.read_text())
     try:
@@ -216,14 +230,24 @@ def guard_processes(site) -> list[int]:
 
 
 def test_a_port_taken_inside_the_window_fails_start_server_disarms_the_guard_and_a_rerun_restores(
-        served, tmp_path):
+    served, tmp_path
+):
     site = served
     run_dir = site.seed_run_dir(site.run_dir, site.work_dir / "run-port-taken")  # only the window is new
     extra = site.extra_vars(specops_run_dir=str(run_dir))
     play = subprocess.Popen(
-        [str(Path(sys.executable).parent / "ansible-playbook"), str(REPO / "playbooks" / "eval.yml"),
-         "-e", json.dumps(extra)], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        env={**os.environ, "ANSIBLE_CONFIG": str(REPO / "ansible.cfg"), "ANSIBLE_NOCOLOR": "1"})
+        [
+            str(Path(sys.executable).parent / "ansible-playbook"),
+            str(REPO / "playbooks" / "eval.yml"),
+            "-e",
+            json.dumps(extra),
+        ],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env={**os.environ, "ANSIBLE_CONFIG": str(REPO / "ansible.cfg"), "ANSIBLE_NOCOLOR": "1"},
+    )
     foreign = None
     output = ""
     try:
@@ -231,8 +255,11 @@ def test_a_port_taken_inside_the_window_fails_start_server_disarms_the_guard_and
             output += line
             # Our server stopped and its port was released: another process takes the port.
             if foreign is None and "TASK [Stage release-gpus]" in line:
-                foreign = subprocess.Popen([sys.executable, "-c", FOREIGN_LISTENER, str(site.port)],
-                                           stdout=subprocess.PIPE, text=True)
+                foreign = subprocess.Popen(
+                    [sys.executable, "-c", FOREIGN_LISTENER, str(site.port)],
+                    stdout=subprocess.PIPE,
+                    text=True,
+                )
                 assert foreign.stdout.readline().strip() == "listening"
         play.wait(timeout=600)
         assert foreign is not None, output[-4000:]

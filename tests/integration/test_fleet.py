@@ -57,16 +57,20 @@ def test_every_host_returns_to_the_router_healthy(rolling_run, fleet):
 
 def test_hosts_take_their_windows_one_at_a_time(rolling_run, fleet):
     report = json.loads((fleet.work_dir / "replica1" / "run" / "fleet" / "report.json").read_text())
-    windows = sorted((row["window"]["started_at"], row["window"]["returned_at"])
-                     for row in report["per_host"])
+    windows = sorted(
+        (row["window"]["started_at"], row["window"]["returned_at"]) for row in report["per_host"]
+    )
     assert len(windows) == 3
     assert all(earlier[1] <= later[0] for earlier, later in zip(windows, windows[1:], strict=False))
 
 
 def test_one_report_merges_every_hosts_share_of_the_prompts(rolling_run, fleet):
     report = json.loads((fleet.work_dir / "replica1" / "run" / "fleet" / "report.json").read_text())
-    prompts = [json.loads(line)["id"] for line in (REPO / "prompts" / "coding.jsonl").read_text().splitlines()
-               if line.strip()]
+    prompts = [
+        json.loads(line)["id"]
+        for line in (REPO / "prompts" / "coding.jsonl").read_text().splitlines()
+        if line.strip()
+    ]
     assert sorted(row["id"] for row in report["per_prompt"]) == sorted(prompts)
     assert {row["host"] for row in report["per_prompt"]} == {"replica1", "replica2", "replica3"}
     assert report["fleet"]["sum_window_s"] > 0 and report["fleet"]["wall_s"] > 0
@@ -75,8 +79,9 @@ def test_one_report_merges_every_hosts_share_of_the_prompts(rolling_run, fleet):
 
 def test_an_unreachable_router_fails_before_any_host_is_drained(rolling_run, fleet, tmp_path):
     pids = {host: (fleet.work_dir / host / "sglang.pid").read_text() for host in HOSTS}
-    result = fleet.play("eval.yml", sglang_router_url="http://127.0.0.1:9",
-                        specops_fleet_work_dir=str(fleet.work_dir))
+    result = fleet.play(
+        "eval.yml", sglang_router_url="http://127.0.0.1:9", specops_fleet_work_dir=str(fleet.work_dir)
+    )
     assert result.rc != 0
     assert "cannot be reached" in result.output and "no host was drained" in result.output
     assert "Drain the host" not in result.output
@@ -94,13 +99,18 @@ def test_a_host_that_fails_its_window_is_put_back_and_the_rollout_stops(rolling_
         handle.truncate(weights.stat().st_size // 2)
     pids = {host: (fleet.work_dir / host / "sglang.pid").read_text() for host in HOSTS}
     fleet.start_load("failing")
-    result = fleet.play("eval.yml", specops_run_dir="{{ specops_work_dir }}/run-broken",
-                        specops_target_model=str(broken), sglang_service_model_path=str(good))
+    result = fleet.play(
+        "eval.yml",
+        specops_run_dir="{{ specops_work_dir }}/run-broken",
+        specops_target_model=str(broken),
+        sglang_service_model_path=str(good),
+    )
     load = fleet.stop_load("failing")
     assert result.rc != 0
     assert "specops stage 'extract' failed" in result.output, result.output[-4000:]
     assert (fleet.work_dir / "replica1" / "sglang.pid").read_text() != pids["replica1"]
-    assert {h: (fleet.work_dir / h / "sglang.pid").read_text() for h in HOSTS[1:]} == \
-        {h: pids[h] for h in HOSTS[1:]}
+    assert {h: (fleet.work_dir / h / "sglang.pid").read_text() for h in HOSTS[1:]} == {
+        h: pids[h] for h in HOSTS[1:]
+    }
     assert fleet.healthy_workers() == set(fleet.worker_urls)
     assert load["failed"] == 0, load["failures"]

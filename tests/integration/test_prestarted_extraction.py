@@ -34,8 +34,9 @@ def is_extraction(pid: int) -> bool:
         return False
 
 
-def test_extraction_waits_before_the_stop_goes_in_the_window_and_is_aborted_by_a_failure(local_default,
-                                                                                       tmp_path):
+def test_extraction_waits_before_the_stop_goes_in_the_window_and_is_aborted_by_a_failure(
+    local_default, tmp_path
+):
     site = local_default
     run_dir = tmp_path / "run"
     signal, seen, stop = run_dir / "extract.start", {}, threading.Event()

@@ -41,11 +41,18 @@ def test_ctrl_c_inside_the_window_brings_the_service_back(own_local_default, tmp
     playbook.write_text(WINDOW)
     token = f"guard-test-{os.getpid()}"
     # specops_root: the inventory derives it from the playbook's directory, here a temporary one.
-    extra = site.extra_vars(specops_root=str(REPO), sglang_service_work_token=token,
-                            sglang_service_guard_grace=5, sglang_service_max_downtime=3600)
+    extra = site.extra_vars(
+        specops_root=str(REPO),
+        sglang_service_work_token=token,
+        sglang_service_guard_grace=5,
+        sglang_service_max_downtime=3600,
+    )
     play = subprocess.Popen(
-        [str(ANSIBLE_PLAYBOOK), str(playbook), "-e", json.dumps(extra)], cwd=REPO,
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        [str(ANSIBLE_PLAYBOOK), str(playbook), "-e", json.dumps(extra)],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
         env={**os.environ, "ANSIBLE_CONFIG": str(REPO / "ansible.cfg")},
         start_new_session=True,  # a terminal of its own: Ctrl-C reaches its whole process group
     )

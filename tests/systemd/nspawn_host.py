@@ -30,8 +30,14 @@ def molecule_env() -> dict[str, str]:
 
 
 def molecule(*command: str, timeout: float = 900) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(["molecule", *command, "-s", "sglang_service"], cwd=ROOT, env=molecule_env(),
-                          capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        ["molecule", *command, "-s", "sglang_service"],
+        cwd=ROOT,
+        env=molecule_env(),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 def container_pid() -> int:

@@ -41,8 +41,18 @@ EXAMPLE = ROOT / "inventory" / "production.example"
 UNIT = "sglang-qwen"
 UNIT_FILE = f"/etc/systemd/system/{UNIT}.service"
 # Properties of the unit that the user decided and the role must leave as they are.
-USER_PROPERTIES = ["FragmentPath", "DropInPaths", "User", "Group", "Environment", "WorkingDirectory",
-                   "Restart", "KillMode", "TimeoutStopUSec", "UnitFileState"]
+USER_PROPERTIES = [
+    "FragmentPath",
+    "DropInPaths",
+    "User",
+    "Group",
+    "Environment",
+    "WorkingDirectory",
+    "Restart",
+    "KillMode",
+    "TimeoutStopUSec",
+    "UnitFileState",
+]
 # Where the container finds the development server's Python (bound in at the same path as here).
 SERVER_PYTHON = ROOT / ".venv-ml" / "bin" / "python"
 # What a user must change in group_vars/gpu_hosts.yml: where the models, prompts and ML environment
@@ -69,12 +79,12 @@ Wants=network-online.target
 User=inference
 Group=inference
 WorkingDirectory=/tmp
-Environment="PYTHONPATH={ROOT / 'src'}" HF_HUB_OFFLINE=1
+Environment="PYTHONPATH={ROOT / "src"}" HF_HUB_OFFLINE=1
 Environment=XDG_CACHE_HOME=/tmp/inference-cache TEAM_DEPLOY_ID=qwen-2026-11-30
 ExecStart={SERVER_PYTHON} -m specops.devserver \\
-    --model-path {FIXTURES / 'target'} --served-model-name qwen3.6-27b \\
+    --model-path {FIXTURES / "target"} --served-model-name qwen3.6-27b \\
     --host 127.0.0.1 --port={port} --tp-size 2 --weight-version team-build-7 \\
-    --speculative-algorithm DFLASH --speculative-draft-model-path {FIXTURES / 'drafter'} \\
+    --speculative-algorithm DFLASH --speculative-draft-model-path {FIXTURES / "drafter"} \\
     --speculative-num-draft-tokens 8 --startup-delay 3 --log-level warning
 Restart=on-failure
 RestartSec=5
@@ -90,8 +100,9 @@ def _unit_sha256() -> str:
 
 
 def _unit_properties() -> dict[str, str]:
-    shown = in_container("systemctl", "show", f"{UNIT}.service",
-                         *(f"--property={name}" for name in USER_PROPERTIES))
+    shown = in_container(
+        "systemctl", "show", f"{UNIT}.service", *(f"--property={name}" for name in USER_PROPERTIES)
+    )
     properties = dict(line.split("=", 1) for line in shown.splitlines())
     # ExecStart also carries the last run's pid and times: keep only the command line.
     exec_start = in_container("systemctl", "show", f"{UNIT}.service", "--property=ExecStart", "--value")
@@ -107,11 +118,13 @@ def _user_inventory(into: Path) -> Path:
     hosts = yaml.safe_load(hosts_file.read_text())
     assert hosts["all"]["children"]["gpu_hosts"]["hosts"], "the example names no GPU host to replace"
     # The one host, reached the way the suite reaches the container (instead of ssh to gpu-node-1).
-    hosts["all"]["children"]["gpu_hosts"]["hosts"] = {MACHINE: {
-        "ansible_connection": "community.docker.nsenter",
-        "ansible_nsenter_pid": container_pid(),
-        "ansible_python_interpreter": "/usr/bin/python3",
-    }}
+    hosts["all"]["children"]["gpu_hosts"]["hosts"] = {
+        MACHINE: {
+            "ansible_connection": "community.docker.nsenter",
+            "ansible_nsenter_pid": container_pid(),
+            "ansible_python_interpreter": "/usr/bin/python3",
+        }
+    }
     hosts_file.write_text(yaml.safe_dump(hosts))
     group_vars_file = inventory / "group_vars" / "gpu_hosts.yml"
     group_vars = yaml.safe_load(group_vars_file.read_text())
@@ -143,18 +156,34 @@ def _service_play(inventory: Path, state: str, *options: str) -> dict:
     env = molecule_env()
     env["ANSIBLE_STDOUT_CALLBACK"] = "ansible.builtin.json"
     done = subprocess.run(
-        [str(ROOT / ".venv" / "bin" / "ansible-playbook"), "-i", str(inventory),
-         str(ROOT / "playbooks" / "service.yml"), "-e", f"sglang_service_state={state}", *options],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, (f"service.yml {state} {' '.join(options)} failed:\n"
-                                  f"{done.stdout[-8000:]}{done.stderr[-3000:]}")
+        [
+            str(ROOT / ".venv" / "bin" / "ansible-playbook"),
+            "-i",
+            str(inventory),
+            str(ROOT / "playbooks" / "service.yml"),
+            "-e",
+            f"sglang_service_state={state}",
+            *options,
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, (
+        f"service.yml {state} {' '.join(options)} failed:\n{done.stdout[-8000:]}{done.stderr[-3000:]}"
+    )
     return json.loads(done.stdout)
 
 
 def _results(play: dict) -> list[tuple[str, dict]]:
     """(task name without its role's prefix, result on the host) for every task the play ran."""
-    return [(task["task"]["name"].split(" : ", 1)[-1], task["hosts"][MACHINE])
-            for task in play["plays"][0]["tasks"] if MACHINE in task["hosts"]]
+    return [
+        (task["task"]["name"].split(" : ", 1)[-1], task["hosts"][MACHINE])
+        for task in play["plays"][0]["tasks"]
+        if MACHINE in task["hosts"]
+    ]
 
 
 def _wait_for_health(url: str, timeout: float) -> int:
@@ -191,12 +220,24 @@ def production_run(converged_host, tmp_path_factory) -> ProductionRun:
         active_while_stopped = in_container("systemctl", "is-active", f"{UNIT}.service")
         started = _service_play(inventory, "started")
         yield ProductionRun(
-            port=port, shipped=yaml.safe_load((EXAMPLE / "group_vars" / "gpu_hosts.yml").read_text()),
-            sha256_before=sha256_before, properties_before=properties_before, check=check, stopped=stopped,
-            active_while_stopped=active_while_stopped, started=started, health_after_start=http_status(url),
-            sha256_after=_unit_sha256(), properties_after=_unit_properties(),
-            drop_in_dirs=in_container("sh", "-c", f"ls -d /etc/systemd/system/{UNIT}.service.d "
-                                      f"/run/systemd/system/{UNIT}.service.d 2>/dev/null; true"))
+            port=port,
+            shipped=yaml.safe_load((EXAMPLE / "group_vars" / "gpu_hosts.yml").read_text()),
+            sha256_before=sha256_before,
+            properties_before=properties_before,
+            check=check,
+            stopped=stopped,
+            active_while_stopped=active_while_stopped,
+            started=started,
+            health_after_start=http_status(url),
+            sha256_after=_unit_sha256(),
+            properties_after=_unit_properties(),
+            drop_in_dirs=in_container(
+                "sh",
+                "-c",
+                f"ls -d /etc/systemd/system/{UNIT}.service.d "
+                f"/run/systemd/system/{UNIT}.service.d 2>/dev/null; true",
+            ),
+        )
     finally:
         in_container("systemctl", "disable", "--now", f"{UNIT}.service")
         in_container("mv", "/root/scenario-unit.service", UNIT_FILE)
@@ -219,14 +260,18 @@ def test_the_example_ships_adopt_mode_with_become_for_the_unit_sglang_qwen(produ
 
 def test_check_mode_reports_no_change_to_the_unit(production_run):
     changed = [name for name, result in _results(production_run.check) if result.get("changed")]
-    touching = [name for name, result in _results(production_run.check)
-                if UNIT_FILE in json.dumps(result.get("diff", {}))
-                or (name == "Start the unit" and result.get("changed"))]
+    touching = [
+        name
+        for name, result in _results(production_run.check)
+        if UNIT_FILE in json.dumps(result.get("diff", {}))
+        or (name == "Start the unit" and result.get("changed"))
+    ]
     assert not touching, f"check mode would change the unit: {touching}"
     assert production_run.check["stats"][MACHINE]["failures"] == 0
     # Only the role's private run directory (helper, spec) is written in check mode, never the server's.
-    assert set(changed) <= {"Create the run directory", "Copy the host helper", "Write the server spec"}, \
+    assert set(changed) <= {"Create the run directory", "Copy the host helper", "Write the server spec"}, (
         changed
+    )
 
 
 def test_stopped_stops_the_adopted_unit(production_run):
@@ -251,7 +296,10 @@ def test_the_server_answers_health_generate_after_start(production_run):
 
 
 def test_the_role_learned_the_port_from_the_unit(production_run):
-    said = [result.get("msg", "") for name, result in _results(production_run.started)
-            if name == "Say what was adopted"]
+    said = [
+        result.get("msg", "")
+        for name, result in _results(production_run.started)
+        if name == "Say what was adopted"
+    ]
     assert said, "the start play did not adopt the unit"
     assert f"port {production_run.port}, host 127.0.0.1" in said[0], said[0]

@@ -48,9 +48,23 @@ pytestmark = [
 def _window(mode: str, seconds: int, **popen: object) -> subprocess.Popen[str]:
     """Start the scenario's GPU-window play (molecule/sglang_service/window.yml)."""
     return subprocess.Popen(
-        [str(ROOT / ".venv" / "bin" / "ansible-playbook"), "-i", str(INVENTORY), str(SCENARIO / "window.yml"),
-         "-e", f"sglang_window_mode={mode}", "-e", f"sglang_window_seconds={seconds}"],
-        cwd=ROOT, env=molecule_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **popen)
+        [
+            str(ROOT / ".venv" / "bin" / "ansible-playbook"),
+            "-i",
+            str(INVENTORY),
+            str(SCENARIO / "window.yml"),
+            "-e",
+            f"sglang_window_mode={mode}",
+            "-e",
+            f"sglang_window_seconds={seconds}",
+        ],
+        cwd=ROOT,
+        env=molecule_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        **popen,
+    )
 
 
 def _health() -> int:
@@ -59,8 +73,14 @@ def _health() -> int:
 
 
 def _journal() -> str:
-    return in_container("journalctl", "--no-pager", "--lines=60", "--unit=sglang-qwen.service",
-                        "--unit=sglang-qwen-deadman.timer", "--unit=sglang-qwen-deadman.service")
+    return in_container(
+        "journalctl",
+        "--no-pager",
+        "--lines=60",
+        "--unit=sglang-qwen.service",
+        "--unit=sglang-qwen-deadman.timer",
+        "--unit=sglang-qwen-deadman.service",
+    )
 
 
 def _main_pid() -> int:
@@ -69,8 +89,9 @@ def _main_pid() -> int:
 
 def _generate() -> dict:
     body = json.dumps({"text": "def add(a, b):", "sampling_params": {"temperature": 0, "max_new_tokens": 4}})
-    request = urllib.request.Request(f"{URL}/generate", data=body.encode(),
-                                     headers={"Content-Type": "application/json"})
+    request = urllib.request.Request(
+        f"{URL}/generate", data=body.encode(), headers={"Content-Type": "application/json"}
+    )
     with urllib.request.urlopen(request, timeout=60) as answer:
         return json.loads(answer.read())
 
@@ -103,8 +124,9 @@ def _lines_until(stream, marker: str, seen: list[str]) -> None:
 def test_deadman_timer_brings_the_server_back_when_the_play_dies(converged_host):
     play = _window("stop", 600, start_new_session=True)
     seen: list[str] = []
-    reader = threading.Thread(target=_lines_until, args=(play.stdout, "TASK [The GPU work]", seen),
-                              daemon=True)
+    reader = threading.Thread(
+        target=_lines_until, args=(play.stdout, "TASK [The GPU work]", seen), daemon=True
+    )
     reader.start()
     try:
         reader.join(timeout=240)
@@ -150,9 +172,24 @@ def _gpu_release_in_container(**args: object) -> tuple[int, dict]:
     """Run the gpu_release module inside the container, through the scenario's nsenter inventory."""
     with tempfile.TemporaryDirectory() as tree:
         done = subprocess.run(
-            [str(ROOT / ".venv" / "bin" / "ansible"), "-i", str(INVENTORY), "nspawn",
-             "-m", "specops.drafter.gpu_release", "-a", json.dumps(args), "--tree", tree],
-            cwd=ROOT, env=molecule_env(), capture_output=True, text=True, timeout=300)
+            [
+                str(ROOT / ".venv" / "bin" / "ansible"),
+                "-i",
+                str(INVENTORY),
+                "nspawn",
+                "-m",
+                "specops.drafter.gpu_release",
+                "-a",
+                json.dumps(args),
+                "--tree",
+                tree,
+            ],
+            cwd=ROOT,
+            env=molecule_env(),
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
         results = [json.loads(p.read_text()) for p in Path(tree).iterdir()]
     assert results, done.stdout[-3000:] + done.stderr[-3000:]
     return done.returncode, results[0]
@@ -165,16 +202,22 @@ def test_gpu_release_kills_a_units_processes_by_cgroup_and_spares_another_tenant
     in_container("mkdir", "-p", "/tmp/specops-gpu")
     in_container("touch", "/tmp/specops-gpu/nvidia0")
     for unit in ("specops-holder", "other-tenant"):
-        in_container("systemd-run", f"--unit={unit}", "--property=KillMode=process",
-                      "/usr/bin/python3", "-c", hold)
+        in_container(
+            "systemd-run", f"--unit={unit}", "--property=KillMode=process", "/usr/bin/python3", "-c", hold
+        )
     try:
         assert _wait(lambda: in_container("systemctl", "is-active", "specops-holder") == "active", 10)
         holder = int(in_container("systemctl", "show", "--property=MainPID", "--value", "specops-holder"))
         tenant = int(in_container("systemctl", "show", "--property=MainPID", "--value", "other-tenant"))
         assert _wait(lambda: bool(in_container("ls", f"/proc/{holder}/fd")), 10)
         rc, result = _gpu_release_in_container(
-            unit="specops-holder", patterns=["specops-no-such-command-line"],
-            device_pattern="/tmp/specops-gpu/nvidia*", allow_foreign=True, grace=2, nvml="false")
+            unit="specops-holder",
+            patterns=["specops-no-such-command-line"],
+            device_pattern="/tmp/specops-gpu/nvidia*",
+            allow_foreign=True,
+            grace=2,
+            nvml="false",
+        )
         assert rc == 0, result
         cgroup = in_container("cat", f"/proc/{holder}/cgroup")
         assert [k["pid"] for k in result["killed"]] == [holder], (result, cgroup)
@@ -188,7 +231,8 @@ def test_gpu_release_kills_a_units_processes_by_cgroup_and_spares_another_tenant
 
 
 def test_gpu_release_names_a_unit_that_does_not_exist(converged_host):
-    rc, result = _gpu_release_in_container(unit="no-such-unit", device_pattern="/tmp/specops-gpu/nvidia*",
-                                           nvml="false")
+    rc, result = _gpu_release_in_container(
+        unit="no-such-unit", device_pattern="/tmp/specops-gpu/nvidia*", nvml="false"
+    )
     assert rc != 0
     assert "'no-such-unit.service' does not exist" in result["msg"]

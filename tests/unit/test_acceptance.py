@@ -44,8 +44,9 @@ def greedy_sequences(fixture_models):
 def trained_drafter(fixture_models, tmp_path_factory):
     """The reference drafter trained on those completions, once per session."""
     out = tmp_path_factory.mktemp("trained") / "reference_drafter"
-    train_reference_drafter(fixture_models.target, fixture_models.drafter, out, fixture_models.prompts,
-                            steps=300, seed=2)
+    train_reference_drafter(
+        fixture_models.target, fixture_models.drafter, out, fixture_models.prompts, steps=300, seed=2
+    )
     return out
 
 
@@ -55,6 +56,7 @@ def head(fixture_models):
 
 
 # ---- the walk --------------------------------------------------------------------------------------
+
 
 def test_walk_accepts_the_leading_matches_plus_the_bonus_token():
     lengths, starts = walk(prompt_len=2, length=12, block_size=4, match_run=lambda s: 2)
@@ -79,6 +81,7 @@ def test_walk_has_no_step_when_the_prefill_token_is_the_last():
 
 # ---- results ---------------------------------------------------------------------------------------
 
+
 def test_histogram_and_acceptance_by_position_describe_the_steps():
     result = SequenceAcceptance("x", block_size=4, accept_lengths=[1, 4, 2, 4], block_starts=[0, 1, 5, 7])
     assert result.tau == 11 / 4
@@ -96,6 +99,7 @@ def test_overall_tau_weights_sequences_by_their_steps():
 
 # ---- drafts known by construction ------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("run", [0, 3, 7])
 def test_drafts_that_match_run_tokens_give_tau_run_plus_one(fixture_models, head, monkeypatch, mode, run):
@@ -104,7 +108,7 @@ def test_drafts_that_match_run_tokens_give_tau_run_plus_one(fixture_models, head
     monkeypatch.setattr(type(head), "argmax", lambda self, hidden, *a: torch.full(hidden.shape[:-1], 7))
     P, L = 5, 5 + 10 * (run + 1) + 1
     ids = torch.full((L,), 7)
-    ids[P::run + 1] = 9
+    ids[P :: run + 1] = 9
     sequence = SequenceInput("c", ids, torch.randn(L, 3, drafter.hidden_size), P)
     result = offline_acceptance(drafter, head, [sequence], mode=mode)[0]
     assert result.accept_lengths == [run + 1] * 10
@@ -128,7 +132,8 @@ def plant(drafter, head, sequence, run):
 
 @pytest.mark.parametrize("mode", MODES)
 def test_tokens_planted_from_the_drafters_own_drafts_give_tau_run_plus_one(
-        fixture_models, head, greedy_sequences, mode):
+    fixture_models, head, greedy_sequences, mode
+):
     drafter = load_drafter(fixture_models.drafter)
     sequence = plant(drafter, head, greedy_sequences[0], run=4)
     result = offline_acceptance(drafter, head, [sequence], mode=mode)[0]
@@ -139,9 +144,11 @@ def test_tokens_planted_from_the_drafters_own_drafts_give_tau_run_plus_one(
 
 # ---- engine against the oracle -----------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("mode", MODES)
 def test_random_drafter_accepts_about_one_token_and_equals_the_oracle(
-        fixture_models, head, greedy_sequences, mode):
+    fixture_models, head, greedy_sequences, mode
+):
     drafter = load_drafter(fixture_models.drafter)
     fast = offline_acceptance(drafter, head, greedy_sequences, mode=mode)
     oracle = [sequential_acceptance(drafter, head, s) for s in greedy_sequences]
@@ -153,7 +160,8 @@ def test_random_drafter_accepts_about_one_token_and_equals_the_oracle(
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", MODES)
 def test_trained_drafter_accepts_many_tokens_and_equals_the_oracle(
-        trained_drafter, head, greedy_sequences, mode):
+    trained_drafter, head, greedy_sequences, mode
+):
     drafter = load_drafter(trained_drafter)
     fast = offline_acceptance(drafter, head, greedy_sequences, mode=mode)
     oracle = [sequential_acceptance(drafter, head, s) for s in greedy_sequences]
@@ -164,13 +172,20 @@ def test_trained_drafter_accepts_many_tokens_and_equals_the_oracle(
 
 
 def test_a_small_memory_budget_splits_groups_and_chunks_without_changing_results(
-        fixture_models, head, greedy_sequences):
+    fixture_models, head, greedy_sequences
+):
     drafter = load_drafter(fixture_models.drafter)
     sequences = greedy_sequences[:4]
     roomy = offline_acceptance(drafter, head, sequences, mode="all-anchors")
     seen = []
-    tight = offline_acceptance(drafter, head, sequences, mode="all-anchors", memory_budget_bytes=1 << 20,
-                               progress=lambda done, total: seen.append(done))
+    tight = offline_acceptance(
+        drafter,
+        head,
+        sequences,
+        mode="all-anchors",
+        memory_budget_bytes=1 << 20,
+        progress=lambda done, total: seen.append(done),
+    )
     assert [r.accept_lengths for r in tight] == [r.accept_lengths for r in roomy]
     assert len(seen) > 1 and seen[-1] == 4
 
@@ -188,10 +203,16 @@ def test_results_come_back_in_input_order_with_their_ids(fixture_models, head, g
 def test_mappings_are_accepted_as_sequences(fixture_models, head, greedy_sequences):
     drafter = load_drafter(fixture_models.drafter)
     s = greedy_sequences[0]
-    record = {"id": s.id, "input_ids": s.input_ids.tolist(), "features": s.features,
-              "prompt_len": s.prompt_len}
-    assert offline_acceptance(drafter, head, [record])[0].accept_lengths == \
-        offline_acceptance(drafter, head, [s])[0].accept_lengths
+    record = {
+        "id": s.id,
+        "input_ids": s.input_ids.tolist(),
+        "features": s.features,
+        "prompt_len": s.prompt_len,
+    }
+    assert (
+        offline_acceptance(drafter, head, [record])[0].accept_lengths
+        == offline_acceptance(drafter, head, [s])[0].accept_lengths
+    )
 
 
 def test_features_of_the_wrong_shape_are_named(fixture_models, head, greedy_sequences):

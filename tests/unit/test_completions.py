@@ -191,11 +191,13 @@ def test_plan_says_what_would_change_and_writes_nothing(server, fixture_models, 
     assert completions.plan({**request, "max_new_tokens": MAX_NEW_TOKENS + 1})["changed"] is True
 
 
-def test_an_edited_token_id_of_the_same_size_is_named_and_a_rerun_restores_it(server, fixture_models,
-                                                                              tmp_path):
+def test_an_edited_token_id_of_the_same_size_is_named_and_a_rerun_restores_it(
+    server, fixture_models, tmp_path
+):
     out = tmp_path / "out"
-    request = make_request(fixture_models, out, server.url,
-                           prompts=str(small_prompts(fixture_models, tmp_path / "p.jsonl", 2)))
+    request = make_request(
+        fixture_models, out, server.url, prompts=str(small_prompts(fixture_models, tmp_path / "p.jsonl", 2))
+    )
     completions.run(request)
     path = out / completions.OUTPUT_NAME
     fetched = path.read_bytes()
@@ -222,9 +224,15 @@ def test_only_the_edited_line_is_named_whatever_the_order_of_the_ids(tmp_path):
     records = [{"id": name, "output_ids": [index, index + 1]} for index, name in enumerate(["c", "b", "a"])]
     lines = [json.dumps(record, sort_keys=True) + "\n" for record in records]
     (tmp_path / completions.OUTPUT_NAME).write_text("".join(lines))
-    write_manifest(tmp_path, completions.STAGE, {"prompts": "p"}, [completions.OUTPUT_NAME],
-                   records_sha256={r["id"]: hashlib.sha256(line.encode()).hexdigest()
-                                   for r, line in zip(records, lines, strict=True)})
+    write_manifest(
+        tmp_path,
+        completions.STAGE,
+        {"prompts": "p"},
+        [completions.OUTPUT_NAME],
+        records_sha256={
+            r["id"]: hashlib.sha256(line.encode()).hexdigest() for r, line in zip(records, lines, strict=True)
+        },
+    )
     fingerprint = load_manifest(tmp_path)["inputs_fingerprint"]
     ids = [record["id"] for record in records]
     assert completions.damaged_records(tmp_path, fingerprint, ids) == []
@@ -232,7 +240,8 @@ def test_only_the_edited_line_is_named_whatever_the_order_of_the_ids(tmp_path):
     (tmp_path / completions.OUTPUT_NAME).write_text("".join(lines))
 
     assert completions.damaged_records(tmp_path, fingerprint, ids) == [
-        f"{tmp_path / completions.OUTPUT_NAME} line 2 (id 'b') is damaged or edited"]
+        f"{tmp_path / completions.OUTPUT_NAME} line 2 (id 'b') is damaged or edited"
+    ]
 
 
 def tokens_of(lines):
@@ -241,8 +250,9 @@ def tokens_of(lines):
 
 def test_a_garbled_line_is_refetched_by_a_rerun(server, fixture_models, tmp_path):
     out = tmp_path / "out"
-    request = make_request(fixture_models, out, server.url,
-                           prompts=str(small_prompts(fixture_models, tmp_path / "p.jsonl", 2)))
+    request = make_request(
+        fixture_models, out, server.url, prompts=str(small_prompts(fixture_models, tmp_path / "p.jsonl", 2))
+    )
     completions.run(request)
     path = out / completions.OUTPUT_NAME
     fetched = path.read_bytes()
@@ -383,8 +393,9 @@ def test_retries_wait_backoff_first_then_double_up_to_the_cap():
 
 def test_a_retry_wait_ends_at_once_when_another_request_has_failed():
     abort = threading.Event()
-    retry = _failed_once_more(completions.StageRetry(total=3, backoff_factor=30.0, abort=abort,
-                                                     server="http://127.0.0.1:9"))
+    retry = _failed_once_more(
+        completions.StageRetry(total=3, backoff_factor=30.0, abort=abort, server="http://127.0.0.1:9")
+    )
     abort.set()
     started = time.monotonic()
 

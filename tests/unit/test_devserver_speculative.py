@@ -39,8 +39,9 @@ def one_thread():
 def trained_drafter(fixture_models, tmp_path_factory):
     """A drafter trained on the target's greedy outputs, so most verify steps accept several drafts."""
     out = tmp_path_factory.mktemp("speculative") / "trained_drafter"
-    train_reference_drafter(fixture_models.target, fixture_models.drafter, out, fixture_models.prompts,
-                            steps=300, seed=2)
+    train_reference_drafter(
+        fixture_models.target, fixture_models.drafter, out, fixture_models.prompts, steps=300, seed=2
+    )
     return out
 
 
@@ -82,9 +83,10 @@ def answers(engine, prompts) -> list[dict]:
 
 def plain_greedy(target, ids: list[int], max_new_tokens: int = NEW_TOKENS) -> list[int]:
     inputs = torch.tensor([ids])
-    out = target.generate(inputs, attention_mask=torch.ones_like(inputs), do_sample=False,
-                          max_new_tokens=max_new_tokens)
-    return out[0, len(ids):].tolist()
+    out = target.generate(
+        inputs, attention_mask=torch.ones_like(inputs), do_sample=False, max_new_tokens=max_new_tokens
+    )
+    return out[0, len(ids) :].tolist()
 
 
 def offline_walk(target, drafter_dir, target_dir, ids: list[int], output_ids: list[int]):
@@ -107,6 +109,7 @@ def spec_figures(meta: dict) -> dict:
 
 
 # ---- decoding ----------------------------------------------------------------------------------------
+
 
 def test_speculative_output_ids_equal_plain_greedy_generation(answers, prompts, target):
     for answer, ids in zip(answers, prompts, strict=True):
@@ -132,48 +135,60 @@ def test_meta_info_follows_sglangs_definitions(answers, engine):
 
 # ---- online equals offline ---------------------------------------------------------------------------
 
+
 def test_online_figures_equal_the_offline_walk_with_the_prefill_token_counted(
-        answers, prompts, target, trained_drafter, fixture_models, engine):
+    answers, prompts, target, trained_drafter, fixture_models, engine
+):
     n = engine.speculator.num_draft_tokens
     for answer, ids in zip(answers, prompts, strict=True):
         walked = offline_walk(target, trained_drafter, fixture_models.target, ids, answer["output_ids"])[3]
         assert spec_figures(answer["meta_info"]) == rep.online_from_offline(walked.accept_lengths, n)
         # The documented adjustment: SGLang's length is the offline tau plus 1 / verify steps.
-        assert answer["meta_info"]["spec_accept_length"] == pytest.approx(walked.tau + 1 / walked.steps,
-                                                                          abs=1e-12)
+        assert answer["meta_info"]["spec_accept_length"] == pytest.approx(
+            walked.tau + 1 / walked.steps, abs=1e-12
+        )
 
 
-def test_the_batched_offline_engine_agrees_with_the_server_too(answers, prompts, target, trained_drafter,
-                                                               fixture_models):
+def test_the_batched_offline_engine_agrees_with_the_server_too(
+    answers, prompts, target, trained_drafter, fixture_models
+):
     answer, ids = answers[0], prompts[0]
-    drafter, head, seq, _ = offline_walk(target, trained_drafter, fixture_models.target, ids,
-                                         answer["output_ids"])
+    drafter, head, seq, _ = offline_walk(
+        target, trained_drafter, fixture_models.target, ids, answer["output_ids"]
+    )
     (batched,) = offline_acceptance(drafter, head, [seq])
-    assert spec_figures(answer["meta_info"]) == rep.online_from_offline(batched.accept_lengths,
-                                                                        drafter.block_size)
+    assert spec_figures(answer["meta_info"]) == rep.online_from_offline(
+        batched.accept_lengths, drafter.block_size
+    )
 
 
-def test_a_completion_ending_at_a_stop_token_is_counted_up_to_it(engine, prompts, target, trained_drafter,
-                                                                 fixture_models):
+def test_a_completion_ending_at_a_stop_token_is_counted_up_to_it(
+    engine, prompts, target, trained_drafter, fixture_models
+):
     ids = prompts[1]
     full = plain_greedy(target, ids)
     stop = full[len(full) // 2]  # a token the greedy output reaches mid-way
     answer = generate(engine, ids, stop_token_ids=[stop])
-    expected = full[:full.index(stop) + 1]
+    expected = full[: full.index(stop) + 1]
     assert answer["output_ids"] == expected
     assert answer["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
     _, _, _, walked = offline_walk(target, trained_drafter, fixture_models.target, ids, expected)
-    assert spec_figures(answer["meta_info"]) == rep.online_from_offline(walked.accept_lengths,
-                                                                        engine.speculator.num_draft_tokens)
+    assert spec_figures(answer["meta_info"]) == rep.online_from_offline(
+        walked.accept_lengths, engine.speculator.num_draft_tokens
+    )
 
 
 def test_the_server_and_offline_scores_pass_the_online_agreement_diagnostic(
-        answers, prompts, target, trained_drafter, fixture_models):
+    answers, prompts, target, trained_drafter, fixture_models
+):
     online, sequences = {}, []
     for i, (answer, ids) in enumerate(zip(answers, prompts, strict=True)):
         meta = answer["meta_info"]
-        online[f"p{i}"] = {"tau": meta["spec_accept_length"], "verify_ct": meta["spec_verify_ct"],
-                           "completion_tokens": meta["completion_tokens"]}
+        online[f"p{i}"] = {
+            "tau": meta["spec_accept_length"],
+            "verify_ct": meta["spec_verify_ct"],
+            "completion_tokens": meta["completion_tokens"],
+        }
         walked = offline_walk(target, trained_drafter, fixture_models.target, ids, answer["output_ids"])[3]
         sequences.append({"id": f"p{i}", "accept_lengths": walked.accept_lengths})
     comparison = rep.online_comparison(online, {"block_size": 8, "sequences": sequences}, "reference")
@@ -184,10 +199,15 @@ def test_the_server_and_offline_scores_pass_the_online_agreement_diagnostic(
 
 # ---- the edges --------------------------------------------------------------------------------------
 
+
 def test_a_request_ended_by_the_prefill_token_has_no_verify_step(engine, prompts):
     meta = generate(engine, prompts[0], max_new_tokens=1)["meta_info"]
-    assert spec_figures(meta) == {"spec_verify_ct": 0, "completion_tokens": 1, "spec_accept_length": 0,
-                                  "spec_accept_rate": 0.0}
+    assert spec_figures(meta) == {
+        "spec_verify_ct": 0,
+        "completion_tokens": 1,
+        "spec_accept_length": 0,
+        "spec_accept_rate": 0.0,
+    }
 
 
 def test_sampled_requests_do_not_speculate_and_carry_no_spec_figures(engine, prompts):
@@ -205,24 +225,39 @@ def test_num_draft_tokens_sets_the_block_size_as_in_sglang(fixture_models, train
 
 def test_online_from_offline_adds_the_prefill_token_to_the_tokens_not_the_steps():
     assert rep.online_from_offline([3, 1, 4], num_draft_tokens=8) == {
-        "spec_verify_ct": 3, "completion_tokens": 9, "spec_accept_length": 3.0,
-        "spec_accept_rate": (8 - 3) / (3 * 7)}
+        "spec_verify_ct": 3,
+        "completion_tokens": 9,
+        "spec_accept_length": 3.0,
+        "spec_accept_rate": (8 - 3) / (3 * 7),
+    }
 
 
 # ---- startup ----------------------------------------------------------------------------------------
 
+
 def run_server(*args: str) -> subprocess.CompletedProcess:
     command = [sys.executable, "-m", "specops.devserver", "--port", str(free_port()), *args]
-    return subprocess.run(command, capture_output=True, text=True, timeout=120,
-                          env={"PYTHONPATH": str(SRC_DIR), "PATH": "/usr/bin:/bin"})
+    return subprocess.run(
+        command,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={"PYTHONPATH": str(SRC_DIR), "PATH": "/usr/bin:/bin"},
+    )
 
 
 def test_a_drafter_that_cannot_load_stops_the_server_naming_it(fixture_models, tmp_path):
     broken = tmp_path / "broken_drafter"
     broken.mkdir()
     (broken / "config.json").write_text((fixture_models.drafter / "config.json").read_text())
-    done = run_server("--model-path", str(fixture_models.target), "--speculative-algorithm", "DFLASH",
-                      "--speculative-draft-model-path", str(broken))
+    done = run_server(
+        "--model-path",
+        str(fixture_models.target),
+        "--speculative-algorithm",
+        "DFLASH",
+        "--speculative-draft-model-path",
+        str(broken),
+    )
     assert done.returncode == 1
     assert f"cannot load the DFlash drafter {broken}" in done.stderr and "no .safetensors" in done.stderr
 

@@ -136,8 +136,10 @@ def test_layer_offset_is_inconclusive_when_every_offset_scores_the_same():
 
 
 def test_backend_fallback_of_an_aligned_transformers_does_not_warn():
-    manifest = {"backend": {"gated_delta_rule": "torch", "device": "cpu"},
-                "versions": {"transformers": "5.23.0"}}
+    manifest = {
+        "backend": {"gated_delta_rule": "torch", "device": "cpu"},
+        "versions": {"transformers": "5.23.0"},
+    }
     result = diag.backend_check(manifest, HYBRID)
     assert result["status"] == "ok" and "does not change this tau" in result["message"]
 
@@ -183,42 +185,57 @@ def test_acceptance_names_a_collapse_after_position_k():
 
 
 def test_acceptance_tells_far_below_the_reference_on_every_prompt():
-    result = diag.acceptance_pattern_check(overall_of([2, 1, 2, 1]), overall_of([4] * 4),
-                                           rows({"a": 0.3, "b": 0.4}))
+    result = diag.acceptance_pattern_check(
+        overall_of([2, 1, 2, 1]), overall_of([4] * 4), rows({"a": 0.3, "b": 0.4})
+    )
     assert "on every prompt" in result["message"] and "systematic" in result["details"]["cause"]
 
 
 def test_acceptance_tells_far_below_the_reference_on_some_prompts():
-    result = diag.acceptance_pattern_check(overall_of([2, 1, 2, 1]), overall_of([4] * 4),
-                                           rows({"a": 0.3, "b": 0.95, "c": 1.0}))
+    result = diag.acceptance_pattern_check(
+        overall_of([2, 1, 2, 1]), overall_of([4] * 4), rows({"a": 0.3, "b": 0.95, "c": 1.0})
+    )
     assert "on 1 of 3 prompts (a)" in result["message"]
     assert result["details"]["prompts_far_below_reference"] == ["a"]
 
 
 def test_acceptance_is_ok_without_a_telling_pattern():
-    result = diag.acceptance_pattern_check(overall_of([4, 3, 4, 2]), overall_of([4] * 4),
-                                           rows({"a": 0.9}))
+    result = diag.acceptance_pattern_check(overall_of([4, 3, 4, 2]), overall_of([4] * 4), rows({"a": 0.9}))
     assert result["status"] == "ok"
 
 
 def comparison(mismatched_ids: list[str]) -> dict:
-    return {"server_drafter": "reference", "n_prompts": 3, "online_tau": 4.0, "expected_tau": 4.1,
-            "offline_tau": 4.0, "expected_steps": 10, "expected_tokens": 41, "not_scored": [],
-            "mismatched": [{"id": i, "online_tau": 4.0, "expected_tau": 4.1, "online_verify_ct": 5,
-                            "expected_verify_ct": 4} for i in mismatched_ids]}
+    return {
+        "server_drafter": "reference",
+        "n_prompts": 3,
+        "online_tau": 4.0,
+        "expected_tau": 4.1,
+        "offline_tau": 4.0,
+        "expected_steps": 10,
+        "expected_tokens": 41,
+        "not_scored": [],
+        "mismatched": [
+            {"id": i, "online_tau": 4.0, "expected_tau": 4.1, "online_verify_ct": 5, "expected_verify_ct": 4}
+            for i in mismatched_ids
+        ],
+    }
 
 
 def test_online_difference_at_near_ties_is_not_a_configuration_error():
-    margins = {"p1": {"closest": 0.02, "block_start": 30, "position": 3},
-               "p2": {"closest": 0.3, "block_start": 12, "position": 1}}
+    margins = {
+        "p1": {"closest": 0.02, "block_start": 30, "position": 3},
+        "p2": {"closest": 0.3, "block_start": 12, "position": 1},
+    }
     result = diag.online_agreement_check(comparison(["p1", "p2"]), "reference", margins=margins)
     assert result["status"] == "ok" and result["details"]["classification"] == "near_tie"
     assert "near-tie" in result["message"] and "smallest 0.020" in result["message"]
 
 
 def test_online_difference_without_a_near_tie_is_a_configuration_error():
-    margins = {"p1": {"closest": 0.02, "block_start": 30, "position": 3},
-               "p2": {"closest": 6.5, "block_start": 12, "position": 1}}
+    margins = {
+        "p1": {"closest": 0.02, "block_start": 30, "position": 3},
+        "p2": {"closest": 6.5, "block_start": 12, "position": 1},
+    }
     result = diag.online_agreement_check(comparison(["p1", "p2"]), "reference", margins=margins)
     assert result["status"] == "warning" and result["details"]["classification"] == "configuration"
     assert "prompt p2 had no draft within 0.5 logits" in result["message"]

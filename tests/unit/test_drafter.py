@@ -40,6 +40,7 @@ def copy_drafter(fixture_models, tmp_path, edit_config=None, edit_tensors=None):
 
 # ---- loading ------------------------------------------------------------------------------------
 
+
 def test_loads_block_size_from_the_top_level(fixture_models):
     drafter = load_drafter(fixture_models.drafter)
     config = json.loads((fixture_models.drafter / "config.json").read_text())
@@ -59,8 +60,9 @@ def test_loads_block_size_from_dflash_config(fixture_models, tmp_path):
 
 
 def test_loads_tensor_names_with_a_model_prefix(fixture_models, tmp_path):
-    path = copy_drafter(fixture_models, tmp_path,
-                        edit_tensors=lambda t: {"model." + k: v for k, v in t.items()})
+    path = copy_drafter(
+        fixture_models, tmp_path, edit_tensors=lambda t: {"model." + k: v for k, v in t.items()}
+    )
     plain = load_drafter(fixture_models.drafter)
     prefixed = load_drafter(path)
     assert torch.equal(plain.fc.weight, prefixed.fc.weight)
@@ -84,28 +86,33 @@ def test_a_bad_config_names_what_is_missing(fixture_models, tmp_path, edit, mess
 
 
 def test_a_missing_tensor_is_named(fixture_models, tmp_path):
-    path = copy_drafter(fixture_models, tmp_path,
-                        edit_tensors=lambda t: {k: v for k, v in t.items()
-                                                if k != "layers.1.self_attn.k_norm.weight"})
+    path = copy_drafter(
+        fixture_models,
+        tmp_path,
+        edit_tensors=lambda t: {k: v for k, v in t.items() if k != "layers.1.self_attn.k_norm.weight"},
+    )
     with pytest.raises(DrafterError, match=r"missing tensors \['layers.1.self_attn.k_norm.weight'\]"):
         load_drafter(path)
 
 
 def test_an_unexpected_tensor_is_named(fixture_models, tmp_path):
-    path = copy_drafter(fixture_models, tmp_path,
-                        edit_tensors=lambda t: {**t, "embed_tokens.weight": torch.zeros(2, 2)})
+    path = copy_drafter(
+        fixture_models, tmp_path, edit_tensors=lambda t: {**t, "embed_tokens.weight": torch.zeros(2, 2)}
+    )
     with pytest.raises(DrafterError, match=r"unexpected tensors \['embed_tokens.weight'\]"):
         load_drafter(path)
 
 
 def test_a_tensor_of_the_wrong_shape_is_named(fixture_models, tmp_path):
-    path = copy_drafter(fixture_models, tmp_path,
-                        edit_tensors=lambda t: {**t, "fc.weight": t["fc.weight"][:, :10].clone()})
+    path = copy_drafter(
+        fixture_models, tmp_path, edit_tensors=lambda t: {**t, "fc.weight": t["fc.weight"][:, :10].clone()}
+    )
     with pytest.raises(DrafterError, match="tensor fc.weight has shape"):
         load_drafter(path)
 
 
 # ---- forward --------------------------------------------------------------------------------------
+
 
 def test_many_blocks_in_one_forward_equal_one_block_at_a_time(fixture_models):
     drafter = load_drafter(fixture_models.drafter)
@@ -144,9 +151,12 @@ def test_features_are_hf_hidden_states_shifted_by_one(fixture_models):
 
     model = AutoModelForCausalLM.from_pretrained(fixture_models.target, dtype=torch.float32).eval()
     captured = {}
-    hooks = [model.model.layers[k].register_forward_hook(
-        lambda _m, _i, out, k=k: captured.__setitem__(k, out[0] if isinstance(out, tuple) else out))
-        for k in (1, 3, 5)]
+    hooks = [
+        model.model.layers[k].register_forward_hook(
+            lambda _m, _i, out, k=k: captured.__setitem__(k, out[0] if isinstance(out, tuple) else out)
+        )
+        for k in (1, 3, 5)
+    ]
     ids = torch.arange(3, 23)[None]
     with torch.inference_mode():
         hidden = model(ids, output_hidden_states=True).hidden_states
@@ -166,6 +176,7 @@ def test_a_target_layer_out_of_range_is_named():
 
 # ---- target head ------------------------------------------------------------------------------------
 
+
 def test_target_head_reads_the_embedding_and_lm_head(fixture_models):
     tensors = load_file(str(fixture_models.target / "model.safetensors"))
     head = load_target_head(fixture_models.target)
@@ -175,13 +186,22 @@ def test_target_head_reads_the_embedding_and_lm_head(fixture_models):
 
 def test_target_head_reads_sharded_multimodal_checkpoints(tmp_path):
     embed, lm_head = torch.randn(10, 4), torch.randn(10, 4)
-    save_file({"model.language_model.embed_tokens.weight": embed, "model.layers.0.x": torch.zeros(1)},
-              str(tmp_path / "model-00001-of-00002.safetensors"))
+    save_file(
+        {"model.language_model.embed_tokens.weight": embed, "model.layers.0.x": torch.zeros(1)},
+        str(tmp_path / "model-00001-of-00002.safetensors"),
+    )
     save_file({"lm_head.weight": lm_head}, str(tmp_path / "model-00002-of-00002.safetensors"))
-    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {
-        "model.language_model.embed_tokens.weight": "model-00001-of-00002.safetensors",
-        "model.layers.0.x": "model-00001-of-00002.safetensors",
-        "lm_head.weight": "model-00002-of-00002.safetensors"}}))
+    (tmp_path / "model.safetensors.index.json").write_text(
+        json.dumps(
+            {
+                "weight_map": {
+                    "model.language_model.embed_tokens.weight": "model-00001-of-00002.safetensors",
+                    "model.layers.0.x": "model-00001-of-00002.safetensors",
+                    "lm_head.weight": "model-00002-of-00002.safetensors",
+                }
+            }
+        )
+    )
     head = load_target_head(tmp_path)
     assert torch.equal(head.embed_weight, embed) and torch.equal(head.lm_head_weight, lm_head)
 

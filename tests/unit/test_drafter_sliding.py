@@ -36,10 +36,20 @@ def one_thread():
 
 def build(layer_types: list[str], seed: int = 0) -> DFlashDrafter:
     config = Qwen3Config(
-        hidden_size=HIDDEN, intermediate_size=64, num_hidden_layers=len(layer_types),
-        num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, head_dim=HEAD_DIM, vocab_size=64,
-        layer_types=layer_types, use_sliding_window=True, sliding_window=WINDOW, max_window_layers=0,
-        block_size=BLOCK, dflash_config={"mask_token_id": 1, "target_layer_ids": [0, 1]})
+        hidden_size=HIDDEN,
+        intermediate_size=64,
+        num_hidden_layers=len(layer_types),
+        num_attention_heads=HEADS,
+        num_key_value_heads=KV_HEADS,
+        head_dim=HEAD_DIM,
+        vocab_size=64,
+        layer_types=layer_types,
+        use_sliding_window=True,
+        sliding_window=WINDOW,
+        max_window_layers=0,
+        block_size=BLOCK,
+        dflash_config={"mask_token_id": 1, "target_layer_ids": [0, 1]},
+    )
     torch.manual_seed(seed)
     drafter = DFlashDrafter(config).float().eval()
     with torch.no_grad():

@@ -44,20 +44,37 @@ def completions(fixture_models, target, tmp_path_factory) -> Path:
     for number, prompt in enumerate(prompts):
         text = prompt.get("prompt") or " ".join(m["content"] for m in prompt["messages"])
         prompt_ids = tokenizer(text)["input_ids"]
-        generated = target.generate(torch.tensor([prompt_ids]), max_new_tokens=6 + 5 * number,
-                                    do_sample=False)
-        output_ids = generated[0, len(prompt_ids):].tolist()
-        lines.append(json.dumps({"id": prompt["id"], "prompt_ids": prompt_ids, "output_ids": output_ids,
-                                 "text": tokenizer.decode(output_ids), "finish_reason": "length",
-                                 "meta_info": {"completion_tokens": len(output_ids)}}))
+        generated = target.generate(
+            torch.tensor([prompt_ids]), max_new_tokens=6 + 5 * number, do_sample=False
+        )
+        output_ids = generated[0, len(prompt_ids) :].tolist()
+        lines.append(
+            json.dumps(
+                {
+                    "id": prompt["id"],
+                    "prompt_ids": prompt_ids,
+                    "output_ids": output_ids,
+                    "text": tokenizer.decode(output_ids),
+                    "finish_reason": "length",
+                    "meta_info": {"completion_tokens": len(output_ids)},
+                }
+            )
+        )
     (directory / "completions.jsonl").write_text("\n".join(lines) + "\n")
     (directory / "manifest.json").write_text(json.dumps({"stage": "sglang_completions"}))
     return directory
 
 
 def request(fixture_models, completions, out_dir, **overrides):
-    return {"target": str(fixture_models.target), "completions": str(completions), "out_dir": str(out_dir),
-            "drafter": str(fixture_models.drafter), "shard_tokens": 60, "device": "cpu", **overrides}
+    return {
+        "target": str(fixture_models.target),
+        "completions": str(completions),
+        "out_dir": str(out_dir),
+        "drafter": str(fixture_models.drafter),
+        "shard_tokens": 60,
+        "device": "cpu",
+        **overrides,
+    }
 
 
 def reference_states(target, input_ids, layer_ids):
@@ -127,8 +144,10 @@ def test_manifest_records_target_layers_backend_and_checksums(extracted, fixture
 
 def test_capture_stops_after_the_last_captured_layer(target):
     calls = []
-    hooks = [layer.register_forward_hook(lambda m, a, o, i=i: calls.append(i))
-             for i, layer in enumerate(target.model.layers)]
+    hooks = [
+        layer.register_forward_hook(lambda m, a, o, i=i: calls.append(i))
+        for i, layer in enumerate(target.model.layers)
+    ]
     hooks.append(target.model.norm.register_forward_hook(lambda m, a, o: calls.append("norm")))
     hooks.append(target.lm_head.register_forward_hook(lambda m, a, o: calls.append("lm_head")))
     try:
@@ -162,8 +181,9 @@ def test_unpadded_batches_skip_mask_creation_and_padded_ones_do_not(target, monk
 
 def test_mask_mapping_only_where_no_mask_is_what_transformers_would_build(target):
     assert extract.unpadded_mask_mapping(target.model) == {"full_attention": None, "linear_attention": None}
-    sliding = types.SimpleNamespace(config=types.SimpleNamespace(layer_types=["sliding_attention",
-                                                                             "full_attention"]))
+    sliding = types.SimpleNamespace(
+        config=types.SimpleNamespace(layer_types=["sliding_attention", "full_attention"])
+    )
     assert extract.unpadded_mask_mapping(sliding) is None  # a sliding window needs its mask
 
     class SingleMaskBody(torch.nn.Module):  # a model that takes one mask, not a mapping
@@ -212,8 +232,9 @@ def test_progress_log_reports_tokens_done_and_rate(extracted):
     assert f"tokens {total}/{total} (100.0%)" in last and "tok/s" in last
 
 
-def test_rerun_with_unchanged_inputs_is_unchanged_and_loads_no_model(extracted, fixture_models, completions,
-                                                                    monkeypatch):
+def test_rerun_with_unchanged_inputs_is_unchanged_and_loads_no_model(
+    extracted, fixture_models, completions, monkeypatch
+):
     out_dir, _ = extracted
     monkeypatch.setattr(extract_stage, "load_model", lambda prep: pytest.fail("the model was loaded"))
     result = extract.run(request(fixture_models, completions, out_dir))
@@ -252,8 +273,14 @@ sys.exit(extract.main(["--run"]))
 def test_a_killed_run_resumes_from_its_finished_shards(fixture_models, completions, target, tmp_path):
     req = request(fixture_models, completions, tmp_path, writer_threads=1)
     env = {**os.environ, "PYTHONPATH": str(SRC)}
-    killed = subprocess.run([sys.executable, "-c", KILL_AFTER_FIRST_SHARD], input=json.dumps(req), text=True,
-                            capture_output=True, env=env, timeout=300)
+    killed = subprocess.run(
+        [sys.executable, "-c", KILL_AFTER_FIRST_SHARD],
+        input=json.dumps(req),
+        text=True,
+        capture_output=True,
+        env=env,
+        timeout=300,
+    )
     assert killed.returncode == -9, killed.stderr[-2000:]
     finished = [name for name in shard_files(tmp_path) if not name.endswith(".tmp")]
     assert finished == ["shard-00000.safetensors"]
@@ -266,13 +293,16 @@ def test_a_killed_run_resumes_from_its_finished_shards(fixture_models, completio
     assert (tmp_path / "shard-00000.safetensors").stat().st_mtime_ns == first.st_mtime_ns
     for _, input_ids, hidden in open_hidden_states(tmp_path):
         assert torch.equal(hidden, reference_states(target, input_ids, [1, 3, 5])) or torch.allclose(
-            hidden, reference_states(target, input_ids, [1, 3, 5]), rtol=1e-5, atol=1e-5)
+            hidden, reference_states(target, input_ids, [1, 3, 5]), rtol=1e-5, atol=1e-5
+        )
 
 
-def test_capture_offsets_capture_neighbours_and_skip_those_out_of_range(fixture_models, completions, target,
-                                                                       tmp_path):
-    result = extract.run(request(fixture_models, completions, tmp_path, layer_ids=[0, 4, 7],
-                                 capture_offsets=[-1, 0, 1]))
+def test_capture_offsets_capture_neighbours_and_skip_those_out_of_range(
+    fixture_models, completions, target, tmp_path
+):
+    result = extract.run(
+        request(fixture_models, completions, tmp_path, layer_ids=[0, 4, 7], capture_offsets=[-1, 0, 1])
+    )
     states = open_hidden_states(tmp_path)
     assert result["layer_ids"] == states.layer_ids == [0, 1, 3, 4, 5, 6, 7]
     assert states.manifest["skipped_layer_ids"] == [-1, 8]
@@ -286,8 +316,11 @@ def test_a_truncated_shard_is_named_with_the_fix(fixture_models, completions, tm
     extract.run(request(fixture_models, completions, tmp_path))
     victim = tmp_path / "shard-00001.safetensors"
     victim.write_bytes(victim.read_bytes()[:-100])
-    with pytest.raises(HiddenStatesError, match=r"shard-00001\.safetensors is truncated.*rerun the "
-                                                r"extraction"):
+    with pytest.raises(
+        HiddenStatesError,
+        match=r"shard-00001\.safetensors is truncated.*rerun the "
+        r"extraction",
+    ):
         list(open_hidden_states(tmp_path))
 
 
@@ -303,19 +336,25 @@ def run_fails(req, match):
 
 
 def test_missing_model_directory_is_named(fixture_models, completions, tmp_path):
-    run_fails(request(fixture_models, completions, tmp_path, target=str(tmp_path / "nope")),
-              r"target model directory .*nope does not exist")
+    run_fails(
+        request(fixture_models, completions, tmp_path, target=str(tmp_path / "nope")),
+        r"target model directory .*nope does not exist",
+    )
 
 
 def test_directory_without_config_is_not_a_model(fixture_models, completions, tmp_path):
     (tmp_path / "empty").mkdir()
-    run_fails(request(fixture_models, completions, tmp_path / "out", target=str(tmp_path / "empty")),
-              r"has no config\.json")
+    run_fails(
+        request(fixture_models, completions, tmp_path / "out", target=str(tmp_path / "empty")),
+        r"has no config\.json",
+    )
 
 
 def test_layer_id_out_of_range_names_the_valid_range(fixture_models, completions, tmp_path):
-    run_fails(request(fixture_models, completions, tmp_path, layer_ids=[1, 8]),
-              r"target layer 8 out of range: the model has 8 layers \(0-7\)")
+    run_fails(
+        request(fixture_models, completions, tmp_path, layer_ids=[1, 8]),
+        r"target layer 8 out of range: the model has 8 layers \(0-7\)",
+    )
 
 
 def test_empty_completions_are_refused(fixture_models, tmp_path):
@@ -324,14 +363,23 @@ def test_empty_completions_are_refused(fixture_models, tmp_path):
     run_fails(request(fixture_models, tmp_path / "completions", tmp_path / "out"), r"holds no completions")
 
 
-@pytest.mark.parametrize("line, match", [
-    ("{not json", r"line 2 is not JSON"),
-    ('{"id": "x", "prompt_ids": [1, "a"], "output_ids": []}', r"line 2: 'prompt_ids' must be a list of "
-                                                              r"token ids"),
-    ('{"id": "x", "prompt_ids": [1], "output_ids": [100000]}', r"token id 100000 outside the target's "
-                                                               r"vocabulary"),
-    ('{"id": "x", "prompt_ids": [], "output_ids": []}', r"line 2 \(id 'x'\) has no tokens"),
-])
+@pytest.mark.parametrize(
+    "line, match",
+    [
+        ("{not json", r"line 2 is not JSON"),
+        (
+            '{"id": "x", "prompt_ids": [1, "a"], "output_ids": []}',
+            r"line 2: 'prompt_ids' must be a list of "
+            r"token ids",
+        ),
+        (
+            '{"id": "x", "prompt_ids": [1], "output_ids": [100000]}',
+            r"token id 100000 outside the target's "
+            r"vocabulary",
+        ),
+        ('{"id": "x", "prompt_ids": [], "output_ids": []}', r"line 2 \(id 'x'\) has no tokens"),
+    ],
+)
 def test_malformed_completions_name_the_line(fixture_models, completions, tmp_path, line, match):
     (tmp_path / "completions").mkdir()
     good = (completions / "completions.jsonl").read_text().splitlines()[0]
@@ -342,8 +390,11 @@ def test_malformed_completions_name_the_line(fixture_models, completions, tmp_pa
 def test_not_enough_disk_space_fails_before_loading(fixture_models, completions, tmp_path, monkeypatch):
     monkeypatch.setattr(preflight.shutil, "disk_usage", lambda path: types.SimpleNamespace(free=1000))
     monkeypatch.setattr(extract_stage, "load_model", lambda prep: pytest.fail("the model was loaded"))
-    run_fails(request(fixture_models, completions, tmp_path), r"not enough disk space .* KiB, 1000 bytes are "
-                                                              r"free")
+    run_fails(
+        request(fixture_models, completions, tmp_path),
+        r"not enough disk space .* KiB, 1000 bytes are "
+        r"free",
+    )
 
 
 def test_disk_full_while_writing_leaves_no_partial_shard(fixture_models, completions, tmp_path, monkeypatch):
@@ -379,8 +430,11 @@ def test_disk_full_while_writing_leaves_no_partial_shard(fixture_models, complet
             return FullDisk(os.fdopen(fd, *args, **kwargs))
 
     monkeypatch.setattr(hs, "os", OsWithFullDisk())
-    run_fails(request(fixture_models, completions, tmp_path), r"no space left on the device of .*: free "
-                                                              r"space")
+    run_fails(
+        request(fixture_models, completions, tmp_path),
+        r"no space left on the device of .*: free "
+        r"space",
+    )
     assert not (tmp_path / "manifest.json").exists()
     assert not list(tmp_path.glob("shard-*")) and not list(tmp_path.glob(".*.tmp"))
 
@@ -396,8 +450,13 @@ def fake_kernel_wrapper(monkeypatch, body):
     torch_function = modeling.torch_chunk_gated_delta_rule.__wrapped__
     package = types.ModuleType("fakefla")
     ops = types.ModuleType("fakefla.ops.gated_delta_rule")
-    kernel = types.FunctionType(body.__code__, {"torch_function": torch_function, "torch": torch},
-                                "chunk_gated_delta_rule", None, body.__closure__)
+    kernel = types.FunctionType(
+        body.__code__,
+        {"torch_function": torch_function, "torch": torch},
+        "chunk_gated_delta_rule",
+        None,
+        body.__closure__,
+    )
     kernel.__module__ = "fakefla.ops.gated_delta_rule"
     ops.chunk_gated_delta_rule = kernel
     monkeypatch.setitem(sys.modules, "fakefla", package)
@@ -409,18 +468,50 @@ def fake_kernel_wrapper(monkeypatch, body):
 
 
 # Named parameters, like fla's: transformers' wrapper passes only the keywords a kernel declares.
-def correct_kernel(q, k, v, g=None, beta=None, initial_state=None, output_final_state=False,
-                   use_qk_l2norm_in_kernel=False, cu_seqlens=None):
-    return torch_function(q, k, v, g=g, beta=beta, initial_state=initial_state,  # noqa: F821 (bound later)
-                          output_final_state=output_final_state,
-                          use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
+def correct_kernel(
+    q,
+    k,
+    v,
+    g=None,
+    beta=None,
+    initial_state=None,
+    output_final_state=False,
+    use_qk_l2norm_in_kernel=False,
+    cu_seqlens=None,
+):
+    return torch_function(  # noqa: F821 (bound by fake_kernel_wrapper)
+        q,
+        k,
+        v,
+        g=g,
+        beta=beta,
+        initial_state=initial_state,
+        output_final_state=output_final_state,
+        use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+    )
 
 
-def wrong_kernel(q, k, v, g=None, beta=None, initial_state=None, output_final_state=False,
-                 use_qk_l2norm_in_kernel=False, cu_seqlens=None):
-    out, state = torch_function(q, k, v, g=g, beta=beta, initial_state=initial_state,  # noqa: F821
-                                output_final_state=output_final_state,
-                                use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
+def wrong_kernel(
+    q,
+    k,
+    v,
+    g=None,
+    beta=None,
+    initial_state=None,
+    output_final_state=False,
+    use_qk_l2norm_in_kernel=False,
+    cu_seqlens=None,
+):
+    out, state = torch_function(  # noqa: F821
+        q,
+        k,
+        v,
+        g=g,
+        beta=beta,
+        initial_state=initial_state,
+        output_final_state=output_final_state,
+        use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+    )
     # Wrong the way a misaligned kernel is: right shapes and scale, wrong mixing over time.
     return torch.flip(out, dims=[1]), state
 
@@ -449,24 +540,30 @@ def test_forcing_torch_bypasses_the_kernel(monkeypatch, target):
     assert not torch.allclose(forced, kernel_out, atol=1e-3)
 
 
-def test_cpu_with_a_gpu_kernel_installed_fails_before_loading(fixture_models, completions, tmp_path,
-                                                              monkeypatch):
+def test_cpu_with_a_gpu_kernel_installed_fails_before_loading(
+    fixture_models, completions, tmp_path, monkeypatch
+):
     fake_kernel_wrapper(monkeypatch, correct_kernel)
     monkeypatch.setattr(extract_stage, "load_model", lambda prep: pytest.fail("the model was loaded"))
-    run_fails(request(fixture_models, completions, tmp_path),
-              r"fakefla is installed .* need a CUDA GPU, and the device is cpu.*require_backend: torch")
+    run_fails(
+        request(fixture_models, completions, tmp_path),
+        r"fakefla is installed .* need a CUDA GPU, and the device is cpu.*require_backend: torch",
+    )
 
 
-def test_require_torch_on_cpu_forces_the_fallback_past_an_installed_kernel(fixture_models, completions,
-                                                                           tmp_path, monkeypatch):
+def test_require_torch_on_cpu_forces_the_fallback_past_an_installed_kernel(
+    fixture_models, completions, tmp_path, monkeypatch
+):
     _, kernel = fake_kernel_wrapper(monkeypatch, wrong_kernel)
     result = extract.run(request(fixture_models, completions, tmp_path, require_backend="torch"))
     assert result["backend"]["gated_delta_rule"] == "torch" and result["backend"]["forced_torch"] is True
 
 
 def test_require_fla_fails_when_the_torch_fallback_would_run(fixture_models, completions, tmp_path):
-    run_fails(request(fixture_models, completions, tmp_path, require_backend="fla"),
-              r"require_backend is fla but transformers will use the torch fallback")
+    run_fails(
+        request(fixture_models, completions, tmp_path, require_backend="fla"),
+        r"require_backend is fla but transformers will use the torch fallback",
+    )
 
 
 def test_require_fla_fails_when_the_fallback_actually_ran():
@@ -497,5 +594,7 @@ def test_parity_probe_fails_on_a_wrong_kernel(fixture_models, completions, tmp_p
     monkeypatch.setattr(backend_guard, "planned_backends", lambda modeling: {})
     # In fp32 the reference agrees to ~1e-7, so a tight tolerance is fair; the fixture's residual
     # stream is large against its tiny attention outputs, so a wrong kernel moves states by ~0.4%.
-    run_fails(request(fixture_models, completions, tmp_path, parity_samples=2, parity_tolerance=1e-3),
-              r"parity probe failed: layer \d+ differs from the fp32 torch reference")
+    run_fails(
+        request(fixture_models, completions, tmp_path, parity_samples=2, parity_tolerance=1e-3),
+        r"parity probe failed: layer \d+ differs from the fp32 torch reference",
+    )

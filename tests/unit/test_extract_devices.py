@@ -79,8 +79,10 @@ def test_auto_splits_a_model_that_fits_on_no_device():
     plan = choose("auto", ["cuda:0", "cuda:1"], [8 * GIB, 8 * GIB], MODEL, RESERVE)
     # 9 GiB of body (the head is not placed) over 6 + 6 GiB spare: the embeddings and a layer on the first.
     assert (plan.mode, plan.devices, plan.layer_devices) == ("split", ["cuda:0", "cuda:1"], [0, 0, 1, 1])
-    assert plan.describe()["layers"] == [{"device": "cuda:0", "layers": [0, 1]},
-                                         {"device": "cuda:1", "layers": [2, 3]}]
+    assert plan.describe()["layers"] == [
+        {"device": "cuda:0", "layers": [0, 1]},
+        {"device": "cuda:1", "layers": [2, 3]},
+    ]
 
 
 def test_split_leaves_out_devices_without_spare_memory():
@@ -130,11 +132,14 @@ def test_the_reserve_grows_with_the_batch_and_the_captured_layers(fixture_models
     assert activation_reserve(config, 1000, 3, 2) == GIB + 1000 * 1152 * 2
 
 
-@pytest.mark.parametrize(("key", "value", "match"), [
-    ("parallel", "tensor", r"parallel 'tensor' is not one of auto, single, data, split"),
-    ("devices", "cuda:0", r"devices must be auto or a non-empty list"),
-    ("devices", [], r"devices must be auto or a non-empty list"),
-])
+@pytest.mark.parametrize(
+    ("key", "value", "match"),
+    [
+        ("parallel", "tensor", r"parallel 'tensor' is not one of auto, single, data, split"),
+        ("devices", "cuda:0", r"devices must be auto or a non-empty list"),
+        ("devices", [], r"devices must be auto or a non-empty list"),
+    ],
+)
 def test_bad_device_requests_are_named(key, value, match):
     with pytest.raises(StageError, match=match):
         extract.parse_request({"target": "t", "completions": "c", "out_dir": "o", key: value})

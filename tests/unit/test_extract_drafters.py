@@ -14,8 +14,9 @@ from specops import extract
 def completions(tmp_path):
     directory = tmp_path / "completions"
     directory.mkdir()
-    (directory / "completions.jsonl").write_text(json.dumps({"id": "a", "prompt_ids": [5, 6, 7],
-                                                             "output_ids": [8, 9]}) + "\n")
+    (directory / "completions.jsonl").write_text(
+        json.dumps({"id": "a", "prompt_ids": [5, 6, 7], "output_ids": [8, 9]}) + "\n"
+    )
     (directory / "manifest.json").write_text(json.dumps({"stage": "sglang_completions"}))
     return directory
 
@@ -30,12 +31,20 @@ def drafter_with_layers(fixture_models, tmp_path, name: str, layer_ids: list[int
 
 
 def plan(fixture_models, completions, tmp_path, drafter):
-    return extract.prepare({"target": str(fixture_models.target), "completions": str(completions),
-                            "out_dir": str(tmp_path / "hs"), "drafter": drafter, "device": "cpu"})
+    return extract.prepare(
+        {
+            "target": str(fixture_models.target),
+            "completions": str(completions),
+            "out_dir": str(tmp_path / "hs"),
+            "drafter": drafter,
+            "device": "cpu",
+        }
+    )
 
 
-def test_two_drafters_capture_the_union_of_their_layers_in_first_seen_order(fixture_models, completions,
-                                                                             tmp_path):
+def test_two_drafters_capture_the_union_of_their_layers_in_first_seen_order(
+    fixture_models, completions, tmp_path
+):
     first = drafter_with_layers(fixture_models, tmp_path, "first", [1, 4])
     second = drafter_with_layers(fixture_models, tmp_path, "second", [4, 2])
     assert plan(fixture_models, completions, tmp_path, [first, second]).target_layer_ids == [1, 4, 2]

@@ -28,16 +28,31 @@ def completions(fixture_models, tmp_path_factory) -> Path:
 
 
 def write_completions(directory: Path, latency: float) -> None:
-    lines = [json.dumps({"id": f"p{n}", "prompt_ids": list(range(5, 15 + n)), "output_ids": [7, 8, 9 + n],
-                         "meta_info": {"e2e_latency": latency + n, "id": f"rid-{latency}-{n}"}})
-             for n in range(3)]
+    lines = [
+        json.dumps(
+            {
+                "id": f"p{n}",
+                "prompt_ids": list(range(5, 15 + n)),
+                "output_ids": [7, 8, 9 + n],
+                "meta_info": {"e2e_latency": latency + n, "id": f"rid-{latency}-{n}"},
+            }
+        )
+        for n in range(3)
+    ]
     (directory / "completions.jsonl").write_text("\n".join(lines) + "\n")
     write_manifest(directory, "completions", {"prompts": "fixed"}, ["completions.jsonl"])
 
 
 def request(fixture_models, completions, out_dir, **overrides):
-    return {"target": str(fixture_models.target), "completions": str(completions), "out_dir": str(out_dir),
-            "drafter": str(fixture_models.drafter), "shard_tokens": 20, "device": "cpu", **overrides}
+    return {
+        "target": str(fixture_models.target),
+        "completions": str(completions),
+        "out_dir": str(out_dir),
+        "drafter": str(fixture_models.drafter),
+        "shard_tokens": 20,
+        "device": "cpu",
+        **overrides,
+    }
 
 
 def drafter_with(fixture_models, tmp_path, **changes) -> Path:
@@ -63,13 +78,16 @@ def extracted(fixture_models, completions, tmp_path_factory) -> Path:
 # ------------------------------------------------------------------ refused by the plan
 
 
-def test_a_garbled_drafter_config_is_named_not_taken_for_the_request(fixture_models, completions, tmp_path,
-                                                                      monkeypatch, capsys):
+def test_a_garbled_drafter_config_is_named_not_taken_for_the_request(
+    fixture_models, completions, tmp_path, monkeypatch, capsys
+):
     drafter = tmp_path / "drafter"
     shutil.copytree(fixture_models.drafter, drafter)
     (drafter / "config.json").write_text('{"dflash_config": {"mask_token_id": 3,')
-    monkeypatch.setattr("sys.stdin", io.StringIO(json.dumps(
-        request(fixture_models, completions, tmp_path / "out", drafter=str(drafter)))))
+    monkeypatch.setattr(
+        "sys.stdin",
+        io.StringIO(json.dumps(request(fixture_models, completions, tmp_path / "out", drafter=str(drafter)))),
+    )
     assert extract.main(["--plan"]) == 2
     message = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["msg"]
     assert f"drafter config {drafter / 'config.json'} is not valid JSON" in message
@@ -78,8 +96,11 @@ def test_a_garbled_drafter_config_is_named_not_taken_for_the_request(fixture_mod
 
 def test_a_mask_token_outside_the_vocabulary_is_refused_by_the_plan(fixture_models, completions, tmp_path):
     drafter = drafter_with(fixture_models, tmp_path, mask_token_id=400)
-    with pytest.raises(StageError, match=r"drafter/config\.json: the drafter's mask_token_id 400 is out of "
-                                         r"range: the target's embedding has 400 rows"):
+    with pytest.raises(
+        StageError,
+        match=r"drafter/config\.json: the drafter's mask_token_id 400 is out of "
+        r"range: the target's embedding has 400 rows",
+    ):
         extract.plan(request(fixture_models, completions, tmp_path / "out", drafter=str(drafter)))
 
 
@@ -94,8 +115,9 @@ def test_require_fla_without_fla_or_a_gpu_is_refused_by_the_plan(fixture_models,
         extract.plan(request(fixture_models, completions, tmp_path / "out", require_backend="fla"))
 
 
-def test_too_little_disk_is_refused_by_the_plan_with_the_real_figure(fixture_models, completions, tmp_path,
-                                                                      monkeypatch):
+def test_too_little_disk_is_refused_by_the_plan_with_the_real_figure(
+    fixture_models, completions, tmp_path, monkeypatch
+):
     monkeypatch.setattr(preflight.shutil, "disk_usage", lambda path: types.SimpleNamespace(free=4096))
     planned = None
     with pytest.raises(StageError, match=r"the hidden states need \d+\.\d\d KiB, 4.00 KiB are free") as error:
@@ -103,15 +125,17 @@ def test_too_little_disk_is_refused_by_the_plan_with_the_real_figure(fixture_mod
     assert planned is None and "0.00 GiB" not in str(error.value)
 
 
-def test_the_disk_estimate_is_the_size_of_the_written_shards(fixture_models, completions, extracted,
-                                                             tmp_path):
+def test_the_disk_estimate_is_the_size_of_the_written_shards(
+    fixture_models, completions, extracted, tmp_path
+):
     planned = extract.plan(request(fixture_models, completions, tmp_path / "out"))
     written = sum(p.stat().st_size for p in extracted.glob("shard-*.safetensors"))
     assert written <= planned["estimated_bytes"] <= written * 1.2
 
 
-def test_the_plan_estimates_the_extraction_and_nothing_for_an_up_to_date_output(fixture_models, completions,
-                                                                                extracted, tmp_path):
+def test_the_plan_estimates_the_extraction_and_nothing_for_an_up_to_date_output(
+    fixture_models, completions, extracted, tmp_path
+):
     needed = extract.plan(request(fixture_models, completions, tmp_path / "out"))
     assert needed["changed"] and needed["estimated_seconds"] >= preflight.STARTUP_S
     current = extract.plan(request(fixture_models, completions, extracted))
@@ -121,8 +145,9 @@ def test_the_plan_estimates_the_extraction_and_nothing_for_an_up_to_date_output(
 # ------------------------------------------------------------------ integrity by content
 
 
-def test_completions_refetched_with_the_same_tokens_leave_the_output_up_to_date(fixture_models, completions,
-                                                                                 extracted, tmp_path):
+def test_completions_refetched_with_the_same_tokens_leave_the_output_up_to_date(
+    fixture_models, completions, extracted, tmp_path
+):
     refetched = tmp_path / "completions"
     refetched.mkdir()
     write_completions(refetched, latency=9.9)  # other latencies and request ids, the same tokens
@@ -135,13 +160,17 @@ def test_an_edited_completions_file_is_named_against_its_manifest(fixture_models
     shutil.copytree(completions, edited)
     path = edited / "completions.jsonl"
     path.write_text(path.read_text().replace('"output_ids": [7, 8, 9]', '"output_ids": [7, 8, 8]'))
-    with pytest.raises(StageError, match=r"completions\.jsonl does not match the sha256 in .*manifest\.json "
-                                         r".*rerun sglang_completions"):
+    with pytest.raises(
+        StageError,
+        match=r"completions\.jsonl does not match the sha256 in .*manifest\.json "
+        r".*rerun sglang_completions",
+    ):
         extract.plan(request(fixture_models, edited, tmp_path / "out"))
 
 
-def test_a_flipped_shard_byte_is_named_and_only_that_shard_is_redone(fixture_models, completions, extracted,
-                                                                     tmp_path):
+def test_a_flipped_shard_byte_is_named_and_only_that_shard_is_redone(
+    fixture_models, completions, extracted, tmp_path
+):
     out_dir = tmp_path / "hidden_states"
     shutil.copytree(extracted, out_dir)
     victim, kept = out_dir / "shard-00001.safetensors", out_dir / "shard-00000.safetensors"
@@ -161,5 +190,11 @@ def test_a_flipped_shard_byte_is_named_and_only_that_shard_is_redone(fixture_mod
 def test_every_drafter_of_a_list_is_checked_by_the_plan(fixture_models, completions, tmp_path):
     drafter = drafter_with(fixture_models, tmp_path, vocab_size=512)
     with pytest.raises(StageError, match=r"vocab_size 512 differs from the target's 400"):
-        extract.plan(request(fixture_models, completions, tmp_path / "out",
-                             drafter=[str(fixture_models.drafter), str(drafter)]))
+        extract.plan(
+            request(
+                fixture_models,
+                completions,
+                tmp_path / "out",
+                drafter=[str(fixture_models.drafter), str(drafter)],
+            )
+        )

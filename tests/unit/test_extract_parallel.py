@@ -28,15 +28,30 @@ def completions(tmp_path_factory) -> Path:
     """Twelve records of different lengths; their tokens do not matter, only that the runs agree on them."""
     rng = random.Random(0)
     directory = tmp_path_factory.mktemp("completions")
-    lines = [json.dumps({"id": f"r{n}", "prompt_ids": [rng.randrange(1, 400) for _ in range(4 + n)],
-                         "output_ids": [rng.randrange(1, 400) for _ in range(3 + 2 * n)]}) for n in range(12)]
+    lines = [
+        json.dumps(
+            {
+                "id": f"r{n}",
+                "prompt_ids": [rng.randrange(1, 400) for _ in range(4 + n)],
+                "output_ids": [rng.randrange(1, 400) for _ in range(3 + 2 * n)],
+            }
+        )
+        for n in range(12)
+    ]
     (directory / "completions.jsonl").write_text("\n".join(lines) + "\n")
     return directory
 
 
 def request(fixture_models, completions, out_dir, **overrides):
-    return {"target": str(fixture_models.target), "completions": str(completions), "out_dir": str(out_dir),
-            "drafter": str(fixture_models.drafter), "shard_tokens": 40, "device": "cpu", **overrides}
+    return {
+        "target": str(fixture_models.target),
+        "completions": str(completions),
+        "out_dir": str(out_dir),
+        "drafter": str(fixture_models.drafter),
+        "shard_tokens": 40,
+        "device": "cpu",
+        **overrides,
+    }
 
 
 def states(directory: Path) -> dict[str, torch.Tensor]:
@@ -72,8 +87,9 @@ def assert_same_states(directory: Path, reference: dict[str, torch.Tensor]) -> N
 
 
 def test_two_workers_write_the_single_device_states(fixture_models, completions, single, tmp_path):
-    result = extract.run(request(fixture_models, completions, tmp_path, devices=["cpu", "cpu"],
-                                 parallel="data"))
+    result = extract.run(
+        request(fixture_models, completions, tmp_path, devices=["cpu", "cpu"], parallel="data")
+    )
     assert_same_states(tmp_path, single)
     manifest = json.loads((tmp_path / "manifest.json").read_text())
     assignment = manifest["progress"]["assignment"]
@@ -84,14 +100,20 @@ def test_two_workers_write_the_single_device_states(fixture_models, completions,
     assert not (tmp_path / extract.STATE_NAME).exists()
 
 
-def test_split_over_two_devices_writes_the_single_device_states(fixture_models, completions, single, tmp_path,
-                                                                one_thread):
-    result = extract.run(request(fixture_models, completions, tmp_path, devices=["cpu", "cpu"],
-                                 parallel="split", parity_samples=1))
+def test_split_over_two_devices_writes_the_single_device_states(
+    fixture_models, completions, single, tmp_path, one_thread
+):
+    result = extract.run(
+        request(
+            fixture_models, completions, tmp_path, devices=["cpu", "cpu"], parallel="split", parity_samples=1
+        )
+    )
     assert_same_states(tmp_path, single)
     # The drafter's layers are 1, 3, 5: layers 6 and 7 are not built, 0-5 are shared by the two devices.
-    assert result["parallel"]["layers"] == [{"device": "cpu", "layers": [0, 1, 2]},
-                                            {"device": "cpu", "layers": [3, 4, 5]}]
+    assert result["parallel"]["layers"] == [
+        {"device": "cpu", "layers": [0, 1, 2]},
+        {"device": "cpu", "layers": [3, 4, 5]},
+    ]
     assert result["parity"]["passed"] is True
 
 
@@ -124,8 +146,9 @@ def finished_shards(directory: Path) -> list[str]:
     return sorted(saved["shards"])
 
 
-def test_a_dead_worker_fails_the_run_and_one_device_resumes_it(fixture_models, completions, single, tmp_path,
-                                                               monkeypatch, one_thread):
+def test_a_dead_worker_fails_the_run_and_one_device_resumes_it(
+    fixture_models, completions, single, tmp_path, monkeypatch, one_thread
+):
     monkeypatch.setattr(extract_parallel, "WORKER", dying_worker)
     with pytest.raises(StageError, match=r"the worker on cpu died \(exit code 3\).* a rerun resumes"):
         extract.run(request(fixture_models, completions, tmp_path, devices=["cpu", "cpu"], parallel="data"))
@@ -147,7 +170,8 @@ def test_a_run_on_one_device_resumes_on_two(fixture_models, completions, single,
     assert finished_shards(tmp_path) == [largest.name]  # the shard with the most tokens goes first
     monkeypatch.undo()
 
-    result = extract.run(request(fixture_models, completions, tmp_path, devices=["cpu", "cpu"],
-                                 parallel="data"))
+    result = extract.run(
+        request(fixture_models, completions, tmp_path, devices=["cpu", "cpu"], parallel="data")
+    )
     assert result["progress"]["shards_resumed"] == 1
     assert_same_states(tmp_path, single)

@@ -31,8 +31,13 @@ def installed_fla(tmp_path):
 
 
 def fla_seen_by_transformers(site: Path, mode: str) -> str:
-    done = subprocess.run([sys.executable, "-c", PROBE, mode], capture_output=True, text=True, check=False,
-                          env={"PYTHONPATH": f"{site}:{SRC}", "PATH": "/usr/bin:/bin"})
+    done = subprocess.run(
+        [sys.executable, "-c", PROBE, mode],
+        capture_output=True,
+        text=True,
+        check=False,
+        env={"PYTHONPATH": f"{site}:{SRC}", "PATH": "/usr/bin:/bin"},
+    )
     assert done.returncode == 0, done.stderr[-2000:]
     return done.stdout.strip().splitlines()[-1]
 

@@ -49,8 +49,9 @@ def test_split_refuses_a_fleet_larger_than_the_prompt_set(tmp_path):
 def test_merged_tau_equals_tau_over_every_hosts_steps():
     a = [{"id": "p0", "accept_lengths": [1, 2, 4]}, {"id": "p2", "accept_lengths": [3]}]
     b = [{"id": "p1", "accept_lengths": [1, 1, 1, 1, 2]}]
-    fleet = merge_reports([{"host": "h1", "report": host_report(a, a)},
-                           {"host": "h2", "report": host_report(b, a)}])
+    fleet = merge_reports(
+        [{"host": "h1", "report": host_report(a, a)}, {"host": "h2", "report": host_report(b, a)}]
+    )
     whole = rep.summarize(a + b, BLOCK)
     assert fleet["overall"] == whole
     assert fleet["overall"]["tau"] == pytest.approx(16 / 9)
@@ -60,10 +61,13 @@ def test_merged_tau_equals_tau_over_every_hosts_steps():
 
 def test_merged_report_sums_the_per_host_windows():
     seq = [{"id": "p", "accept_lengths": [2]}]
-    fleet = merge_reports([
-        {"host": "h1", "report": host_report(seq), "window": {"window_s": 10.0, "downtime_s": 6.0}},
-        {"host": "h2", "report": host_report(seq), "window": {"window_s": 12.5, "downtime_s": 7.0}},
-    ], {"wall_s": 30.0})
+    fleet = merge_reports(
+        [
+            {"host": "h1", "report": host_report(seq), "window": {"window_s": 10.0, "downtime_s": 6.0}},
+            {"host": "h2", "report": host_report(seq), "window": {"window_s": 12.5, "downtime_s": 7.0}},
+        ],
+        {"wall_s": 30.0},
+    )
     assert fleet["fleet"]["sum_window_s"] == 22.5
     assert fleet["fleet"]["sum_downtime_s"] == 13.0
     assert fleet["fleet"]["wall_s"] == 30.0
@@ -87,8 +91,12 @@ def test_merge_writes_one_report_and_a_rerun_without_windows_changes_nothing(tmp
     for host, ids in (("h1", ["p0"]), ("h2", ["p1"])):
         sequences = [{"id": i, "accept_lengths": [2, 1]} for i in ids]
         (shards / f"{host}.json").write_text(json.dumps(host_report(sequences)))
-    request = {"hosts": ["h1", "h2"], "shards_dir": str(shards), "out_dir": str(tmp_path / "fleet"),
-               "windows": {"h1": {"window_s": 3.0}, "h2": {"window_s": 4.0}}}
+    request = {
+        "hosts": ["h1", "h2"],
+        "shards_dir": str(shards),
+        "out_dir": str(tmp_path / "fleet"),
+        "windows": {"h1": {"window_s": 3.0}, "h2": {"window_s": 4.0}},
+    }
     for expected_change, windows in ((True, request["windows"]), (False, {})):
         monkeypatch.setattr("sys.stdin", io.StringIO(json.dumps({**request, "windows": windows})))
         assert main(["merge"]) == 0

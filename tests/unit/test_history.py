@@ -10,8 +10,10 @@ from specops import history as hist
 
 
 def summary(tau: float) -> dict:
-    return {"drafters": [{"name": "step-1", "overall": {"tau": tau}, "run": {"drafter": "/d/step-1"}}],
-            "reference": {"tau": 4.0}}
+    return {
+        "drafters": [{"name": "step-1", "overall": {"tau": tau}, "run": {"drafter": "/d/step-1"}}],
+        "reference": {"tau": 4.0},
+    }
 
 
 def test_run_ids_sort_by_time_and_name_the_inputs():

@@ -55,8 +55,9 @@ def test_the_generator_stops_at_max_requests_and_counts_failed_answers():
     thread.start()
     try:
         url = f"http://127.0.0.1:{server.server_address[1]}"
-        rows = LoadGenerator(url, concurrency=2, max_requests=9, max_seconds=30, max_new_tokens=1,
-                             timeout=5, stop_file=None).run()
+        rows = LoadGenerator(
+            url, concurrency=2, max_requests=9, max_seconds=30, max_new_tokens=1, timeout=5, stop_file=None
+        ).run()
     finally:
         server.shutdown()
     summary = summarize(rows)

@@ -20,9 +20,16 @@ def test_batch_shapes_are_the_distinct_padded_batches_of_the_extraction_plan():
 
 
 def test_one_layer_of_each_kind_keeps_the_layer_shapes_and_cuts_the_rest():
-    config = AutoConfig.for_model("qwen3_5_text", vocab_size=248320, hidden_size=64, num_hidden_layers=8,
-                                  layer_types=["linear_attention"] * 3 + ["full_attention"]
-                                  + ["linear_attention"] * 3 + ["full_attention"])
+    config = AutoConfig.for_model(
+        "qwen3_5_text",
+        vocab_size=248320,
+        hidden_size=64,
+        num_hidden_layers=8,
+        layer_types=["linear_attention"] * 3
+        + ["full_attention"]
+        + ["linear_attention"] * 3
+        + ["full_attention"],
+    )
     cut = prewarm.one_layer_of_each_kind(config)
     assert cut.num_hidden_layers == 4 and cut.layer_types[-1] == "full_attention"
     assert (cut.hidden_size, cut.vocab_size) == (64, 1024)
@@ -50,8 +57,9 @@ def completions(fixture_models, tmp_path_factory):
 
 
 def test_on_the_cpu_the_kernels_are_not_tuned_and_the_reason_is_given(fixture_models, completions):
-    result = prewarm.run({"target": str(fixture_models.target), "completions": str(completions),
-                          "device": "cpu"})
+    result = prewarm.run(
+        {"target": str(fixture_models.target), "completions": str(completions), "device": "cpu"}
+    )
     assert result["read_weights"]["done"] is True
     assert result["tune_kernels"]["done"] is False and "CUDA only" in result["tune_kernels"]["reason"]
 

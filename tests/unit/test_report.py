@@ -14,17 +14,26 @@ BLOCK = 4
 
 
 def scores(sequences: dict[str, list[int]], block_size: int = BLOCK) -> dict:
-    return {"block_size": block_size,
-            "sequences": [{"id": key, "accept_lengths": lengths} for key, lengths in sequences.items()]}
+    return {
+        "block_size": block_size,
+        "sequences": [{"id": key, "accept_lengths": lengths} for key, lengths in sequences.items()],
+    }
 
 
 def diagnostic(name: str, status: str, message: str = "finding") -> dict:
     return {"name": name, "status": status, "message": message, "details": {}}
 
 
-RUN = {"target": "/m/target", "drafter": "/m/drafter", "reference_drafter": "/m/ref",
-       "hidden_states": "/r/hidden_states", "hidden_state_backend": {"gated_delta_rule": "fla"},
-       "device": "cpu", "dtype": "float32", "versions": {"torch": "2.13.0"}}
+RUN = {
+    "target": "/m/target",
+    "drafter": "/m/drafter",
+    "reference_drafter": "/m/ref",
+    "hidden_states": "/r/hidden_states",
+    "hidden_state_backend": {"gated_delta_rule": "fla"},
+    "device": "cpu",
+    "dtype": "float32",
+    "versions": {"torch": "2.13.0"},
+}
 
 
 @pytest.fixture
@@ -32,9 +41,17 @@ def report() -> dict:
     drafter = scores({"a": [1, 2, 1], "b": [4, 1]})
     reference = scores({"a": [4, 4, 4], "b": [3, 4]})
     online = {"a": {"tau": 3.9, "verify_ct": 10, "completion_tokens": 39}}
-    return rep.build_report(RUN, drafter, reference, online,
-                            [diagnostic("layer_offset", "warning", "shift +1 scores higher"),
-                             diagnostic("backend", "ok"), diagnostic("vocabulary", "skipped")])
+    return rep.build_report(
+        RUN,
+        drafter,
+        reference,
+        online,
+        [
+            diagnostic("layer_offset", "warning", "shift +1 scores higher"),
+            diagnostic("backend", "ok"),
+            diagnostic("vocabulary", "skipped"),
+        ],
+    )
 
 
 def test_tau_pools_every_verify_step_like_sglangs_accept_length():
@@ -61,8 +78,15 @@ def test_acceptance_by_position_is_the_share_of_steps_accepting_each_draft_token
 
 def test_report_json_has_the_documented_fields(report):
     assert report["schema_version"] == rep.SCHEMA_VERSION
-    assert {"target", "drafter", "reference_drafter", "hidden_state_backend", "device", "dtype",
-            "versions"} <= set(report["run"])
+    assert {
+        "target",
+        "drafter",
+        "reference_drafter",
+        "hidden_state_backend",
+        "device",
+        "dtype",
+        "versions",
+    } <= set(report["run"])
     assert {"tau", "steps", "tokens", "histogram", "acceptance_by_position"} <= set(report["overall"])
     assert {"tau", "steps", "tokens", "histogram", "acceptance_by_position"} <= set(report["reference"])
     for row in report["per_prompt"]:
@@ -123,8 +147,11 @@ def test_markdown_states_each_diagnostic_finding(report):
 
 
 def test_markdown_has_one_table_row_per_prompt(report):
-    rows = [line for line in rep.render_markdown(report).splitlines() if line.startswith("| a |")
-            or line.startswith("| b |")]
+    rows = [
+        line
+        for line in rep.render_markdown(report).splitlines()
+        if line.startswith("| a |") or line.startswith("| b |")
+    ]
     assert rows == ["| a | 3 | 1.33 | 4.00 | 0.33 | 3.90 |", "| b | 2 | 2.50 | 3.50 | 0.71 | n/a |"]
 
 
@@ -143,14 +170,21 @@ def test_plots_are_written_without_reference_or_online_figures(tmp_path):
 
 
 def named(report: dict, name: str) -> dict:
-    return {**report, "name": name, "plots": list(rep.PLOT_FILES),
-            "speedup": {"expected": 1.5, "draft_cost": 0.2, "verify_cost": 1.0}}
+    return {
+        **report,
+        "name": name,
+        "plots": list(rep.PLOT_FILES),
+        "speedup": {"expected": 1.5, "draft_cost": 0.2, "verify_cost": 1.0},
+    }
 
 
 @pytest.fixture
 def summary(report) -> dict:
-    model = {"formula": "expected speedup = tau / (draft_cost + verify_cost)", "assumptions": ["greedy"],
-             "reference_expected": 3.0}
+    model = {
+        "formula": "expected speedup = tau / (draft_cost + verify_cost)",
+        "assumptions": ["greedy"],
+        "reference_expected": 3.0,
+    }
     return rep.build_summary(RUN, [named(report, "step-1"), named(report, "step-2")], model)
 
 
@@ -170,8 +204,9 @@ def test_summary_verdict_names_the_best_of_several_drafters(summary):
 
 
 def test_summary_markdown_has_a_comparison_table_and_each_drafters_section(summary):
-    markdown = rep.render_summary(summary, {"step-1": "drafters/step-1/", "step-2": "drafters/step-2/"},
-                                  [rep.PLOT_TAU_BY_DRAFTER])
+    markdown = rep.render_summary(
+        summary, {"step-1": "drafters/step-1/", "step-2": "drafters/step-2/"}, [rep.PLOT_TAU_BY_DRAFTER]
+    )
     assert "| step-1 | 1.80 | 0.47x | 0.400 | 1.50x | layer_offset |" in markdown
     assert "## Drafter step-1" in markdown and "## Drafter step-2" in markdown
     assert "](drafters/step-2/tau_per_prompt.png)" in markdown
@@ -184,16 +219,22 @@ def test_an_optional_section_without_its_template_renders_nothing(summary):
 
 
 def test_verdict_names_the_likely_cause_a_diagnosis_found():
-    cause = {"name": "acceptance", "status": "warning", "message": "m",
-             "details": {"cause": "position-1 acceptance 0.000"}}
+    cause = {
+        "name": "acceptance",
+        "status": "warning",
+        "message": "m",
+        "details": {"cause": "position-1 acceptance 0.000"},
+    }
     report = rep.build_report(RUN, scores({"a": [1, 1]}), scores({"a": [4, 4]}), diagnostics=[cause])
     assert rep.verdict(report).endswith("; likely cause: position-1 acceptance 0.000")
 
 
 def test_comparison_and_trend_plots_are_png_files(summary, tmp_path):
     assert plots.render_comparison(summary, tmp_path) == rep.PLOT_TAU_BY_DRAFTER
-    runs = [{"run_id": "1", "tau": {"step-1": 1.5}, "reference_tau": 3.8},
-            {"run_id": "2", "tau": {"step-1": 1.8, "step-2": 1.7}, "reference_tau": 3.8}]
+    runs = [
+        {"run_id": "1", "tau": {"step-1": 1.5}, "reference_tau": 3.8},
+        {"run_id": "2", "tau": {"step-1": 1.8, "step-2": 1.7}, "reference_tau": 3.8},
+    ]
     assert plots.render_trend(runs, ["step-1", "step-2"], tmp_path) == rep.PLOT_TAU_TREND
     for name in (rep.PLOT_TAU_BY_DRAFTER, rep.PLOT_TAU_TREND):
         assert (tmp_path / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -32,10 +32,21 @@ def run_dir(fixture_models, tmp_path_factory) -> Path:
     """Completions (one with SGLang's online figures) and hidden states at the drafter's layers +-1."""
     root = tmp_path_factory.mktemp("score_run")
     online = {"fizzbuzz": {"spec_accept_length": 3.5, "spec_verify_ct": 4, "completion_tokens": 14}}
-    write_completions(fixture_models.target, fixture_models.prompts, root / "completions", n_prompts=2,
-                      max_new_tokens=14, online=online)
-    write_hidden_states(fixture_models.target, root / "completions", root / "hidden_states",
-                        layer_ids_of(fixture_models.drafter), offsets=(-1, 0, 1))
+    write_completions(
+        fixture_models.target,
+        fixture_models.prompts,
+        root / "completions",
+        n_prompts=2,
+        max_new_tokens=14,
+        online=online,
+    )
+    write_hidden_states(
+        fixture_models.target,
+        root / "completions",
+        root / "hidden_states",
+        layer_ids_of(fixture_models.drafter),
+        offsets=(-1, 0, 1),
+    )
     return root
 
 
@@ -71,7 +82,8 @@ def test_run_writes_the_summary_and_the_drafters_own_directory(scored, fixture_m
     _, result, out_dir = scored
     assert result["changed"] is True
     assert sorted(p.name for p in out_dir.iterdir()) == sorted(
-        ["report.json", "report.md", rep.PLOT_TAU_BY_DRAFTER, "manifest.json", "drafters"])
+        ["report.json", "report.md", rep.PLOT_TAU_BY_DRAFTER, "manifest.json", "drafters"]
+    )
     own = out_dir / "drafters" / fixture_models.drafter.name
     assert sorted(p.name for p in own.iterdir()) == sorted(["report.json", "report.md", *rep.PLOT_FILES])
 
@@ -91,8 +103,9 @@ def test_manifest_lists_every_file_the_run_wrote(scored):
 
 
 def test_cpu_scoring_defaults_to_float32(fixture_models, run_dir, tmp_path):
-    request = request_for(fixture_models, run_dir, tmp_path / "score", dtype=None, reference_drafter=None,
-                          diagnostics=[])
+    request = request_for(
+        fixture_models, run_dir, tmp_path / "score", dtype=None, reference_drafter=None, diagnostics=[]
+    )
     score.run(request)
     assert json.loads((tmp_path / "score/report.json").read_text())["run"]["dtype"] == "float32"
 
@@ -112,8 +125,9 @@ def test_every_completion_is_scored_over_all_its_output_tokens(scored, run_dir):
     lines = (run_dir / "completions/completions.jsonl").read_text().splitlines()
     completions = [json.loads(line) for line in lines]
     # The prefill yields the first output token; every later one is accepted in some verify step.
-    assert {row["id"]: row["tokens"] for row in report["per_prompt"]} == \
-        {c["id"]: len(c["output_ids"]) - 1 for c in completions}
+    assert {row["id"]: row["tokens"] for row in report["per_prompt"]} == {
+        c["id"]: len(c["output_ids"]) - 1 for c in completions
+    }
 
 
 def test_online_tau_comes_from_sglangs_meta_info(scored):
@@ -163,8 +177,11 @@ def test_plan_sees_a_changed_drafter_checkpoint(fixture_models, run_dir, scored,
 
 def test_layer_offset_check_runs_when_the_shifted_layers_were_captured(scored):
     _, _, out_dir = scored
-    check = next(d for d in json.loads((out_dir / "report.json").read_text())["diagnostics"]
-                 if d["name"] == "layer_offset")
+    check = next(
+        d
+        for d in json.loads((out_dir / "report.json").read_text())["diagnostics"]
+        if d["name"] == "layer_offset"
+    )
     assert set(check["details"]["tau_by_offset"]) == {"-1", "0", "+1"}
     # The tiny fixture drafter scores the same at every offset (see layer_sensitive_engine): no verdict.
     assert len(set(check["details"]["tau_by_offset"].values())) == 1
@@ -172,24 +189,47 @@ def test_layer_offset_check_runs_when_the_shifted_layers_were_captured(scored):
 
 
 def test_layer_offset_check_is_skipped_without_shifted_layers(fixture_models, run_dir, tmp_path):
-    write_hidden_states(fixture_models.target, run_dir / "completions", tmp_path / "hs",
-                        layer_ids_of(fixture_models.drafter), offsets=(0,))
-    request = request_for(fixture_models, run_dir, tmp_path / "score", hidden_states=str(tmp_path / "hs"),
-                          reference_drafter=None, diagnostics=["layer_offset"])
+    write_hidden_states(
+        fixture_models.target,
+        run_dir / "completions",
+        tmp_path / "hs",
+        layer_ids_of(fixture_models.drafter),
+        offsets=(0,),
+    )
+    request = request_for(
+        fixture_models,
+        run_dir,
+        tmp_path / "score",
+        hidden_states=str(tmp_path / "hs"),
+        reference_drafter=None,
+        diagnostics=["layer_offset"],
+    )
     score.run(request)
     (check,) = json.loads((tmp_path / "score/report.json").read_text())["diagnostics"]
     assert check["status"] == "skipped" and "capture_offsets" in check["message"]
 
 
 def test_backend_diagnostic_warns_for_torch_fallback_hidden_states_of_an_old_transformers(
-        fixture_models, run_dir, tmp_path):
-    write_hidden_states(fixture_models.target, run_dir / "completions", tmp_path / "hs",
-                        layer_ids_of(fixture_models.drafter), backend="torch")
+    fixture_models, run_dir, tmp_path
+):
+    write_hidden_states(
+        fixture_models.target,
+        run_dir / "completions",
+        tmp_path / "hs",
+        layer_ids_of(fixture_models.drafter),
+        backend="torch",
+    )
     manifest = json.loads((tmp_path / "hs/manifest.json").read_text())
     manifest["versions"]["transformers"] = "4.57.1"  # before the fallback matched fla's kernels
     (tmp_path / "hs/manifest.json").write_text(json.dumps(manifest))
-    request = request_for(fixture_models, run_dir, tmp_path / "score", hidden_states=str(tmp_path / "hs"),
-                          reference_drafter=None, diagnostics=["backend"])
+    request = request_for(
+        fixture_models,
+        run_dir,
+        tmp_path / "score",
+        hidden_states=str(tmp_path / "hs"),
+        reference_drafter=None,
+        diagnostics=["backend"],
+    )
     result = score.run(request)
     assert [w.split(":")[0] for w in result["warnings"]] == ["backend"]
     assert "TORCH FALLBACK" in (tmp_path / "score/report.md").read_text()
@@ -201,8 +241,14 @@ def test_vocabulary_mismatch_between_drafter_and_target_is_reported(fixture_mode
     config = json.loads((drafter / "config.json").read_text())
     config["vocab_size"] += 100
     (drafter / "config.json").write_text(json.dumps(config))
-    request = request_for(fixture_models, run_dir, tmp_path / "score", drafter=str(drafter),
-                          reference_drafter=None, diagnostics=["vocabulary"])
+    request = request_for(
+        fixture_models,
+        run_dir,
+        tmp_path / "score",
+        drafter=str(drafter),
+        reference_drafter=None,
+        diagnostics=["vocabulary"],
+    )
     result = score.run(request)
     assert len(result["warnings"]) == 1 and "vocabulary sizes disagree" in result["warnings"][0]
 
@@ -220,8 +266,9 @@ def test_mask_token_outside_the_target_vocabulary_fails_before_loading(fixture_m
 def test_drafter_layers_missing_from_the_hidden_states_fail_with_the_fix(fixture_models, run_dir, tmp_path):
     write_hidden_states(fixture_models.target, run_dir / "completions", tmp_path / "hs", [0])
     with pytest.raises(StageError, match="rerun extract_hidden_states"):
-        score.run(request_for(fixture_models, run_dir, tmp_path / "score",
-                              hidden_states=str(tmp_path / "hs")))
+        score.run(
+            request_for(fixture_models, run_dir, tmp_path / "score", hidden_states=str(tmp_path / "hs"))
+        )
 
 
 def test_unknown_request_key_is_refused(fixture_models, run_dir, tmp_path):
@@ -232,17 +279,28 @@ def test_unknown_request_key_is_refused(fixture_models, run_dir, tmp_path):
 def test_the_stage_protocol_prints_one_json_result_last(scored):
     request, first, _ = scored
     env = {**os.environ, "PYTHONPATH": str(REPO / "src")}
-    proc = subprocess.run([sys.executable, "-m", "specops.score", "--plan"], input=json.dumps(request),
-                          capture_output=True, text=True, env=env, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-m", "specops.score", "--plan"],
+        input=json.dumps(request),
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout.strip().splitlines()[-1])["tau"] == first["tau"]
 
 
 def test_the_stage_protocol_reports_a_user_error_with_exit_2(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(REPO / "src")}
-    proc = subprocess.run([sys.executable, "-m", "specops.score", "--run"],
-                          input=json.dumps({"out_dir": "x"}), capture_output=True, text=True, env=env,
-                          timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-m", "specops.score", "--run"],
+        input=json.dumps({"out_dir": "x"}),
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
     assert proc.returncode == 2
     assert json.loads(proc.stdout)["msg"].startswith("score: 'hidden_states' is required")
 
@@ -261,51 +319,77 @@ def layer_sensitive_engine(true_features: dict):
         for seq in sequences:
             right = torch.equal(seq["features"], true_features[seq["id"]])
             steps = (seq["input_ids"].shape[0] - 1 - seq["prompt_len"]) // 4
-            results.append(SimpleNamespace(id=seq["id"], accept_lengths=[4 if right else 1] * steps,
-                                           block_starts=[seq["prompt_len"] + 4 * i for i in range(steps)]))
+            results.append(
+                SimpleNamespace(
+                    id=seq["id"],
+                    accept_lengths=[4 if right else 1] * steps,
+                    block_starts=[seq["prompt_len"] + 4 * i for i in range(steps)],
+                )
+            )
         return results
 
     return offline_acceptance
 
 
-def test_layer_offset_check_fires_on_deliberately_shifted_hidden_states(fixture_models, run_dir, tmp_path,
-                                                                       monkeypatch):
+def test_layer_offset_check_fires_on_deliberately_shifted_hidden_states(
+    fixture_models, run_dir, tmp_path, monkeypatch
+):
     from specops.hidden_states import open_hidden_states
 
     trained_on = layer_ids_of(fixture_models.drafter)
-    true_features = {meta["id"]: features for meta, _, features in
-                     open_hidden_states(run_dir / "hidden_states").select_layers(trained_on)}
+    true_features = {
+        meta["id"]: features
+        for meta, _, features in open_hidden_states(run_dir / "hidden_states").select_layers(trained_on)
+    }
     monkeypatch.setattr("specops.acceptance.offline_acceptance", layer_sensitive_engine(true_features))
     # Stored under layer k is layer k + 1: the drafter's configured ids now read the next layers.
-    write_hidden_states(fixture_models.target, run_dir / "completions", tmp_path / "hs", trained_on,
-                        offsets=(-1, 0, 1), label_shift=1)
-    request = request_for(fixture_models, run_dir, tmp_path / "score", hidden_states=str(tmp_path / "hs"),
-                          reference_drafter=None, diagnostics=["layer_offset"])
+    write_hidden_states(
+        fixture_models.target,
+        run_dir / "completions",
+        tmp_path / "hs",
+        trained_on,
+        offsets=(-1, 0, 1),
+        label_shift=1,
+    )
+    request = request_for(
+        fixture_models,
+        run_dir,
+        tmp_path / "score",
+        hidden_states=str(tmp_path / "hs"),
+        reference_drafter=None,
+        diagnostics=["layer_offset"],
+    )
     result = score.run(request)
     assert len(result["warnings"]) == 1
     assert "shifted by -1" in result["warnings"][0]
     assert result["verdict"].endswith("1 diagnostic warn: layer_offset")
 
 
-def test_layer_offset_check_stays_quiet_on_correctly_labelled_hidden_states(fixture_models, run_dir, tmp_path,
-                                                                           monkeypatch):
+def test_layer_offset_check_stays_quiet_on_correctly_labelled_hidden_states(
+    fixture_models, run_dir, tmp_path, monkeypatch
+):
     from specops.hidden_states import open_hidden_states
 
     trained_on = layer_ids_of(fixture_models.drafter)
-    true_features = {meta["id"]: features for meta, _, features in
-                     open_hidden_states(run_dir / "hidden_states").select_layers(trained_on)}
+    true_features = {
+        meta["id"]: features
+        for meta, _, features in open_hidden_states(run_dir / "hidden_states").select_layers(trained_on)
+    }
     monkeypatch.setattr("specops.acceptance.offline_acceptance", layer_sensitive_engine(true_features))
-    request = request_for(fixture_models, run_dir, tmp_path / "score", reference_drafter=None,
-                          diagnostics=["layer_offset"])
+    request = request_for(
+        fixture_models, run_dir, tmp_path / "score", reference_drafter=None, diagnostics=["layer_offset"]
+    )
     result = score.run(request)
     assert result["warnings"] == [] and result["tau"] == 4.0
 
 
-def test_online_agreement_warns_naming_both_taus_when_the_server_drafter_disagrees(fixture_models, run_dir,
-                                                                                   tmp_path):
+def test_online_agreement_warns_naming_both_taus_when_the_server_drafter_disagrees(
+    fixture_models, run_dir, tmp_path
+):
     # The fixture's online figures are made up, so they cannot match the drafter's offline walk.
-    request = request_for(fixture_models, run_dir, tmp_path / "score", server_drafter="drafter",
-                          diagnostics=["backend"])
+    request = request_for(
+        fixture_models, run_dir, tmp_path / "score", server_drafter="drafter", diagnostics=["backend"]
+    )
     score.run(request)
     report = json.loads((tmp_path / "score" / "report.json").read_text())
     (agreement,) = [d for d in report["diagnostics"] if d["name"] == "online_agreement"]
@@ -320,17 +404,34 @@ def test_server_drafter_must_name_a_scored_drafter(fixture_models, run_dir, tmp_
     with pytest.raises(StageError, match="server_drafter 'target' is not one of"):
         score.parse_request(request_for(fixture_models, run_dir, tmp_path, server_drafter="target"))
     with pytest.raises(StageError, match="no reference_drafter is given"):
-        score.parse_request(request_for(fixture_models, run_dir, tmp_path, server_drafter="reference",
-                                        reference_drafter=None))
+        score.parse_request(
+            request_for(fixture_models, run_dir, tmp_path, server_drafter="reference", reference_drafter=None)
+        )
 
 
 def test_report_carries_the_window_that_produced_the_hidden_states(fixture_models, run_dir, tmp_path):
-    write_hidden_states(fixture_models.target, run_dir / "completions", tmp_path / "hs",
-                        layer_ids_of(fixture_models.drafter), offsets=(0,))
-    window.run({"marks": [["stop-server", 10.0], ["extract", 12.0], ["ready", 40.0]], "mode": "stop",
-                "hidden_states": str(tmp_path / "hs")})
-    request = request_for(fixture_models, run_dir, tmp_path / "score", hidden_states=str(tmp_path / "hs"),
-                          reference_drafter=None, diagnostics=[])
+    write_hidden_states(
+        fixture_models.target,
+        run_dir / "completions",
+        tmp_path / "hs",
+        layer_ids_of(fixture_models.drafter),
+        offsets=(0,),
+    )
+    window.run(
+        {
+            "marks": [["stop-server", 10.0], ["extract", 12.0], ["ready", 40.0]],
+            "mode": "stop",
+            "hidden_states": str(tmp_path / "hs"),
+        }
+    )
+    request = request_for(
+        fixture_models,
+        run_dir,
+        tmp_path / "score",
+        hidden_states=str(tmp_path / "hs"),
+        reference_drafter=None,
+        diagnostics=[],
+    )
     score.run(request)
     assert json.loads((tmp_path / "score/report.json").read_text())["window"]["downtime_s"] == 30.0
     assert "## Service window" in (tmp_path / "score/report.md").read_text()
@@ -342,12 +443,23 @@ def many(fixture_models, run_dir, tmp_path_factory) -> SimpleNamespace:
     root = tmp_path_factory.mktemp("many")
     twin = root / "twin" / fixture_models.drafter.name
     shutil.copytree(fixture_models.drafter, twin)
-    request = request_for(fixture_models, run_dir, root / "score", drafter=[str(fixture_models.drafter),
-                          str(twin)], history=str(root / "history"), diagnostics=["acceptance"])
+    request = request_for(
+        fixture_models,
+        run_dir,
+        root / "score",
+        drafter=[str(fixture_models.drafter), str(twin)],
+        history=str(root / "history"),
+        diagnostics=["acceptance"],
+    )
     first = score.run(request)
     second = score.run({**request, "force": True})
-    return SimpleNamespace(root=root, out=root / "score", first=first, second=second,
-                           names=[fixture_models.drafter.name, f"{fixture_models.drafter.name}-2"])
+    return SimpleNamespace(
+        root=root,
+        out=root / "score",
+        first=first,
+        second=second,
+        names=[fixture_models.drafter.name, f"{fixture_models.drafter.name}-2"],
+    )
 
 
 def test_each_drafter_gets_its_own_directory_under_a_unique_name(many):
@@ -386,15 +498,26 @@ def test_the_report_and_the_result_show_the_trend(many):
 
 
 def test_an_up_to_date_rerun_appends_nothing(many, fixture_models, run_dir):
-    request = request_for(fixture_models, run_dir, many.out, drafter=[str(fixture_models.drafter),
-                          str(many.root / "twin" / fixture_models.drafter.name)],
-                          history=str(many.root / "history"), diagnostics=["acceptance"])
+    request = request_for(
+        fixture_models,
+        run_dir,
+        many.out,
+        drafter=[str(fixture_models.drafter), str(many.root / "twin" / fixture_models.drafter.name)],
+        history=str(many.root / "history"),
+        diagnostics=["acceptance"],
+    )
     assert score.run(request)["changed"] is False
     assert len((many.root / "history" / "index.jsonl").read_text().splitlines()) == 2
 
 
 def test_server_drafter_may_name_one_of_several_drafters(fixture_models, run_dir, tmp_path):
-    opts = score.parse_request(request_for(fixture_models, run_dir, tmp_path,
-                                           drafter=[str(fixture_models.drafter)],
-                                           server_drafter=fixture_models.drafter.name))
+    opts = score.parse_request(
+        request_for(
+            fixture_models,
+            run_dir,
+            tmp_path,
+            drafter=[str(fixture_models.drafter)],
+            server_drafter=fixture_models.drafter.name,
+        )
+    )
     assert opts.server_drafter == fixture_models.drafter.name and len(opts.drafter) == 1

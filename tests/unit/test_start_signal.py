@@ -66,8 +66,12 @@ def test_an_expired_lease_ends_the_wait_at_its_deadline(tmp_path):
 def test_a_renewed_lease_keeps_it_waiting_past_the_first_deadline(tmp_path):
     signal = tmp_path / "go"
     write(signal, signal="wait", until=1010)
-    clock = FakeClock([(1005.0, lambda: write(signal, signal="wait", until=1100)),
-                       (1050.0, lambda: write(signal, signal="go"))])
+    clock = FakeClock(
+        [
+            (1005.0, lambda: write(signal, signal="wait", until=1100)),
+            (1050.0, lambda: write(signal, signal="go")),
+        ]
+    )
     assert wait_for_go(signal, clock=clock.time, sleep=clock.sleep, poll_s=0.5) == pytest.approx(50.0)
 
 
@@ -112,8 +116,11 @@ def wait_for_state(signal: Path, state: str, timeout: float = 120.0) -> dict:
     raise AssertionError(f"the extraction never reached {state!r}")
 
 
-def test_a_held_extraction_writes_nothing_until_go_then_the_same_shards(fixture_models, completions,  # noqa: F811
-                                                                       tmp_path):
+def test_a_held_extraction_writes_nothing_until_go_then_the_same_shards(
+    fixture_models,
+    completions,  # noqa: F811
+    tmp_path,
+):
     plain = extract.run(request(fixture_models, completions, tmp_path / "plain"))
     signal, out_dir = tmp_path / "start", tmp_path / "held"
     write(signal, signal="wait", until=time.time() + 300)

@@ -7,11 +7,18 @@ import pytest
 from specops import window
 from specops.stage import StageError
 
-MARKS = [["stop-server", 100.0], ["release-gpus", 104.0], ["verify-environment", 105.0],
-         ["extract", 107.0], ["start-server", 127.0], ["ready", 190.0]]
-MANIFEST = {"progress": {"device_busy_s": 2.2, "forward_s": 2.4, "load_s": 6.0, "total_s": 3.0,
-                         "tokens": 1720},
-            "backend": {"gated_delta_rule": "fla"}}
+MARKS = [
+    ["stop-server", 100.0],
+    ["release-gpus", 104.0],
+    ["verify-environment", 105.0],
+    ["extract", 107.0],
+    ["start-server", 127.0],
+    ["ready", 190.0],
+]
+MANIFEST = {
+    "progress": {"device_busy_s": 2.2, "forward_s": 2.4, "load_s": 6.0, "total_s": 3.0, "tokens": 1720},
+    "backend": {"gated_delta_rule": "fla"},
+}
 
 
 def test_downtime_runs_from_the_first_stage_to_ready():
@@ -22,9 +29,13 @@ def test_downtime_runs_from_the_first_stage_to_ready():
 
 def test_each_stage_lasts_until_the_next_mark():
     record = window.build_window(MARKS, "stop", MANIFEST)
-    assert record["stages"] == [{"stage": "stop-server", "s": 4.0}, {"stage": "release-gpus", "s": 1.0},
-                                {"stage": "verify-environment", "s": 2.0}, {"stage": "extract", "s": 20.0},
-                                {"stage": "start-server", "s": 63.0}]
+    assert record["stages"] == [
+        {"stage": "stop-server", "s": 4.0},
+        {"stage": "release-gpus", "s": 1.0},
+        {"stage": "verify-environment", "s": 2.0},
+        {"stage": "extract", "s": 20.0},
+        {"stage": "start-server", "s": 63.0},
+    ]
 
 
 def test_compute_is_the_device_time_and_the_rest_is_other():
@@ -73,8 +84,10 @@ def test_no_window_renders_nothing():
 
 
 def test_what_was_prepared_before_the_window_is_recorded_beside_it():
-    prepared = {"read_weights": {"done": True, "s": 1.5}, "tune_kernels": {"done": True, "s": 40.0,
-                                                                           "shapes": [{"s": 40.0}]}}
+    prepared = {
+        "read_weights": {"done": True, "s": 1.5},
+        "tune_kernels": {"done": True, "s": 40.0, "shapes": [{"s": 40.0}]},
+    }
     record = window.build_window(MARKS, "stop", MANIFEST, prepared)
     assert record["prepared"] == prepared and record["downtime_s"] == 90.0
     assert "kernels tuned in 40.0 s for 1 batch shapes" in window.render_markdown(record)

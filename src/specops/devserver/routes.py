@@ -183,8 +183,9 @@ class Handler(BaseHTTPRequestHandler):
     def load(self) -> None:
         # One entry per data-parallel rank, as SGLang's GetLoadReqOutput (managers/io_struct.py):
         # a router drain waits on it until no request is left in flight.
-        self._send(200, [{"dp_rank": 0, "num_reqs": self.app.engine.pending, "num_waiting_reqs": 0,
-                          "num_tokens": 0}])
+        self._send(
+            200, [{"dp_rank": 0, "num_reqs": self.app.engine.pending, "num_waiting_reqs": 0, "num_tokens": 0}]
+        )
 
     def flush_cache(self) -> None:
         # SGLang refuses to flush while requests run or wait, and answers plain text either way

@@ -56,8 +56,11 @@ class SpecOutcome:
 
     def meta_info(self) -> dict[str, Any]:
         """SGLang's per-request speculative figures, from the counters kept while decoding."""
-        meta: dict[str, Any] = {"spec_verify_ct": self.verify_ct, "spec_accept_length": 0,
-                                "spec_accept_rate": 0.0}
+        meta: dict[str, Any] = {
+            "spec_verify_ct": self.verify_ct,
+            "spec_accept_length": 0,
+            "spec_accept_rate": 0.0,
+        }
         proposed = self.verify_ct * (self.num_draft_tokens - 1)
         if self.verify_ct > 0 and proposed > 0:
             meta.update(
@@ -89,8 +92,14 @@ class DFlashSpeculator:
         self._drafting = _block_size_view(drafter, num_draft_tokens)
 
     @classmethod
-    def load(cls, draft_path: str | Path, target_path: str | Path, target_config: Any,
-             num_draft_tokens: int | None = None, device: str = "cpu") -> DFlashSpeculator:
+    def load(
+        cls,
+        draft_path: str | Path,
+        target_path: str | Path,
+        target_config: Any,
+        num_draft_tokens: int | None = None,
+        device: str = "cpu",
+    ) -> DFlashSpeculator:
         """Load and check the drafter against the target; SpeculativeError says what does not fit."""
         import torch
 
@@ -109,27 +118,39 @@ class DFlashSpeculator:
         if out_of_range:
             raise SpeculativeError(
                 f"{where}: target layer {out_of_range[0]} out of range: the target has {layers} layers "
-                f"(0-{layers - 1}); the drafter was built for another target")
+                f"(0-{layers - 1}); the drafter was built for another target"
+            )
         if drafter.hidden_size != head.hidden_size:
             raise SpeculativeError(
                 f"{where}: hidden_size {drafter.hidden_size} differs from the target's {head.hidden_size}: "
-                "the drafter was built for another target")
+                "the drafter was built for another target"
+            )
         if not 0 <= drafter.mask_token_id < head.vocab_size:
             raise SpeculativeError(
                 f"{where}: mask_token_id {drafter.mask_token_id} is outside the target's vocabulary "
-                f"(0-{head.vocab_size - 1}); set dflash_config.mask_token_id to the drafter's mask token")
+                f"(0-{head.vocab_size - 1}); set dflash_config.mask_token_id to the drafter's mask token"
+            )
         if num_draft_tokens is None:
             num_draft_tokens = drafter.block_size
         if num_draft_tokens < 2:
             raise SpeculativeError(
                 f"--speculative-num-draft-tokens {num_draft_tokens}: a DFlash block needs at least 2 tokens "
-                f"(the verified token and one draft); the drafter's block_size is {drafter.block_size}")
+                f"(the verified token and one draft); the drafter's block_size is {drafter.block_size}"
+            )
         if num_draft_tokens != drafter.block_size:
             # SGLang's rule: the flag wins over the checkpoint's block_size, with a warning.
-            logger.warning("DFLASH block size mismatch: using --speculative-num-draft-tokens=%d but the "
-                           "drafter's block_size is %d", num_draft_tokens, drafter.block_size)
-        logger.info("DFLASH drafter %s loaded: block size %d, target layers %s", draft_path,
-                    num_draft_tokens, drafter.target_layer_ids)
+            logger.warning(
+                "DFLASH block size mismatch: using --speculative-num-draft-tokens=%d but the "
+                "drafter's block_size is %d",
+                num_draft_tokens,
+                drafter.block_size,
+            )
+        logger.info(
+            "DFLASH drafter %s loaded: block size %d, target layers %s",
+            draft_path,
+            num_draft_tokens,
+            drafter.target_layer_ids,
+        )
         return cls(drafter, head, num_draft_tokens, str(draft_path))
 
     # -- one request ---------------------------------------------------------------------------
@@ -152,8 +173,14 @@ class DFlashSpeculator:
 
         return SequentialDrafter(self._drafting, self.head, features[:start]).drafts(token, start)
 
-    def generate(self, model: Any, prompt_ids: list[int], max_new_tokens: int, stop_ids: Iterable[int],
-                 progress: Callable[[], None] | None = None) -> SpecOutcome:
+    def generate(
+        self,
+        model: Any,
+        prompt_ids: list[int],
+        max_new_tokens: int,
+        stop_ids: Iterable[int],
+        progress: Callable[[], None] | None = None,
+    ) -> SpecOutcome:
         """Decode greedily by drafting and verifying (see the module docstring)."""
         import torch
 
@@ -175,7 +202,7 @@ class DFlashSpeculator:
                 drafts = self._drafts(features, sequence[start], start)
                 greedy, verified = self._target(model, sequence + drafts)
                 # predicted[j] is the target's token at start + j + 1, given the block up to j.
-                predicted = greedy[start:start + self.num_draft_tokens]
+                predicted = greedy[start : start + self.num_draft_tokens]
                 k = 0
                 while k < len(drafts) and drafts[k] == predicted[k]:
                     k += 1
@@ -190,7 +217,7 @@ class DFlashSpeculator:
                 outcome.accepted_drafts += appended - 1
                 outcome.appended_per_step.append(appended)
                 # Verified now: positions up to the last accepted draft; the bonus token's come next step.
-                features = verified[:start + appended]
+                features = verified[: start + appended]
                 if progress is not None:
                     progress()
         return outcome

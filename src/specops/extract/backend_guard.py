@@ -19,13 +19,15 @@ def backend_plan(prep: Prepared, modeling: Any) -> bool:
         raise StageError(
             f"{', '.join(kernels)} is installed in {sys.executable}, whose kernels need a CUDA GPU, and the "
             "device is cpu: transformers would call them and crash. Run on a GPU host, or set "
-            "require_backend: torch to use the PyTorch reference implementation on the CPU (slow)")
+            "require_backend: torch to use the PyTorch reference implementation on the CPU (slow)"
+        )
     if prep.require == "fla" and planned.get("gated_delta_rule", NOT_USED) not in ("fla", NOT_USED):
         raise StageError(
             f"require_backend is fla but transformers will use the torch fallback for the gated delta "
             f"rule: fla "
             f"does not import in {sys.executable}; install flash-linear-attention and fla-core (fla_env), or "
-            "set require_backend: any")
+            "set require_backend: any"
+        )
     return force_torch
 
 
@@ -38,5 +40,6 @@ def check_backend(require: str, used: dict[str, str]) -> None:
             f"the gated-delta-rule ran with the {ran} implementation, but require_backend is fla: install "
             f"flash-linear-attention (fla-core) with triton in the ML environment ({sys.executable}) on a "
             f"GPU "
-            "host (fla_env), or set require_backend: any to accept the slow reference path")
+            "host (fla_env), or set require_backend: any to accept the slow reference path"
+        )
     raise StageError(f"the gated-delta-rule ran with {ran}, but require_backend is {require}")

@@ -61,9 +61,11 @@ class LayerCapture:
     def __init__(self, model: Any, layer_ids: Sequence[int], skip_mask_creation: bool = True):
         self.body, layers = decoder_body(model)
         if max(layer_ids) >= len(layers):
-            raise StageError(f"target layer {max(layer_ids)} out of range: the model has {len(layers)} "
-                             f"layers "
-                             f"(0-{len(layers) - 1})")
+            raise StageError(
+                f"target layer {max(layer_ids)} out of range: the model has {len(layers)} "
+                f"layers "
+                f"(0-{len(layers) - 1})"
+            )
         self.layer_ids = list(layer_ids)
         self.last = max(layer_ids)
         # The residual stream, hence every captured state, has the embeddings' dtype.

@@ -32,8 +32,9 @@ def validate_request(req: dict[str, Any]) -> None:
     if devices == "auto":
         return
     if not isinstance(devices, list) or not devices or not all(isinstance(d, str) and d for d in devices):
-        raise StageError(f"devices must be auto or a non-empty list such as [cuda:0, cuda:1], got "
-                         f"{devices!r}")
+        raise StageError(
+            f"devices must be auto or a non-empty list such as [cuda:0, cuda:1], got {devices!r}"
+        )
 
 
 def first_device(req: dict[str, Any]) -> str:
@@ -197,7 +198,8 @@ def place_layers(embed_bytes: int, layer_bytes: Sequence[int], budgets: Sequence
         raise StageError(
             f"the model up to its last captured layer needs {total / GIB:.1f} GiB and the devices have "
             f"{capacity / GIB:.1f} GiB to spare ({', '.join(f'{max(0, b) / GIB:.1f}' for b in budgets)}): "
-            "free more GPUs (stop what holds them), add devices, or lower batch_tokens")
+            "free more GPUs (stop what holds them), add devices, or lower batch_tokens"
+        )
     bounds, running = [], 0.0
     for budget in budgets:
         running += total * max(0, budget) / capacity
@@ -219,12 +221,14 @@ def place_layers(embed_bytes: int, layer_bytes: Sequence[int], budgets: Sequence
         raise StageError(
             f"the layers ({max(layer_bytes) / GIB:.2f} GiB the largest) cannot be cut to fit the devices' "
             f"spare memory ({', '.join(f'{max(0, b) / GIB:.1f}' for b in budgets)} GiB): free more GPU "
-            "memory or lower batch_tokens")
+            "memory or lower batch_tokens"
+        )
     return placed
 
 
-def _fits(embed_bytes: int, layer_bytes: Sequence[int], placed: Sequence[int],
-          budgets: Sequence[int]) -> bool:
+def _fits(
+    embed_bytes: int, layer_bytes: Sequence[int], placed: Sequence[int], budgets: Sequence[int]
+) -> bool:
     used = [0] * len(budgets)
     used[0] = embed_bytes
     for size, device in zip(layer_bytes, placed, strict=True):
@@ -244,13 +248,18 @@ class DevicePlan:
 
     def describe(self) -> dict[str, Any]:
         found: dict[str, Any] = {
-            "mode": self.mode, "devices": self.devices, "reason": self.reason,
-            "copy_gib": round(self.copy_bytes / GIB, 3), "reserve_gib": round(self.reserve_bytes / GIB, 3),
-            "free_gib": {name: round(free / GIB, 3) for name, free in self.free_bytes.items()}}
+            "mode": self.mode,
+            "devices": self.devices,
+            "reason": self.reason,
+            "copy_gib": round(self.copy_bytes / GIB, 3),
+            "reserve_gib": round(self.reserve_bytes / GIB, 3),
+            "free_gib": {name: round(free / GIB, 3) for name, free in self.free_bytes.items()},
+        }
         if self.layer_devices is not None:
             found["layers"] = [
                 {"device": name, "layers": [k for k, d in enumerate(self.layer_devices) if d == i]}
-                for i, name in enumerate(self.devices)]
+                for i, name in enumerate(self.devices)
+            ]
         return found
 
 
@@ -287,13 +296,17 @@ def choose(mode: str, devices: Sequence[str], free: Sequence[int], fp: Footprint
             raise StageError(
                 f"parallel data needs {(copy + reserve) / GIB:.1f} GiB on each device but "
                 f"{', '.join(f'{d} has {free_by_name[d] / GIB:.1f} GiB free' for d in short)}: free those "
-                "devices, leave them out of devices, lower batch_tokens, or use parallel split/auto")
+                "devices, leave them out of devices, lower batch_tokens, or use parallel split/auto"
+            )
         return decided("data", list(devices), "asked for")
     if mode == "auto" and fits:
         if len(fits) == 1:
             return decided("single", fits, f"the model fits only on {fits[0]}")
-        why = "the model fits on every device" if len(fits) == len(devices) else \
-            f"the model fits on {len(fits)} of {len(devices)} devices"
+        why = (
+            "the model fits on every device"
+            if len(fits) == len(devices)
+            else f"the model fits on {len(fits)} of {len(devices)} devices"
+        )
         return decided("data", fits, why)
     budgets = [f - reserve for f in free]
     used = [d for d, b in zip(devices, budgets, strict=True) if b > 0] or list(devices)

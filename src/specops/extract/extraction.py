@@ -31,32 +31,51 @@ class ExtractionSettings:
     copier: HostCopier | None = None  # reuse one across runs to keep its pinned buffers
 
 
-def extract_shards(capture: LayerCapture, shards: Sequence[ShardPlan], out_dir: Path, state: ResumeState,
-                   settings: ExtractionSettings, monitor: BackendMonitor | None = None) -> dict[str, Any]:
+def extract_shards(
+    capture: LayerCapture,
+    shards: Sequence[ShardPlan],
+    out_dir: Path,
+    state: ResumeState,
+    settings: ExtractionSettings,
+    monitor: BackendMonitor | None = None,
+) -> dict[str, Any]:
     """Run every shard not already in `state`; returns timings. The model must already be loaded."""
     import torch
 
     todo = [s for s in shards if s.name not in state.shards]
     total = sum(s.num_tokens for s in shards)
-    progress = Progress(settings.progress_log, total, total - sum(s.num_tokens for s in todo),
-                        echo=settings.echo)
+    progress = Progress(
+        settings.progress_log, total, total - sum(s.num_tokens for s in todo), echo=settings.echo
+    )
     pending = 2 * settings.writer_threads + 2
     batch_bytes = max(len(b) * max(r.num_tokens for r in b) for s in todo for b in s.batches) if todo else 0
-    copier = settings.copier or HostCopier(settings.device, pending,
-                                           batch_bytes * len(settings.layer_ids) * capture.hidden_size
-                                           * capture.dtype.itemsize)
-    metadata = {"format": "specops.hidden_states", "format_version": str(FORMAT_VERSION),
-                "layer_ids": json.dumps(settings.layer_ids)}
+    copier = settings.copier or HostCopier(
+        settings.device,
+        pending,
+        batch_bytes * len(settings.layer_ids) * capture.hidden_size * capture.dtype.itemsize,
+    )
+    metadata = {
+        "format": "specops.hidden_states",
+        "format_version": str(FORMAT_VERSION),
+        "layer_ids": json.dumps(settings.layer_ids),
+    }
     dtype_name = str(capture.dtype).removeprefix("torch.")
     n_layers, hidden = len(settings.layer_ids), capture.hidden_size
 
     def layout(shard: ShardPlan) -> list:
-        return [entry for batch in shard.batches for r in batch
-                for entry in ((f"{r.index}.input_ids", "int64", (r.num_tokens,)),
-                              (f"{r.index}.hidden_states", dtype_name, (r.num_tokens, n_layers, hidden)))]
+        return [
+            entry
+            for batch in shard.batches
+            for r in batch
+            for entry in (
+                (f"{r.index}.input_ids", "int64", (r.num_tokens,)),
+                (f"{r.index}.hidden_states", dtype_name, (r.num_tokens, n_layers, hidden)),
+            )
+        ]
 
-    writer = ShardWriter(out_dir, settings.writer_threads, state.add, metadata, layout, settings.fsync,
-                         pending)
+    writer = ShardWriter(
+        out_dir, settings.writer_threads, state.add, metadata, layout, settings.fsync, pending
+    )
     times = {"forward_s": 0.0, "copy_issue_s": 0.0}
     unchecked = monitor  # the backend is checked once, after the first forward
     waited_before = copier.waited_s
@@ -85,17 +104,22 @@ def extract_shards(capture: LayerCapture, shards: Sequence[ShardPlan], out_dir: 
                 if unchecked is not None:  # after the first forward, before anything reaches the disk
                     check_backend(settings.require, unchecked.summary())
                     unchecked = None
-                writer.submit(shard, BatchResult(batch, ids, host, ready, release),
-                              last=number == len(shard.batches) - 1)
+                writer.submit(
+                    shard,
+                    BatchResult(batch, ids, host, ready, release),
+                    last=number == len(shard.batches) - 1,
+                )
                 progress.advance(sum(r.num_tokens for r in batch))
         device_timer.synchronize()  # what is left after this is the writers' alone
         loop_done = time.perf_counter()
         writer.finish()
     except OSError as error:
         if error.errno == errno.ENOSPC:
-            raise StageError(f"no space left on the device of {out_dir}: free space or choose another "
-                             f"out_dir; "
-                             "finished shards are kept and a rerun resumes") from error
+            raise StageError(
+                f"no space left on the device of {out_dir}: free space or choose another "
+                f"out_dir; "
+                "finished shards are kept and a rerun resumes"
+            ) from error
         raise
     finally:
         writer.close()

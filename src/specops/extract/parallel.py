@@ -45,20 +45,31 @@ def load_truncated(prep: Prepared, device: Any) -> Any:
     config = truncated_config(prep.target.path, max(prep.layer_ids))
     try:
         model = AutoModelForCausalLM.from_pretrained(
-            str(prep.target.path), config=config, dtype=prep.dtype,
-            device_map=str(device) if device.type == "cuda" else None)
+            str(prep.target.path),
+            config=config,
+            dtype=prep.dtype,
+            device_map=str(device) if device.type == "cuda" else None,
+        )
     except (OSError, ValueError) as error:
         raise StageError(f"cannot load the target from {prep.target.path}: {error}") from error
     return model.eval()
 
 
-def probe(capture: LayerCapture, prep: Prepared, device: Any, modeling: Any,
-          monitor: BackendMonitor) -> dict[str, Any] | None:
+def probe(
+    capture: LayerCapture, prep: Prepared, device: Any, modeling: Any, monitor: BackendMonitor
+) -> dict[str, Any] | None:
     """The parity probe on this device (when asked) and the backend guard on what it ran."""
     if not prep.req["parity_samples"]:
         return None
-    parity = parity_probe(capture, prep.records, prep.req["parity_samples"], device, prep.dtype, modeling,
-                          prep.req["parity_tolerance"])
+    parity = parity_probe(
+        capture,
+        prep.records,
+        prep.req["parity_samples"],
+        device,
+        prep.dtype,
+        modeling,
+        prep.req["parity_tolerance"],
+    )
     check_backend(prep.require, monitor.summary())
     worst = max(parity["layers"], key=lambda layer: layer["rel_error"] / layer["limit"])
     if not parity["passed"]:
@@ -66,7 +77,8 @@ def probe(capture: LayerCapture, prep: Prepared, device: Any, modeling: Any,
             f"parity probe failed on {device}: layer {worst['layer']} differs from the fp32 torch reference "
             f"by {worst['rel_error']:.1%} (limit {worst['limit']:.1%}, bf16 noise floor "
             f"{worst['noise_floor_rel_error']:.1%}): the {monitor.summary()['gated_delta_rule']} "
-            "implementation gives wrong hidden states; check the fla/transformers versions")
+            "implementation gives wrong hidden states; check the fla/transformers versions"
+        )
     return parity
 
 
@@ -79,32 +91,48 @@ def _modeling_of(model: Any) -> Any:
     return sys.modules[type(decoder_body(model)[1][0]).__module__]
 
 
-def _combined_backend(used: dict[str, dict[str, str]], prep: Prepared, force_torch: bool,
-                      devices: list[Any]) -> dict[str, Any]:
+def _combined_backend(
+    used: dict[str, dict[str, str]], prep: Prepared, force_torch: bool, devices: list[Any]
+) -> dict[str, Any]:
     """One backend record for the manifest: an implementation shared by every device, else all of them."""
     families = sorted({family for summary in used.values() for family in summary})
     combined: dict[str, Any] = {}
     for family in families:
         ran = sorted({summary.get(family, "") for summary in used.values()})
         combined[family] = ran[0] if len(ran) == 1 else "mixed: " + ", ".join(ran)
-    return {**combined, "device": ", ".join(describe_device(d) for d in devices), "dtype": prep.dtype_name,
-            "required": prep.require, "forced_torch": force_torch, "per_device": used}
+    return {
+        **combined,
+        "device": ", ".join(describe_device(d) for d in devices),
+        "dtype": prep.dtype_name,
+        "required": prep.require,
+        "forced_torch": force_torch,
+        "per_device": used,
+    }
 
 
-def _write_manifest(prep: Prepared, state: ResumeState, backend: dict[str, Any], parity: Any,
-                    progress: dict[str, Any], plan: DevicePlan) -> dict[str, Any]:
+def _write_manifest(
+    prep: Prepared,
+    state: ResumeState,
+    backend: dict[str, Any],
+    parity: Any,
+    progress: dict[str, Any],
+    plan: DevicePlan,
+) -> dict[str, Any]:
     return write_extraction_manifest(prep, state, backend, parity, progress, plan.describe())
 
 
-def run_on_devices(prep: Prepared, plan: DevicePlan, state: ResumeState, progress_log: Path,
-                   force_torch: bool) -> dict[str, Any]:
+def run_on_devices(
+    prep: Prepared, plan: DevicePlan, state: ResumeState, progress_log: Path, force_torch: bool
+) -> dict[str, Any]:
     """Extract every shard not in `state` as `plan` says (data or split), then write the manifest."""
     runner = run_data_parallel if plan.mode == "data" else run_split
     stats, backend, parity = runner(prep, plan, state, progress_log, force_torch)
     check_backend(prep.require, {k: v for k, v in backend.items() if isinstance(v, str)})
     manifest = _write_manifest(prep, state, backend, parity, stats, plan)
-    log(f"wrote {len(prep.shards)} shards to {prep.out_dir} on {', '.join(plan.devices)} ({plan.mode}, "
-        f"{stats['tokens_per_second']:.0f} tok/s)")
+    log(
+        f"wrote {len(prep.shards)} shards to {prep.out_dir} on {', '.join(plan.devices)} ({plan.mode}, "
+        f"{stats['tokens_per_second']:.0f} tok/s)"
+    )
     result = stage_result(manifest, prep.out_dir, changed=True)
     result["parallel"] = manifest.get("parallel")
     return result
@@ -168,8 +196,9 @@ class PlacedCapture(LayerCapture):
         return gathered
 
 
-def run_split(prep: Prepared, plan: DevicePlan, state: ResumeState, progress_log: Path,
-              force_torch: bool) -> tuple[dict[str, Any], dict[str, Any], Any]:
+def run_split(
+    prep: Prepared, plan: DevicePlan, state: ResumeState, progress_log: Path, force_torch: bool
+) -> tuple[dict[str, Any], dict[str, Any], Any]:
     import torch
 
     devices = [torch.device(name) for name in plan.devices]
@@ -177,13 +206,23 @@ def run_split(prep: Prepared, plan: DevicePlan, state: ResumeState, progress_log
     model = load_truncated(prep, torch.device("cpu"))
     place_model(model, devices, plan.layer_devices or [])
     load_s = time.perf_counter() - started
-    log(f"loaded {prep.target.path} in {load_s:.1f}s split over {', '.join(plan.devices)} "
-        f"({prep.dtype_name}); capturing layers {prep.layer_ids}")
+    log(
+        f"loaded {prep.target.path} in {load_s:.1f}s split over {', '.join(plan.devices)} "
+        f"({prep.dtype_name}); capturing layers {prep.layer_ids}"
+    )
     modeling = _modeling_of(model)
-    settings = ExtractionSettings(prep.layer_ids, devices[0], prep.require, prep.req["writer_threads"],
-                                  fsync=bool(prep.req["fsync"]), progress_log=progress_log)
-    with BackendMonitor(modeling, force_torch=force_torch) as monitor, \
-            PlacedCapture(model, prep.layer_ids, devices[0]) as capture:
+    settings = ExtractionSettings(
+        prep.layer_ids,
+        devices[0],
+        prep.require,
+        prep.req["writer_threads"],
+        fsync=bool(prep.req["fsync"]),
+        progress_log=progress_log,
+    )
+    with (
+        BackendMonitor(modeling, force_torch=force_torch) as monitor,
+        PlacedCapture(model, prep.layer_ids, devices[0]) as capture,
+    ):
         parity = probe(capture, prep, devices[0], modeling, monitor)
         stats = extract_shards(capture, prep.shards, prep.out_dir, state, settings, monitor)
         used = monitor.summary()
@@ -235,22 +274,42 @@ def data_worker(task: WorkerTask, results: Any, start: Any = None) -> None:
         load_s = time.perf_counter() - started
         log(f"{task.device}: loaded in {load_s:.1f}s; {len(task.shards)} shards to extract")
         modeling = _modeling_of(model)
-        settings = ExtractionSettings(prep.layer_ids, device, prep.require, prep.req["writer_threads"],
-                                      fsync=bool(prep.req["fsync"]), progress_log=None, echo=None)
+        settings = ExtractionSettings(
+            prep.layer_ids,
+            device,
+            prep.require,
+            prep.req["writer_threads"],
+            fsync=bool(prep.req["fsync"]),
+            progress_log=None,
+            echo=None,
+        )
         state = ForwardedState(results, task.number)
-        with BackendMonitor(modeling, force_torch=task.force_torch) as monitor, \
-                LayerCapture(model, prep.layer_ids) as capture:
+        with (
+            BackendMonitor(modeling, force_torch=task.force_torch) as monitor,
+            LayerCapture(model, prep.layer_ids) as capture,
+        ):
             parity = probe(capture, prep, device, modeling, monitor)
             if start is not None:
                 start.wait()
             span = [time.time()]  # wall clock: the parent lines the workers' spans up
-            stats = extract_shards(capture, task.shards, prep.out_dir, state,  # type: ignore[arg-type]
-                                   settings, monitor)
+            stats = extract_shards(
+                capture,
+                task.shards,
+                prep.out_dir,
+                state,  # type: ignore[arg-type]
+                settings,
+                monitor,
+            )
             span.append(time.time())
             used = monitor.summary()
         check_backend(prep.require, used)
-        results.put(("done", task.number, {"stats": {**stats, "load_s": load_s}, "span": span,
-                                           "backend": used, "parity": parity}))
+        results.put(
+            (
+                "done",
+                task.number,
+                {"stats": {**stats, "load_s": load_s}, "span": span, "backend": used, "parity": parity},
+            )
+        )
     except StageError as error:
         results.put(("failed", task.number, str(error)))
     except BaseException:
@@ -270,8 +329,9 @@ def _exit_reason(code: int | None) -> str:
     return f"exit code {code}"
 
 
-def run_data_parallel(prep: Prepared, plan: DevicePlan, state: ResumeState, progress_log: Path,
-                      force_torch: bool) -> tuple[dict[str, Any], dict[str, Any], Any]:
+def run_data_parallel(
+    prep: Prepared, plan: DevicePlan, state: ResumeState, progress_log: Path, force_torch: bool
+) -> tuple[dict[str, Any], dict[str, Any], Any]:
     """Start one worker per device on its share of the unfinished shards; record what they finish."""
     import torch
 
@@ -290,10 +350,17 @@ def run_data_parallel(prep: Prepared, plan: DevicePlan, state: ResumeState, prog
     for number, (device, names) in enumerate(zip(plan.devices, groups, strict=True)):
         if not names:
             continue
-        task = WorkerTask(number, device, prep, [by_name[n] for n in names], force_torch,
-                          cpu_threads if device.startswith("cpu") else None)
-        process = context.Process(target=worker, args=(task, results, start), name=f"extract-{device}",
-                                  daemon=True)
+        task = WorkerTask(
+            number,
+            device,
+            prep,
+            [by_name[n] for n in names],
+            force_torch,
+            cpu_threads if device.startswith("cpu") else None,
+        )
+        process = context.Process(
+            target=worker, args=(task, results, start), name=f"extract-{device}", daemon=True
+        )
         process.start()
         workers.append((number, device, process))
     started = time.perf_counter()
@@ -323,8 +390,10 @@ def run_data_parallel(prep: Prepared, plan: DevicePlan, state: ResumeState, prog
                 if number not in reports and not process.is_alive():
                     _drain(results, handle)
                     if number not in reports and failure is None:
-                        failure = (f"the worker on {device} died ({_exit_reason(process.exitcode)}) before "
-                                   "finishing its shards")
+                        failure = (
+                            f"the worker on {device} died ({_exit_reason(process.exitcode)}) before "
+                            "finishing its shards"
+                        )
     finally:
         for _, _, process in workers:
             if process.is_alive():
@@ -333,14 +402,17 @@ def run_data_parallel(prep: Prepared, plan: DevicePlan, state: ResumeState, prog
             process.join(timeout=30)
         _drain(results, handle)  # shards other workers finished before they stopped
     if failure is not None:
-        raise StageError(f"{failure}: finished shards are kept and a rerun resumes from them, on these "
-                         "devices or others")
+        raise StageError(
+            f"{failure}: finished shards are kept and a rerun resumes from them, on these devices or others"
+        )
     finished = time.perf_counter()
     progress.write(progress.line() + " done")
     tokens = sum(s.num_tokens for s in todo)
     labels = device_labels(plan.devices)
-    per_device = {labels[n]: {k: round(v, 3) if isinstance(v, float) else v
-                                    for k, v in reports[n]["stats"].items()} for n in sorted(reports)}
+    per_device = {
+        labels[n]: {k: round(v, 3) if isinstance(v, float) else v for k, v in reports[n]["stats"].items()}
+        for n in sorted(reports)
+    }
     spans = [r["span"] for r in reports.values()]
     # From the first worker's first batch to the last worker's last write: the extraction proper,
     # without the workers' start and model load (those are in total_s).
@@ -362,8 +434,11 @@ def run_data_parallel(prep: Prepared, plan: DevicePlan, state: ResumeState, prog
     parities = {labels[n]: r["parity"] for n, r in sorted(reports.items()) if r["parity"] is not None}
     parity = None
     if parities:
-        parity = {**next(iter(parities.values())), "passed": all(p["passed"] for p in parities.values()),
-                  "per_device": parities}
+        parity = {
+            **next(iter(parities.values())),
+            "passed": all(p["passed"] for p in parities.values()),
+            "per_device": parities,
+        }
     return stats, _combined_backend(used, prep, force_torch, devices), parity
 
 

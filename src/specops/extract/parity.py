@@ -13,8 +13,9 @@ from specops.extract.target import Record
 
 
 @contextmanager
-def parameters_as(module: Any, dtype: Any,
-                  skip: Callable[[str], bool] = lambda name: False) -> Iterator[None]:
+def parameters_as(
+    module: Any, dtype: Any, skip: Callable[[str], bool] = lambda name: False
+) -> Iterator[None]:
     """Temporarily cast floating parameters; bf16/fp16 -> fp32 -> back is exact, so nothing is lost."""
     changed = []
     try:
@@ -35,8 +36,15 @@ def _errors(candidate: Any, reference: Any) -> tuple[float, float]:
     return cosine, float((a - b).norm() / b.norm().clamp_min(1e-300))
 
 
-def parity_probe(capture: LayerCapture, records: Sequence[Record], samples: int, device: Any, dtype: Any,
-                 modeling: Any, tolerance: float) -> dict[str, Any]:
+def parity_probe(
+    capture: LayerCapture,
+    records: Sequence[Record],
+    samples: int,
+    device: Any,
+    dtype: Any,
+    modeling: Any,
+    tolerance: float,
+) -> dict[str, Any]:
     """Compare the running backend with the torch reference in fp32 on a few records, layer by layer.
 
     The bf16 noise floor (the torch reference in the run's dtype against fp32) is measured on the same
@@ -58,8 +66,10 @@ def parity_probe(capture: LayerCapture, records: Sequence[Record], samples: int,
         if dtype != torch.float32:
             with BackendMonitor(modeling, force_torch=True):
                 floor = [t.float() for t in capture(ids)]
-        with BackendMonitor(modeling, force_torch=True), \
-                parameters_as(capture.body, torch.float32, beyond_last):
+        with (
+            BackendMonitor(modeling, force_torch=True),
+            parameters_as(capture.body, torch.float32, beyond_last),
+        ):
             reference = capture(ids)
         sums["primary"].append([_errors(p, r) for p, r in zip(primary, reference, strict=True)])
         if floor is not None:
@@ -71,8 +81,16 @@ def parity_probe(capture: LayerCapture, records: Sequence[Record], samples: int,
         error = max(s[column][1] for s in sums["primary"])
         floor_error = max((s[column][1] for s in sums["floor"]), default=0.0)
         limit = max(tolerance, 2.0 * floor_error)
-        layers.append({"layer": layer, "cosine": cosine, "rel_error": error,
-                       "noise_floor_rel_error": floor_error, "limit": limit, "passed": error <= limit})
+        layers.append(
+            {
+                "layer": layer,
+                "cosine": cosine,
+                "rel_error": error,
+                "noise_floor_rel_error": floor_error,
+                "limit": limit,
+                "passed": error <= limit,
+            }
+        )
     return {
         "samples": len(chosen),
         "tokens": sum(r.num_tokens for r in chosen),

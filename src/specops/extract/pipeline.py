@@ -23,8 +23,14 @@ from specops.stage import log
 class Progress:
     """tokens done / total and tokens per second, to a log file and stderr, at most every `interval` s."""
 
-    def __init__(self, path: Path | None, total: int, done: int = 0, interval: float = 2.0,
-                 echo: Callable[[str], None] | None = log):
+    def __init__(
+        self,
+        path: Path | None,
+        total: int,
+        done: int = 0,
+        interval: float = 2.0,
+        echo: Callable[[str], None] | None = log,
+    ):
         self.path, self.total, self.done, self.resumed = path, total, done, done
         self.interval, self.echo = interval, echo
         self.start = time.monotonic()
@@ -49,8 +55,10 @@ class Progress:
         rate = self.rate
         eta = (self.total - self.done) / rate if rate > 0 else float("nan")
         percent = 100.0 * self.done / self.total if self.total else 100.0
-        return (f"tokens {self.done}/{self.total} ({percent:.1f}%) {rate:.0f} tok/s "
-                f"elapsed {time.monotonic() - self.start:.1f}s eta {eta:.0f}s")
+        return (
+            f"tokens {self.done}/{self.total} ({percent:.1f}%) {rate:.0f} tok/s "
+            f"elapsed {time.monotonic() - self.start:.1f}s eta {eta:.0f}s"
+        )
 
     def write(self, message: str) -> None:
         if self.path:
@@ -62,8 +70,6 @@ class Progress:
 
 def _now() -> str:
     return time.strftime("%Y-%m-%dT%H:%M:%S")
-
-
 
 
 @dataclass
@@ -83,15 +89,24 @@ class ShardWriter:
     when the disk is slower than the device.
     """
 
-    def __init__(self, out_dir: Path, threads: int, on_written: Callable[[str, dict], None],
-                 metadata: dict[str, str], layout: Callable[[ShardPlan], list], fsync: bool = True,
-                 pending: int | None = None):
+    def __init__(
+        self,
+        out_dir: Path,
+        threads: int,
+        on_written: Callable[[str, dict], None],
+        metadata: dict[str, str],
+        layout: Callable[[ShardPlan], list],
+        fsync: bool = True,
+        pending: int | None = None,
+    ):
         self.out_dir, self.on_written, self.metadata, self.layout = out_dir, on_written, metadata, layout
         self.fsync = fsync
-        self.lanes = [ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"shard-writer-{n}")
-                      for n in range(threads)]
-        self.hashers = [ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"shard-hasher-{n}")
-                        for n in range(threads)]
+        self.lanes = [
+            ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"shard-writer-{n}") for n in range(threads)
+        ]
+        self.hashers = [
+            ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"shard-hasher-{n}") for n in range(threads)
+        ]
         self.slots = threading.BoundedSemaphore(pending or 2 * threads + 2)
         self.futures: list[Future] = []
         self.files: dict[str, ShardFile] = {}
@@ -115,8 +130,9 @@ class ShardWriter:
         waited = time.perf_counter()
         try:
             if shard.name not in self.files:
-                self.files[shard.name] = ShardFile(self.out_dir / shard.name, self.layout(shard),
-                                                   self.metadata, self.fsync)
+                self.files[shard.name] = ShardFile(
+                    self.out_dir / shard.name, self.layout(shard), self.metadata, self.fsync
+                )
             handle = self.files[shard.name]
             items = []
             for row, record in enumerate(part.records):

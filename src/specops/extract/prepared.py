@@ -62,11 +62,15 @@ def prepare(request: dict[str, Any]) -> Prepared:
         target_ids = list(req["layer_ids"])
     elif req["drafter"]:
         # Several drafters (checkpoints, rivals) share one window: capture the union of their layers.
-        target_ids = list(dict.fromkeys(k for d in drafter_list(req["drafter"])
-                                        for k in drafter_layer_ids(d, target.num_layers)))
+        target_ids = list(
+            dict.fromkeys(
+                k for d in drafter_list(req["drafter"]) for k in drafter_layer_ids(d, target.num_layers)
+            )
+        )
     else:
-        raise StageError("no layer ids: give drafter (its dflash_config.target_layer_ids are used) or "
-                         "layer_ids")
+        raise StageError(
+            "no layer ids: give drafter (its dflash_config.target_layer_ids are used) or layer_ids"
+        )
     layer_ids, skipped = captured_layers(target_ids, req["capture_offsets"], target.num_layers)
     device, dtype = resolve_device_dtype(first_device(req), req["dtype"])
     require = resolve_require(req["require_backend"], device)
@@ -84,5 +88,18 @@ def prepare(request: dict[str, Any]) -> Prepared:
         "shard_tokens": req["shard_tokens"],
     }
     shards = plan_shards(records, req["shard_tokens"], req["batch_tokens"])
-    return Prepared(req, target, records, target_ids, layer_ids, skipped, device, dtype, require,
-                    Path(req["out_dir"]), shards, inputs, completions_path)
+    return Prepared(
+        req,
+        target,
+        records,
+        target_ids,
+        layer_ids,
+        skipped,
+        device,
+        dtype,
+        require,
+        Path(req["out_dir"]),
+        shards,
+        inputs,
+        completions_path,
+    )

@@ -11,42 +11,84 @@ from specops.stage import StageError
 STAGE = "extract_hidden_states"
 DTYPES = ("bfloat16", "float16", "float32")
 BACKENDS = ("auto", "fla", "torch", "any")
-REQUEST = Schema(STAGE, (
-    Option("target", "path", "Target model directory (config.json and *.safetensors).", required=True),
-    Option("completions", "path", "The sglang_completions output directory.", required=True),
-    Option("out_dir", "path", "Directory for the shards and the manifest.", required=True),
-    Option("drafter", "list", "DFlash drafter directory, or a list of them: the union of their "
-           "target_layer_ids is captured.", elements="path"),
-    Option("layer_ids", "list", "Layer ids to capture instead of the drafter's.", elements="int"),
-    Option("capture_offsets", "list", "Offsets around each target layer to capture too.", default=[0],
-           elements="int"),
-    Option("dtype", "str", "Compute and storage dtype; auto is bfloat16 on CUDA, float32 on the CPU.",
-           default="auto", choices=("auto", *DTYPES)),
-    Option("device", "str", "auto, cpu, cuda or cuda:N; the device when no devices are listed.",
-           default="auto"),
-    # Unset: every visible GPU when device is auto (devices.py).
-    Option("devices", "list", "Devices to extract on, such as [cuda:0, cuda:1].", elements="str"),
-    Option("parallel", "str", "One model copy per device (data), its layers spread over them (split), one "
-           "device (single), or auto from free memory.", default="auto", choices=MODES),
-    Option("require_backend", "str", "Gated-delta-rule implementation required.", default="auto",
-           choices=BACKENDS),
-    Option("parity_samples", "int", "Records compared with the fp32 torch reference; 0 is off.", default=0),
-    # bf16 hidden states differ from an fp32 reference by 1.4-2.8% on a small model (FACTS.md);
-    # the limit per layer is the larger of this and twice the noise floor measured in the same run.
-    Option("parity_tolerance", "float", "Relative error per layer above which the parity probe fails.",
-           default=0.05),
-    Option("batch_tokens", "int", "Most tokens (padding included) in one forward.", default=16384),
-    Option("shard_tokens", "int", "Tokens per shard file.", default=32768),
-    Option("writer_threads", "int", "Threads writing shards while the GPU computes.", default=4),
-    # Off leaves the flushing to the OS (faster on a disk slower than the extraction, but a power loss
-    # can then damage shards the manifest lists).
-    Option("fsync", "bool", "Flush each shard to the device as it is written.", default=True),
-    Option("progress_log", "path", "Progress log path; unset is <out_dir>/progress.log."),
-    Option("disk_reserve_bytes", "int", "Bytes that must stay free on the output's file system once the "
-           "shards are written.", default=0),
-    # The play writes "go" into it once the GPUs are free: prepare now, extract then.
-    Option("start_signal", "path", "A file to wait on for go before extracting; unset starts at once."),
-))
+REQUEST = Schema(
+    STAGE,
+    (
+        Option("target", "path", "Target model directory (config.json and *.safetensors).", required=True),
+        Option("completions", "path", "The sglang_completions output directory.", required=True),
+        Option("out_dir", "path", "Directory for the shards and the manifest.", required=True),
+        Option(
+            "drafter",
+            "list",
+            "DFlash drafter directory, or a list of them: the union of their target_layer_ids is captured.",
+            elements="path",
+        ),
+        Option("layer_ids", "list", "Layer ids to capture instead of the drafter's.", elements="int"),
+        Option(
+            "capture_offsets",
+            "list",
+            "Offsets around each target layer to capture too.",
+            default=[0],
+            elements="int",
+        ),
+        Option(
+            "dtype",
+            "str",
+            "Compute and storage dtype; auto is bfloat16 on CUDA, float32 on the CPU.",
+            default="auto",
+            choices=("auto", *DTYPES),
+        ),
+        Option(
+            "device",
+            "str",
+            "auto, cpu, cuda or cuda:N; the device when no devices are listed.",
+            default="auto",
+        ),
+        # Unset: every visible GPU when device is auto (devices.py).
+        Option("devices", "list", "Devices to extract on, such as [cuda:0, cuda:1].", elements="str"),
+        Option(
+            "parallel",
+            "str",
+            "One model copy per device (data), its layers spread over them (split), one "
+            "device (single), or auto from free memory.",
+            default="auto",
+            choices=MODES,
+        ),
+        Option(
+            "require_backend",
+            "str",
+            "Gated-delta-rule implementation required.",
+            default="auto",
+            choices=BACKENDS,
+        ),
+        Option(
+            "parity_samples", "int", "Records compared with the fp32 torch reference; 0 is off.", default=0
+        ),
+        # bf16 hidden states differ from an fp32 reference by 1.4-2.8% on a small model (FACTS.md);
+        # the limit per layer is the larger of this and twice the noise floor measured in the same run.
+        Option(
+            "parity_tolerance",
+            "float",
+            "Relative error per layer above which the parity probe fails.",
+            default=0.05,
+        ),
+        Option("batch_tokens", "int", "Most tokens (padding included) in one forward.", default=16384),
+        Option("shard_tokens", "int", "Tokens per shard file.", default=32768),
+        Option("writer_threads", "int", "Threads writing shards while the GPU computes.", default=4),
+        # Off leaves the flushing to the OS (faster on a disk slower than the extraction, but a power loss
+        # can then damage shards the manifest lists).
+        Option("fsync", "bool", "Flush each shard to the device as it is written.", default=True),
+        Option("progress_log", "path", "Progress log path; unset is <out_dir>/progress.log."),
+        Option(
+            "disk_reserve_bytes",
+            "int",
+            "Bytes that must stay free on the output's file system once the shards are written.",
+            default=0,
+        ),
+        # The play writes "go" into it once the GPUs are free: prepare now, extract then.
+        Option("start_signal", "path", "A file to wait on for go before extracting; unset starts at once."),
+    ),
+)
 DEFAULTS: dict[str, Any] = REQUEST.defaults
 REQUIRED = REQUEST.required
 
@@ -70,15 +112,18 @@ def parse_request(request: dict[str, Any]) -> dict[str, Any]:
         if not isinstance(req[key], int) or req[key] < 1:
             raise StageError(f"{key} must be a positive integer, got {req[key]!r}")
     if not isinstance(req["disk_reserve_bytes"], int) or req["disk_reserve_bytes"] < 0:
-        raise StageError(f"disk_reserve_bytes must be 0 or a positive integer, got "
-                         f"{req['disk_reserve_bytes']!r}")
+        raise StageError(
+            f"disk_reserve_bytes must be 0 or a positive integer, got {req['disk_reserve_bytes']!r}"
+        )
     if not isinstance(req["parity_samples"], int) or req["parity_samples"] < 0:
-        raise StageError(f"parity_samples must be 0 (off) or a positive integer, got "
-                         f"{req['parity_samples']!r}")
+        raise StageError(
+            f"parity_samples must be 0 (off) or a positive integer, got {req['parity_samples']!r}"
+        )
     offsets = req["capture_offsets"]
     if not isinstance(offsets, list) or not offsets or not all(isinstance(o, int) for o in offsets):
-        raise StageError(f"capture_offsets must be a non-empty list of integers such as [0] or [-1, 0, 1], "
-                         f"got {offsets!r}")
+        raise StageError(
+            f"capture_offsets must be a non-empty list of integers such as [0] or [-1, 0, 1], got {offsets!r}"
+        )
     validate_request(req)
     return req
 

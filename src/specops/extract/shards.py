@@ -76,8 +76,6 @@ def plan_shards(records: Sequence[Record], shard_tokens: int, batch_tokens: int)
     return shards
 
 
-
-
 class ResumeState:
     """Which shards of this exact input set are already on disk; updated after every shard."""
 

@@ -33,8 +33,9 @@ from specops.stage import StageError, log, serve
 
 def disk_check(prep: Prepared, todo: Sequence[ShardPlan]) -> int:
     """Refuse an extraction whose shards would not fit; returns the bytes they need."""
-    needed = preflight.shard_bytes(sum(s.num_tokens for s in todo), sum(len(s.records) for s in todo),
-                                   len(todo), prep.bytes_per_token)
+    needed = preflight.shard_bytes(
+        sum(s.num_tokens for s in todo), sum(len(s.records) for s in todo), len(todo), prep.bytes_per_token
+    )
     preflight.check_disk(prep.out_dir, needed, prep.req["disk_reserve_bytes"])
     return needed
 
@@ -44,8 +45,10 @@ def load_model(prep: Prepared) -> Any:
 
     try:
         model = AutoModelForCausalLM.from_pretrained(
-            str(prep.target.path), dtype=prep.dtype,
-            device_map=str(prep.device) if prep.device.type == "cuda" else None)
+            str(prep.target.path),
+            dtype=prep.dtype,
+            device_map=str(prep.device) if prep.device.type == "cuda" else None,
+        )
     except (OSError, ValueError) as error:
         raise StageError(f"cannot load the target from {prep.target.path}: {error}") from error
     return model.eval()
@@ -56,8 +59,10 @@ def plan(request: dict[str, Any]) -> dict[str, Any]:
     fp = fingerprint(prep.inputs)
     reason = staleness(prep.out_dir, fp)
     if reason is None:
-        return {**stage_result(load_manifest(prep.out_dir) or {}, prep.out_dir, changed=False),
-                "estimated_seconds": 0.0}
+        return {
+            **stage_result(load_manifest(prep.out_dir) or {}, prep.out_dir, changed=False),
+            "estimated_seconds": 0.0,
+        }
     resumable = resumable_shards(prep, fp)
     # What the run would refuse after the service is down, refused now.
     from transformers import AutoConfig
@@ -87,14 +92,27 @@ def estimated_seconds(prep: Prepared, todo: Sequence[ShardPlan], write_bytes: in
     """A pessimistic duration of the run (preflight.estimate_seconds), for the window's guard."""
     weights = sum(w["size"] for w in prep.target.identity["weights"])
     text = prep.target.config.get("text_config") or prep.target.config
-    stored = str(text.get("dtype") or text.get("torch_dtype") or prep.target.config.get("dtype")
-                 or prep.target.config.get("torch_dtype") or "bfloat16")
+    stored = str(
+        text.get("dtype")
+        or text.get("torch_dtype")
+        or prep.target.config.get("dtype")
+        or prep.target.config.get("torch_dtype")
+        or "bfloat16"
+    )
     itemsize = 4 if stored == "float32" else 2
     samples = prep.records[:: max(1, len(prep.records) // max(prep.req["parity_samples"], 1))]
     parity_tokens = sum(r.num_tokens for r in samples[: prep.req["parity_samples"]])
     return preflight.estimate_seconds(
-        prep.device.type, weights, itemsize, max(prep.layer_ids) + 1, prep.target.num_layers,
-        sum(s.num_tokens for s in todo), sum(len(s.batches) for s in todo), parity_tokens, write_bytes)
+        prep.device.type,
+        weights,
+        itemsize,
+        max(prep.layer_ids) + 1,
+        prep.target.num_layers,
+        sum(s.num_tokens for s in todo),
+        sum(len(s.batches) for s in todo),
+        parity_tokens,
+        write_bytes,
+    )
 
 
 def run(request: dict[str, Any]) -> dict[str, Any]:
@@ -131,49 +149,87 @@ def open_resume_state(prep: Prepared, fp: str) -> ResumeState:
     return state
 
 
-def probe_parity(cap: LayerCapture, prep: Prepared, modeling: Any,
-                 monitor: BackendMonitor) -> dict[str, Any] | None:
+def probe_parity(
+    cap: LayerCapture, prep: Prepared, modeling: Any, monitor: BackendMonitor
+) -> dict[str, Any] | None:
     """The parity probe (when asked) and the backend guard on what it ran; refuses wrong hidden states."""
     if not prep.req["parity_samples"]:
         return None
-    parity = parity_probe(cap, prep.records, prep.req["parity_samples"], prep.device, prep.dtype,
-                          modeling, prep.req["parity_tolerance"])
+    parity = parity_probe(
+        cap,
+        prep.records,
+        prep.req["parity_samples"],
+        prep.device,
+        prep.dtype,
+        modeling,
+        prep.req["parity_tolerance"],
+    )
     check_backend(prep.require, monitor.summary())
     worst = max(parity["layers"], key=lambda layer: layer["rel_error"] / layer["limit"])
-    log(f"parity: worst layer {worst['layer']} rel error {worst['rel_error']:.4f} "
-        f"(limit {worst['limit']:.4f}), cosine {worst['cosine']:.5f}")
+    log(
+        f"parity: worst layer {worst['layer']} rel error {worst['rel_error']:.4f} "
+        f"(limit {worst['limit']:.4f}), cosine {worst['cosine']:.5f}"
+    )
     if not parity["passed"]:
         raise StageError(
             f"parity probe failed: layer {worst['layer']} differs from the fp32 torch reference by "
             f"{worst['rel_error']:.1%} (limit {worst['limit']:.1%}, bf16 noise floor "
             f"{worst['noise_floor_rel_error']:.1%}): the {monitor.summary()['gated_delta_rule']} "
-            "implementation gives wrong hidden states; check the fla/transformers versions")
+            "implementation gives wrong hidden states; check the fla/transformers versions"
+        )
     return parity
 
 
-def run_single(prep: Prepared, devices: DevicePlan, state: ResumeState, progress_log: Path,
-               force_torch: bool, modeling: Any, held: start_signal.Held | None = None) -> dict[str, Any]:
+def run_single(
+    prep: Prepared,
+    devices: DevicePlan,
+    state: ResumeState,
+    progress_log: Path,
+    force_torch: bool,
+    modeling: Any,
+    held: start_signal.Held | None = None,
+) -> dict[str, Any]:
     """Load the model on the one device, probe, extract every unfinished shard, write the manifest."""
     prep.device = resolve_device_dtype(devices.devices[0], prep.dtype_name)[0]
     started = time.perf_counter()
     model = held.on_device(prep.device) if held else load_model(prep)
     load_s = time.perf_counter() - started
-    log(f"loaded {prep.target.path} in {load_s:.1f}s on {prep.device} ({prep.dtype_name}); "
-        f"capturing layers {prep.layer_ids}")
+    log(
+        f"loaded {prep.target.path} in {load_s:.1f}s on {prep.device} ({prep.dtype_name}); "
+        f"capturing layers {prep.layer_ids}"
+    )
     modeling = sys.modules.get(type(decoder_body(model)[1][0]).__module__, modeling)
-    settings = ExtractionSettings(prep.layer_ids, prep.device, prep.require, prep.req["writer_threads"],
-                                  fsync=bool(prep.req["fsync"]), progress_log=progress_log)
-    with BackendMonitor(modeling, force_torch=force_torch) as monitor, \
-            LayerCapture(model, prep.layer_ids) as cap:
+    settings = ExtractionSettings(
+        prep.layer_ids,
+        prep.device,
+        prep.require,
+        prep.req["writer_threads"],
+        fsync=bool(prep.req["fsync"]),
+        progress_log=progress_log,
+    )
+    with (
+        BackendMonitor(modeling, force_torch=force_torch) as monitor,
+        LayerCapture(model, prep.layer_ids) as cap,
+    ):
         parity = probe_parity(cap, prep, modeling, monitor)
         stats = extract_shards(cap, prep.shards, prep.out_dir, state, settings, monitor)
         used = monitor.summary()
     check_backend(prep.require, used)
-    backend = {**used, "device": describe_device(prep.device), "dtype": prep.dtype_name,
-               "required": prep.require, "forced_torch": force_torch}
+    backend = {
+        **used,
+        "device": describe_device(prep.device),
+        "dtype": prep.dtype_name,
+        "required": prep.require,
+        "forced_torch": force_torch,
+    }
     manifest = write_extraction_manifest(
-        prep, state, backend, parity,
-        {**stats, "load_s": load_s, "prestart": held.figures if held else None}, devices.describe())
+        prep,
+        state,
+        backend,
+        parity,
+        {**stats, "load_s": load_s, "prestart": held.figures if held else None},
+        devices.describe(),
+    )
     log(f"wrote {len(prep.shards)} shards to {prep.out_dir} ({stats['tokens_per_second']:.0f} tok/s)")
     return stage_result(manifest, prep.out_dir, changed=True)
 

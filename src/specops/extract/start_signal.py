@@ -57,8 +57,12 @@ def read_signal(path: Path) -> tuple[str, float | None]:
     return value["signal"], float(until) if isinstance(until, int | float) else None
 
 
-def wait_for_go(path: Path, clock: Callable[[], float] = time.time,
-                sleep: Callable[[float], None] = time.sleep, poll_s: float = POLL_S) -> float:
+def wait_for_go(
+    path: Path,
+    clock: Callable[[], float] = time.time,
+    sleep: Callable[[float], None] = time.sleep,
+    poll_s: float = POLL_S,
+) -> float:
     """Block until the signal says go; seconds waited. NotStarted on abort, an expired lease or no file."""
     started = clock()
     while True:
@@ -66,13 +70,16 @@ def wait_for_go(path: Path, clock: Callable[[], float] = time.time,
         if signal == GO:
             return clock() - started
         if signal == ABORT:
-            raise NotStarted(f"not started: {path} says abort (the window will not open); "
-                             "nothing was written")
+            raise NotStarted(
+                f"not started: {path} says abort (the window will not open); nothing was written"
+            )
         if signal == GONE:
             raise NotStarted(f"not started: the start signal {path} is gone; nothing was written")
         if until is None or clock() >= until:
-            raise NotStarted(f"not started: the lease in {path} ran out without a go (the play that "
-                             "started this extraction is gone); nothing was written")
+            raise NotStarted(
+                f"not started: the lease in {path} ran out without a go (the play that "
+                "started this extraction is gone); nothing was written"
+            )
         sleep(poll_s)
 
 
@@ -125,10 +132,14 @@ def hold(prep: Any, load: Callable[[Any], Any]) -> Held | None:
     model = load(dataclasses.replace(prep, device=torch.device("cpu")))
     host_load = round(time.perf_counter() - started, 3)
     figures: dict[str, float | None] = {
-        "before_load_s": None if before_load is None else round(before_load, 3), "host_load_s": host_load}
+        "before_load_s": None if before_load is None else round(before_load, 3),
+        "host_load_s": host_load,
+    }
     write_state(path, "waiting", **figures)
-    log(f"prepared in {before_load or 0:.1f}s + {host_load:.1f}s (weights in host memory); waiting for go "
-        f"in {path}")
+    log(
+        f"prepared in {before_load or 0:.1f}s + {host_load:.1f}s (weights in host memory); waiting for go "
+        f"in {path}"
+    )
     try:
         figures["waited_s"] = round(wait_for_go(path), 3)
     except NotStarted as stopped:
