@@ -11,6 +11,10 @@ import sys
 import time
 from pathlib import Path
 
+# A run started in the background inherits SIGINT ignored, and exec keeps it ignored; with a
+# handler here the processes these tests start begin with the default, so their Ctrl-C reaches them.
+signal.signal(signal.SIGINT, signal.default_int_handler)
+
 REPO = Path(__file__).resolve().parents[2]
 ANSIBLE_PLAYBOOK = Path(sys.executable).parent / "ansible-playbook"
 

@@ -17,6 +17,10 @@ import pytest
 
 from specops.devserver.launch import SRC_DIR, free_port, http_status
 
+# A run started in the background inherits SIGINT ignored, and exec keeps it ignored; with a
+# handler here the processes these tests start begin with the default, so their Ctrl-C reaches them.
+signal.signal(signal.SIGINT, signal.default_int_handler)
+
 HELPER = Path(__file__).resolve().parents[2] / "roles/sglang_service/files/sglang_process.py"
 SLEEPER = "import time; time.sleep(300)"
 
