@@ -358,6 +358,7 @@ def test_docs_render_with_every_option():
         "timeout",
         "memory_threshold_mb",
         "nvml",
+        "spare_pids",
     }
     assert doc["options"]["patterns"]["default"] == list(gr.DEFAULT_PATTERNS)
     assert doc["options"]["protected"]["default"] == list(gr.DEFAULT_PROTECTED)
