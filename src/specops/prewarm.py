@@ -42,9 +42,10 @@ from specops.stage import StageError, log, serve
 REQUEST = Schema(
     "prewarm",
     (
-        Option("target", "path", "Target model directory (config.json and *.safetensors).", required=True),
-        Option("completions", "path", "The sglang_completions output directory.", required=True),
-        *(EXTRACT_REQUEST.option(name) for name in ("batch_tokens", "shard_tokens", "dtype", "device")),
+        *(
+            EXTRACT_REQUEST.option(name)
+            for name in ("target", "completions", "batch_tokens", "shard_tokens", "dtype", "device")
+        ),
         Option("read_weights", "bool", "Read the target's weights into the page cache.", default=True),
         Option(
             "tune_kernels",

@@ -25,7 +25,7 @@ from specops.extract.capture import LayerCapture, decoder_body
 from specops.extract.devices import DevicePlan, assign_shards, describe_device, truncated_config
 from specops.extract.extraction import ExtractionSettings, extract_shards
 from specops.extract.outputs import stage_result, write_extraction_manifest
-from specops.extract.parity import parity_probe
+from specops.extract.parity import checked_parity
 from specops.extract.pipeline import Progress
 from specops.extract.prepared import Prepared
 from specops.extract.shards import ResumeState, ShardPlan
@@ -53,33 +53,6 @@ def load_truncated(prep: Prepared, device: Any) -> Any:
     except (OSError, ValueError) as error:
         raise StageError(f"cannot load the target from {prep.target.path}: {error}") from error
     return model.eval()
-
-
-def probe(
-    capture: LayerCapture, prep: Prepared, device: Any, modeling: Any, monitor: BackendMonitor
-) -> dict[str, Any] | None:
-    """The parity probe on this device (when asked) and the backend guard on what it ran."""
-    if not prep.req["parity_samples"]:
-        return None
-    parity = parity_probe(
-        capture,
-        prep.records,
-        prep.req["parity_samples"],
-        device,
-        prep.dtype,
-        modeling,
-        prep.req["parity_tolerance"],
-    )
-    check_backend(prep.require, monitor.summary())
-    worst = max(parity["layers"], key=lambda layer: layer["rel_error"] / layer["limit"])
-    if not parity["passed"]:
-        raise StageError(
-            f"parity probe failed on {device}: layer {worst['layer']} differs from the fp32 torch reference "
-            f"by {worst['rel_error']:.1%} (limit {worst['limit']:.1%}, bf16 noise floor "
-            f"{worst['noise_floor_rel_error']:.1%}): the {monitor.summary()['gated_delta_rule']} "
-            "implementation gives wrong hidden states; check the fla/transformers versions"
-        )
-    return parity
 
 
 def device_labels(devices: list[str]) -> list[str]:
@@ -223,7 +196,7 @@ def run_split(
         BackendMonitor(modeling, force_torch=force_torch) as monitor,
         PlacedCapture(model, prep.layer_ids, devices[0]) as capture,
     ):
-        parity = probe(capture, prep, devices[0], modeling, monitor)
+        parity = checked_parity(capture, prep, devices[0], modeling, monitor, f" on {devices[0]}")
         stats = extract_shards(capture, prep.shards, prep.out_dir, state, settings, monitor)
         used = monitor.summary()
     backend = _combined_backend({" + ".join(plan.devices): used}, prep, force_torch, devices)
@@ -288,7 +261,7 @@ def data_worker(task: WorkerTask, results: Any, start: Any = None) -> None:
             BackendMonitor(modeling, force_torch=task.force_torch) as monitor,
             LayerCapture(model, prep.layer_ids) as capture,
         ):
-            parity = probe(capture, prep, device, modeling, monitor)
+            parity = checked_parity(capture, prep, device, modeling, monitor, f" on {device}")
             if start is not None:
                 start.wait()
             span = [time.time()]  # wall clock: the parent lines the workers' spans up

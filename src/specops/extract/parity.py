@@ -8,8 +8,10 @@ from contextlib import contextmanager
 from typing import Any
 
 from specops.backend import BackendMonitor
+from specops.extract.backend_guard import check_backend
 from specops.extract.capture import LayerCapture
 from specops.extract.target import Record
+from specops.stage import StageError, log
 
 
 @contextmanager
@@ -101,3 +103,37 @@ def parity_probe(
         "passed": all(layer["passed"] for layer in layers),
         "seconds": time.perf_counter() - started,
     }
+
+
+def checked_parity(
+    capture: LayerCapture, prep: Any, device: Any, modeling: Any, monitor: BackendMonitor, where: str = ""
+) -> dict[str, Any] | None:
+    """The parity probe (when asked) and the backend guard on what it ran; refuses wrong hidden states.
+
+    `where` names the device in the error when the extraction runs on several.
+    """
+    if not prep.req["parity_samples"]:
+        return None
+    parity = parity_probe(
+        capture,
+        prep.records,
+        prep.req["parity_samples"],
+        device,
+        prep.dtype,
+        modeling,
+        prep.req["parity_tolerance"],
+    )
+    check_backend(prep.require, monitor.summary())
+    worst = max(parity["layers"], key=lambda layer: layer["rel_error"] / layer["limit"])
+    log(
+        f"parity{where}: worst layer {worst['layer']} rel error {worst['rel_error']:.4f} "
+        f"(limit {worst['limit']:.4f}), cosine {worst['cosine']:.5f}"
+    )
+    if not parity["passed"]:
+        raise StageError(
+            f"parity probe failed{where}: layer {worst['layer']} differs from the fp32 torch reference by "
+            f"{worst['rel_error']:.1%} (limit {worst['limit']:.1%}, bf16 noise floor "
+            f"{worst['noise_floor_rel_error']:.1%}): the {monitor.summary()['gated_delta_rule']} "
+            "implementation gives wrong hidden states; check the fla/transformers versions"
+        )
+    return parity

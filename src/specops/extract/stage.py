@@ -24,7 +24,7 @@ from specops.extract.capture import LayerCapture, decoder_body
 from specops.extract.devices import DevicePlan, describe_device, plan_for, resolve_device_dtype
 from specops.extract.extraction import ExtractionSettings, extract_shards
 from specops.extract.outputs import stage_result, write_extraction_manifest
-from specops.extract.parity import parity_probe
+from specops.extract.parity import checked_parity
 from specops.extract.prepared import Prepared, prepare
 from specops.extract.shards import ResumeState, ShardPlan, resumable_shards
 from specops.manifest import fingerprint, is_up_to_date, load_manifest, staleness
@@ -149,37 +149,6 @@ def open_resume_state(prep: Prepared, fp: str) -> ResumeState:
     return state
 
 
-def probe_parity(
-    cap: LayerCapture, prep: Prepared, modeling: Any, monitor: BackendMonitor
-) -> dict[str, Any] | None:
-    """The parity probe (when asked) and the backend guard on what it ran; refuses wrong hidden states."""
-    if not prep.req["parity_samples"]:
-        return None
-    parity = parity_probe(
-        cap,
-        prep.records,
-        prep.req["parity_samples"],
-        prep.device,
-        prep.dtype,
-        modeling,
-        prep.req["parity_tolerance"],
-    )
-    check_backend(prep.require, monitor.summary())
-    worst = max(parity["layers"], key=lambda layer: layer["rel_error"] / layer["limit"])
-    log(
-        f"parity: worst layer {worst['layer']} rel error {worst['rel_error']:.4f} "
-        f"(limit {worst['limit']:.4f}), cosine {worst['cosine']:.5f}"
-    )
-    if not parity["passed"]:
-        raise StageError(
-            f"parity probe failed: layer {worst['layer']} differs from the fp32 torch reference by "
-            f"{worst['rel_error']:.1%} (limit {worst['limit']:.1%}, bf16 noise floor "
-            f"{worst['noise_floor_rel_error']:.1%}): the {monitor.summary()['gated_delta_rule']} "
-            "implementation gives wrong hidden states; check the fla/transformers versions"
-        )
-    return parity
-
-
 def run_single(
     prep: Prepared,
     devices: DevicePlan,
@@ -211,7 +180,7 @@ def run_single(
         BackendMonitor(modeling, force_torch=force_torch) as monitor,
         LayerCapture(model, prep.layer_ids) as cap,
     ):
-        parity = probe_parity(cap, prep, modeling, monitor)
+        parity = checked_parity(cap, prep, prep.device, modeling, monitor)
         stats = extract_shards(cap, prep.shards, prep.out_dir, state, settings, monitor)
         used = monitor.summary()
     check_backend(prep.require, used)
