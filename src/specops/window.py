@@ -4,7 +4,11 @@ The play marks the start of each stage inside the window and the moment the serv
 /health_generate again; the extraction's manifest says how much of its stage was compute. This
 module turns both into the `window` record that report.json, report.md and set_stats carry:
 
-    downtime_s = ready - start of the first stage (the stop, or the memory-saver release)
+    downtime_s = the service's own moments on the host's clock: from the stop (or the pause before
+                 the memory-saver release) to the first /health_generate 200, as the sglang_service
+                 helpers record them; without them, ready - the first stage's mark
+    play_span_s = the play's marks, from the first stage to ready (its set-up before the stop and
+                 its polling after the extraction included): the bound the play itself observed
     stages     = the time from each mark to the next
     compute_s  = the extraction's forwards (device time on CUDA, host-timed forwards on the CPU)
     extraction.prestart = what an extraction started ahead of the window did before it (process
@@ -12,8 +16,9 @@ module turns both into the `window` record that report.json, report.md and set_s
     other_s    = downtime_s - compute_s: what a shorter window could still save
 
 python -m specops.window --plan|--run: JSON request on stdin, {"marks": [[stage, epoch_s], ...,
-["ready", epoch_s]], "mode": "stop" | "memory_saver", "hidden_states": DIR}; --run writes
-DIR/window.json, where the score stage finds it.
+["ready", epoch_s]], "mode": "stop" | "memory_saver", "hidden_states": DIR, "service":
+{"down_at": epoch_s, "ready_at": epoch_s}}; --run writes DIR/window.json, where the score stage
+finds it.
 """
 
 from __future__ import annotations
@@ -85,17 +90,21 @@ def build_window(
     mode: str,
     manifest: Mapping[str, Any] | None,
     prepared: Mapping[str, Any] | None = None,
+    service: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The window record from the play's marks and the extraction's manifest; `prepared` is what
-    specops.prewarm did before the window (outside the downtime, recorded beside it)."""
+    specops.prewarm did before the window (outside the downtime, recorded beside it); `service`
+    holds the moments the service went down and answered again, on the host's clock."""
     if mode not in MODES:
         raise StageError(f"window mode {mode!r} is not one of {', '.join(MODES)}")
     parsed = _parse_marks(marks)
-    down_at, ready_at = parsed[0][1], parsed[-1][1]
     stages: list[dict[str, Any]] = [
         {"stage": name, "s": round(next_at - at, 3)}
         for (name, at), (_, next_at) in zip(parsed, parsed[1:], strict=False)
     ]
+    play_span = parsed[-1][1] - parsed[0][1]
+    moments = _service_moments(service)
+    down_at, ready_at = moments or (parsed[0][1], parsed[-1][1])
     downtime = ready_at - down_at
     extraction = extraction_figures(manifest)
     extract_stage = sum(s["s"] for s in stages if s["stage"] == EXTRACT_STAGE)
@@ -110,6 +119,8 @@ def build_window(
         "down_at": _iso(down_at),
         "ready_at": _iso(ready_at),
         "downtime_s": round(downtime, 3),
+        "measured_by": "service" if moments else "play",
+        "play_span_s": round(play_span, 3),
         "stages": stages,
         "extraction": extraction,
         "compute_s": None if compute is None else round(compute, 3),
@@ -117,6 +128,22 @@ def build_window(
         "compute_share": None if compute is None or not downtime else round(compute / downtime, 4),
         "prepared": dict(prepared) if prepared else None,
     }
+
+
+def _service_moments(service: Mapping[str, Any] | None) -> tuple[float, float] | None:
+    """(down_at, ready_at) from the service's helpers, or None when either is missing."""
+    if not service:
+        return None
+    try:
+        down_at, ready_at = float(service["down_at"]), float(service["ready_at"])
+    except (KeyError, TypeError, ValueError):
+        return None
+    if ready_at < down_at:
+        raise StageError(
+            f"the service answered again ({ready_at}) before it went down ({down_at}): "
+            "the down and ready moments must come from one host's clock"
+        )
+    return down_at, ready_at
 
 
 def read_window(hidden_states: Path) -> dict[str, Any] | None:
@@ -144,6 +171,12 @@ def render_markdown(window: Mapping[str, Any] | None) -> str:
         f"The service was {taken} for **{window['downtime_s']:.1f} s** ({window['down_at']} to "
         f"{window['ready_at']}, ready = /health_generate 200): {compute}."
     )
+    if window.get("measured_by") == "service" and window.get("play_span_s") is not None:
+        lines += [
+            "",
+            f"The play's own span, from the start of its stop stage to ready: {window['play_span_s']:.1f} s "
+            "(the stop's set-up and the guard are armed before the service goes down).",
+        ]
     lines += ["", "| stage | s |", "| --- | ---: |"]
     lines += [f"| {s['stage']} | {s['s']:.1f} |" for s in window["stages"]]
     extraction = window.get("extraction") or {}
@@ -183,10 +216,10 @@ def render_markdown(window: Mapping[str, Any] | None) -> str:
 
 
 def _request(request: Mapping[str, Any]) -> tuple[list, str, Path]:
-    unknown = set(request) - {"marks", "mode", "hidden_states", "prepared"}
+    unknown = set(request) - {"marks", "mode", "hidden_states", "prepared", "service"}
     if unknown:
         raise StageError(
-            f"unknown request keys {sorted(unknown)}: allowed are hidden_states, marks, mode, prepared"
+            f"unknown request keys {sorted(unknown)}: allowed are hidden_states, marks, mode, prepared, service"
         )
     if not request.get("hidden_states"):
         raise StageError("'hidden_states' is required: the extraction's output directory")
@@ -196,13 +229,17 @@ def _request(request: Mapping[str, Any]) -> tuple[list, str, Path]:
 
 def plan(request: dict[str, Any]) -> dict[str, Any]:
     marks, mode, hidden_states = _request(request)
-    window = build_window(marks, mode, load_manifest(hidden_states), request.get("prepared"))
+    window = build_window(
+        marks, mode, load_manifest(hidden_states), request.get("prepared"), request.get("service")
+    )
     return {"changed": True, "window": window}
 
 
 def run(request: dict[str, Any]) -> dict[str, Any]:
     marks, mode, hidden_states = _request(request)
-    window = build_window(marks, mode, load_manifest(hidden_states), request.get("prepared"))
+    window = build_window(
+        marks, mode, load_manifest(hidden_states), request.get("prepared"), request.get("service")
+    )
     if not hidden_states.is_dir():
         # The extraction failed before writing anything: publish the window, create no output for it.
         return {"changed": False, "window": window, "path": None}

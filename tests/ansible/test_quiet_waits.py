@@ -121,3 +121,34 @@ def test_job_wait_returns_unfinished_when_the_time_is_up(tmp_path):
 """,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_job_wait_returns_a_failed_jobs_result_and_removes_its_file(tmp_path):
+    progress = tmp_path / "progress.log"
+    proc = play(
+        tmp_path,
+        f"""
+    - ansible.builtin.shell: "echo 'step 1 of 2' >> {progress}; echo 'step 2 of 2' >> {progress}; echo broken >&2; exit 3"
+      async: 60
+      poll: 0
+      register: job
+    - specops.drafter.job_wait:
+        results_file: "{{{{ job.results_file }}}}"
+        timeout: 30
+        delay: 0.1
+        cleanup: true
+        progress_log: "{progress}"
+      register: waited
+    - ansible.builtin.stat: {{path: "{{{{ job.results_file }}}}"}}
+      register: left
+    - ansible.builtin.assert:
+        that:
+          - waited.finished
+          - waited.result.failed
+          - waited.result.rc == 3
+          - "'broken' in waited.result.stderr"
+          - waited.progress == 'step 2 of 2'
+          - not left.stat.exists
+""",
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr

@@ -13,6 +13,7 @@ import urllib.error
 import urllib.request
 
 import pytest
+import torch
 
 from specops.devserver.engine import Engine
 from specops.devserver.launch import SRC_DIR, DevServerProcess, free_port, http_status
@@ -480,3 +481,18 @@ def test_a_model_path_without_config_exits_2(tmp_path):
         env=cli_env(),
     )
     assert done.returncode == 2 and "config.json" in done.stderr
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="pinned host memory needs CUDA")
+def test_on_a_gpu_release_frees_the_weights_into_pinned_host_memory_and_resume_restores_them():
+    engine = Engine("unused", device="cuda")
+    engine.status = engine.status.UP
+    model = torch.nn.Linear(64, 64).to("cuda")
+    weight = model.weight.detach().clone()
+    engine.model = model
+    saver = MemorySaver(engine, enabled=True, cpu_backup=True)
+    for _ in range(2):  # the pinned buffers are made once and serve the next release too
+        saver.release({"weights"})
+        assert model.weight.numel() == 0 and saver._host["weight"].is_pinned()
+        saver.resume({"weights"})
+        assert engine.model is model and torch.equal(model.weight, weight)

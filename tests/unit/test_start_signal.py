@@ -146,3 +146,20 @@ def test_an_aborted_extraction_leaves_no_output(fixture_models, completions, tmp
     assert isinstance(outcome["error"], NotStarted)
     assert not out_dir.exists()
     assert json.loads(state_path(signal).read_text())["state"] == "stopped"
+
+
+def test_pinning_moves_every_weight_into_page_locked_memory_or_reports_that_it_could_not(monkeypatch):
+    import torch
+
+    model = torch.nn.Linear(4, 4)
+    if torch.cuda.is_available():
+        assert start_signal.pin_weights(model)
+        assert all(p.is_pinned() for p in model.parameters())
+        return
+
+    def refuse(self):
+        raise RuntimeError("cannot lock pages")
+
+    monkeypatch.setattr(torch.Tensor, "pin_memory", refuse)
+    assert start_signal.pin_weights(model) is False
+    assert not model.weight.is_pinned()

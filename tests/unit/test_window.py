@@ -27,6 +27,26 @@ def test_downtime_runs_from_the_first_stage_to_ready():
     assert record["down_at"] == "1970-01-01T00:01:40.000Z"
 
 
+def test_the_services_own_moments_give_the_downtime_and_the_play_span_is_kept():
+    record = window.build_window(MARKS, "stop", MANIFEST, service={"down_at": 102.5, "ready_at": 189.25})
+    assert record["downtime_s"] == 86.75
+    assert record["measured_by"] == "service"
+    assert record["play_span_s"] == 90.0
+    assert (record["down_at"], record["ready_at"]) == ("1970-01-01T00:01:42.500Z", "1970-01-01T00:03:09.250Z")
+    assert record["other_s"] == 84.55
+    assert "play's own span" in window.render_markdown(record)
+
+
+def test_without_both_service_moments_the_play_marks_give_the_downtime():
+    record = window.build_window(MARKS, "stop", MANIFEST, service={"down_at": 102.5, "ready_at": None})
+    assert (record["downtime_s"], record["measured_by"]) == (90.0, "play")
+
+
+def test_service_moments_out_of_order_are_refused():
+    with pytest.raises(StageError, match="one host's clock"):
+        window.build_window(MARKS, "stop", MANIFEST, service={"down_at": 200.0, "ready_at": 150.0})
+
+
 def test_each_stage_lasts_until_the_next_mark():
     record = window.build_window(MARKS, "stop", MANIFEST)
     assert record["stages"] == [

@@ -399,8 +399,10 @@ def stop(spec, args):
         stale = remove(spec["pid_file"])
         remove(identity_file(spec))
         return {"changed": False, "pid": None, "msg": "not running", "stale_pid_file_removed": stale}
+    # The moment the service goes down, on this host's clock (the window's downtime starts here).
+    down_at = time.time()
     killed = terminate(spec, pid, args.timeout)
-    return {"changed": True, "pid": pid, "sigkill": killed, "tree_file": args_tree_file(spec)}
+    return {"changed": True, "pid": pid, "sigkill": killed, "tree_file": args_tree_file(spec), "down_at": down_at}
 
 
 def status(spec, args):
@@ -487,7 +489,8 @@ def record(spec, args):
     main = int(unit_show(args.unit).get("MainPID") or 0)
     entries = describe_tree(tree(main)) if main > 0 else []
     write_atomic(args.tree, json.dumps(entries) + "\n")
-    return {"changed": False, "tree_file": args.tree, "processes": len(entries)}
+    # The unit is stopped right after this: its downtime starts here at the latest (host clock).
+    return {"changed": False, "tree_file": args.tree, "processes": len(entries), "down_at": time.time()}
 
 
 def journal(unit):
@@ -584,6 +587,7 @@ def ready(spec, args):
                 "ready": True,
                 "seconds": round(time.monotonic() - started, 2),
                 "pid": pid,
+                "ready_at": time.time(),  # the window's downtime ends here, on this host's clock
             }
         if time.monotonic() >= deadline or (args.health_tries and answered >= args.health_tries):
             refused = " (connection refused or timed out)" if status_code == -1 else ""
@@ -619,6 +623,8 @@ def release(spec, args):
     if os.path.exists(args.marker):
         return {"changed": False, "msg": f"already released (marker {args.marker})"}
     # SGLang asserts an idle scheduler on release and dies otherwise: hold new work, then drain.
+    # The service stops answering here: the window's downtime starts on this host's clock.
+    down_at = time.time()
     code, text = http(base + "/pause_generation", body={}, timeout=args.health_timeout)
     if code != 200:
         raise ProcessError(f"POST {base}/pause_generation answered {code}: {text[:200]}")
@@ -645,7 +651,7 @@ def release(spec, args):
     except ProcessError:
         http(base + "/continue_generation", body={}, timeout=args.health_timeout)
         raise
-    return {"changed": True, "msg": "paused, flushed and released", "marker": args.marker}
+    return {"changed": True, "msg": "paused, flushed and released", "marker": args.marker, "down_at": down_at}
 
 
 def resume(spec, args):

@@ -10,6 +10,11 @@ Strict (the default) imitates SGLang's failure semantics, read in sgl-project/sg
 - Without --enable-memory-saver the scheduler's no-op adapter frees nothing and the endpoint
   still answers 200 (entrypoints/http_server.py at 0025436e returns nothing, i.e. 200 `null`).
 Forgiving (`--forgiving`) keeps the older, lenient answers (400 instead of a crash).
+
+The weights' CPU backup is as torch_memory_saver keeps it (fzyzcjy/torch_memory_saver,
+csrc/core.cpp at 106fe07d, pause/resume): pinned host memory (cudaMallocHost) allocated at the first
+release and kept for the next ones, one copy device -> host on release and host -> device on resume.
+Pageable host memory would make both slower than the real server's.
 """
 
 from __future__ import annotations
@@ -62,7 +67,8 @@ class MemorySaver:
         self.enabled = enabled
         self.cpu_backup = cpu_backup
         self.strict = strict
-        self._backup: Any = None
+        self._backup: Any = None  # the released model (its tensors' storage freed on a GPU)
+        self._host: dict[str, Any] = {}  # name -> pinned host copy, kept across releases
 
     def _noop(self, verb: str) -> dict[str, Any] | None:
         """Without the memory saver: strict answers 200 and frees nothing; forgiving refuses."""
@@ -101,8 +107,10 @@ class MemorySaver:
                     "(POST /flush_cache answers 200 when idle), then release",
                 )
             if "weights" in tags and "weights" not in engine.released_tags:
-                # A CPU copy of the weights; on a CPU device that copy is the module itself.
-                self._backup = engine.model.to("cpu")
+                # On a CPU device the module itself is its CPU copy.
+                self._backup = engine.model
+                if engine.device.startswith("cuda"):
+                    _offload_to_pinned(engine.model, self._host)
                 engine.model = None
                 gc.collect()
                 _empty_device_cache(engine.device)
@@ -124,7 +132,9 @@ class MemorySaver:
             if not_released and self.strict:
                 scheduler_crash(f"KeyError: {not_released[0]!r} (resume of a memory tag not released)")
             if "weights" in tags and "weights" in engine.released_tags:
-                engine.model = self._backup.to(engine.device)
+                if engine.device.startswith("cuda"):
+                    _restore_from_pinned(self._backup, self._host, engine.device)
+                engine.model = self._backup
                 self._backup = None
             engine.released_tags -= tags
         logger.info("resumed memory: %s", ", ".join(sorted(tags)))
@@ -133,6 +143,32 @@ class MemorySaver:
             "message": f"resumed {', '.join(sorted(tags))}",
             "released_tags": sorted(engine.released_tags),
         }
+
+
+def _tensors(model: Any) -> list[tuple[str, Any]]:
+    """The module's parameters and buffers by name (a tied tensor once)."""
+    return [*model.named_parameters(), *model.named_buffers()]
+
+
+def _offload_to_pinned(model: Any, host: dict[str, Any]) -> None:
+    """Copy every tensor into its pinned host buffer (made once), then free its device storage."""
+    import torch
+
+    for name, tensor in _tensors(model):
+        buffer = host.get(name)
+        if buffer is None or buffer.shape != tensor.shape or buffer.dtype != tensor.dtype:
+            buffer = host[name] = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+        buffer.copy_(tensor.detach())
+        tensor.data = torch.empty(0, dtype=tensor.dtype, device=tensor.device)
+
+
+def _restore_from_pinned(model: Any, host: dict[str, Any], device: str) -> None:
+    """New device storage for every tensor, filled from its pinned host buffer (the buffers stay)."""
+    import torch
+
+    for name, tensor in _tensors(model):
+        tensor.data = host[name].to(device, non_blocking=True)
+    torch.cuda.synchronize(device)
 
 
 def _empty_device_cache(device: str) -> None:

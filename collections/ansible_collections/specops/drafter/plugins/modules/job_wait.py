@@ -16,8 +16,9 @@ description:
     finished or O(timeout) seconds have passed, inside one task. An C(until) loop over
     M(ansible.builtin.async_status) prints a C(FAILED - RETRYING) line for every poll of a job
     that is simply still running; this module prints nothing while it waits.
-  - Never fails because the job is still running; read RV(finished), then collect the job's
-    result with one M(ansible.builtin.async_status) call.
+  - Never fails because the job is still running, nor because the job failed: read RV(finished)
+    and, once it is true, the job's own result in RV(result) (what M(ansible.builtin.async_status)
+    would return), so a job that ends inside a service window costs one task, not three.
 author:
   - specops maintainers (@specops)
 options:
@@ -36,6 +37,16 @@ options:
       - Seconds between two reads of the results file.
     type: float
     default: 1.0
+  progress_log:
+    description:
+      - A log the job appends progress lines to; its last line is returned as RV(progress).
+    type: path
+  cleanup:
+    description:
+      - Remove the results file once the job has finished, as M(ansible.builtin.async_status)
+        with C(mode=cleanup) does.
+    type: bool
+    default: false
 attributes:
   check_mode:
     support: full
@@ -72,22 +83,33 @@ waited:
   description: Seconds waited.
   returned: always
   type: float
+result:
+  description: The job's result as its module returned it (C(failed) and C(msg) when it failed).
+  returned: when RV(finished) is true
+  type: dict
+progress:
+  description: The last line of O(progress_log); empty when there is none yet.
+  returned: when O(progress_log) is set
+  type: str
 """
 
-import json
+import os
 import time
 
 from ansible.module_utils.basic import AnsibleModule
+from ansible_collections.specops.drafter.plugins.module_utils.async_job import job_result
 
 
-def job_finished(path):
-    """As async_status reads it: a results file without 'started' holds the job's final result."""
+def last_line(path):
+    """The last non-empty line of a log (reads only its tail)."""
     try:
-        with open(path) as handle:
-            data = json.loads(handle.read())
-    except (IOError, OSError, ValueError):
-        return False  # not written yet, or being written: still running
-    return "started" not in data or bool(data.get("finished"))
+        with open(path, "rb") as handle:
+            handle.seek(0, os.SEEK_END)
+            handle.seek(max(0, handle.tell() - 4096))
+            lines = handle.read().decode("utf-8", "replace").splitlines()
+    except (IOError, OSError):
+        return ""
+    return next((line for line in reversed(lines) if line.strip()), "")
 
 
 def main():
@@ -96,16 +118,29 @@ def main():
             results_file=dict(type="path", required=True),
             timeout=dict(type="int", required=True),
             delay=dict(type="float", default=1.0),
+            progress_log=dict(type="path"),
+            cleanup=dict(type="bool", default=False),
         ),
         supports_check_mode=True,
     )
+    path = module.params["results_file"]
     start = time.monotonic()
     deadline = start + max(0, module.params["timeout"])
-    finished = job_finished(module.params["results_file"])
-    while not finished and time.monotonic() < deadline:
+    result = job_result(path)
+    while result is None and time.monotonic() < deadline:
         time.sleep(min(module.params["delay"], max(0.0, deadline - time.monotonic())))
-        finished = job_finished(module.params["results_file"])
-    module.exit_json(changed=False, finished=finished, waited=round(time.monotonic() - start, 3))
+        result = job_result(path)
+    answer = dict(changed=False, finished=result is not None, waited=round(time.monotonic() - start, 3))
+    if result is not None:
+        answer["result"] = result
+        if module.params["cleanup"] and not module.check_mode:
+            try:
+                os.remove(path)
+            except OSError:
+                pass
+    if module.params["progress_log"]:
+        answer["progress"] = last_line(module.params["progress_log"])
+    module.exit_json(**answer)
 
 
 if __name__ == "__main__":

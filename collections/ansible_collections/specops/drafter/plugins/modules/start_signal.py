@@ -110,28 +110,12 @@ import tempfile
 import time
 
 from ansible.module_utils.basic import AnsibleModule
+from ansible_collections.specops.drafter.plugins.module_utils.async_job import job_result, read_json
 
 STATE_SUFFIX = ".state"
 # Only an extraction is ever stopped: a recycled pid running anything else is left alone.
 EXTRACTION_COMMAND = b"specops.extract"
 TERM_GRACE_S = 10.0
-
-
-def read_json(path):
-    try:
-        with open(path) as handle:
-            value = json.loads(handle.read())
-    except (IOError, OSError, ValueError):
-        return None
-    return value if isinstance(value, dict) else None
-
-
-def job_result(results_file):
-    """The job's result once it has ended (as async_status reads it), else None."""
-    data = read_json(results_file) if results_file else None
-    if data is None or ("started" in data and not data.get("finished")):
-        return None
-    return data
 
 
 def is_extraction(pid):
