@@ -219,7 +219,8 @@ def _request(request: Mapping[str, Any]) -> tuple[list, str, Path]:
     unknown = set(request) - {"marks", "mode", "hidden_states", "prepared", "service"}
     if unknown:
         raise StageError(
-            f"unknown request keys {sorted(unknown)}: allowed are hidden_states, marks, mode, prepared, service"
+            f"unknown request keys {sorted(unknown)}: allowed are hidden_states, marks, mode, "
+            "prepared, service"
         )
     if not request.get("hidden_states"):
         raise StageError("'hidden_states' is required: the extraction's output directory")

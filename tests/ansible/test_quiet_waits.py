@@ -128,7 +128,8 @@ def test_job_wait_returns_a_failed_jobs_result_and_removes_its_file(tmp_path):
     proc = play(
         tmp_path,
         f"""
-    - ansible.builtin.shell: "echo 'step 1 of 2' >> {progress}; echo 'step 2 of 2' >> {progress}; echo broken >&2; exit 3"
+    - ansible.builtin.shell: >-
+        echo 'step 1 of 2' >> {progress}; echo 'step 2 of 2' >> {progress}; echo broken >&2; exit 3
       async: 60
       poll: 0
       register: job

@@ -402,7 +402,13 @@ def stop(spec, args):
     # The moment the service goes down, on this host's clock (the window's downtime starts here).
     down_at = time.time()
     killed = terminate(spec, pid, args.timeout)
-    return {"changed": True, "pid": pid, "sigkill": killed, "tree_file": args_tree_file(spec), "down_at": down_at}
+    return {
+        "changed": True,
+        "pid": pid,
+        "sigkill": killed,
+        "tree_file": args_tree_file(spec),
+        "down_at": down_at,
+    }
 
 
 def status(spec, args):
