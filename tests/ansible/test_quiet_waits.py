@@ -153,3 +153,28 @@ def test_job_wait_returns_a_failed_jobs_result_and_removes_its_file(tmp_path):
 """,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_job_wait_writes_go_to_the_start_signal_before_it_waits(tmp_path):
+    signal = tmp_path / "extract.start"
+    proc = play(
+        tmp_path,
+        f"""
+    - ansible.builtin.shell: "until grep -q go {signal} 2>/dev/null; do sleep 0.05; done; cat {signal}"
+      async: 60
+      poll: 0
+      register: job
+    - specops.drafter.job_wait:
+        go: "{signal}"
+        results_file: "{{{{ job.results_file }}}}"
+        timeout: 30
+        delay: 0.1
+      register: waited
+    - ansible.builtin.assert:
+        that:
+          - waited.changed
+          - waited.finished
+          - (waited.result.stdout | from_json) == {{'signal': 'go'}}
+""",
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr

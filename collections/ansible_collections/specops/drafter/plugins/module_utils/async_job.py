@@ -1,12 +1,15 @@
 # -*- coding: utf-8 -*-
 # GNU General Public License v3.0+ (see https://www.gnu.org/licenses/gpl-3.0.txt)
-"""The results file of a job started with async and poll=0, read as async_status reads it."""
+"""The files a job started with async and poll=0 is driven by: its results file, read as
+async_status reads it, and the start signal an extraction started ahead of its window waits for."""
 
 from __future__ import absolute_import, division, print_function
 
 __metaclass__ = type
 
 import json
+import os
+import tempfile
 
 
 def read_json(path):
@@ -29,3 +32,14 @@ def job_result(results_file):
     if data is None or ("started" in data and not data.get("finished")):
         return None
     return data
+
+
+def write_signal(module, path, value):
+    """Write the start signal atomically (the waiting extraction never reads half a file)."""
+    directory = os.path.dirname(path) or "."
+    if not os.path.isdir(directory):
+        os.makedirs(directory)
+    fd, temporary = tempfile.mkstemp(dir=directory, prefix=".start-signal.")
+    with os.fdopen(fd, "w") as handle:
+        handle.write(json.dumps(value))
+    module.atomic_move(temporary, path)

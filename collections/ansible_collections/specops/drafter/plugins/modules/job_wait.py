@@ -41,6 +41,12 @@ options:
     description:
       - A log the job appends progress lines to; its last line is returned as RV(progress).
     type: path
+  go:
+    description:
+      - The start signal of an extraction started ahead of its window (see
+        M(specops.drafter.start_signal)): write V(go) to it before waiting, so letting the
+        extraction go and waiting for it take one task inside the window.
+    type: path
   cleanup:
     description:
       - Remove the results file once the job has finished, as M(ansible.builtin.async_status)
@@ -97,7 +103,7 @@ import os
 import time
 
 from ansible.module_utils.basic import AnsibleModule
-from ansible_collections.specops.drafter.plugins.module_utils.async_job import job_result
+from ansible_collections.specops.drafter.plugins.module_utils.async_job import job_result, write_signal
 
 
 def last_line(path):
@@ -120,17 +126,20 @@ def main():
             delay=dict(type="float", default=1.0),
             progress_log=dict(type="path"),
             cleanup=dict(type="bool", default=False),
+            go=dict(type="path"),
         ),
         supports_check_mode=True,
     )
     path = module.params["results_file"]
+    if module.params["go"] and not module.check_mode:
+        write_signal(module, module.params["go"], {"signal": "go"})
     start = time.monotonic()
     deadline = start + max(0, module.params["timeout"])
     result = job_result(path)
     while result is None and time.monotonic() < deadline:
         time.sleep(min(module.params["delay"], max(0.0, deadline - time.monotonic())))
         result = job_result(path)
-    answer = dict(changed=False, finished=result is not None, waited=round(time.monotonic() - start, 3))
+    answer = dict(changed=bool(module.params["go"]), finished=result is not None, waited=round(time.monotonic() - start, 3))
     if result is not None:
         answer["result"] = result
         if module.params["cleanup"] and not module.check_mode:

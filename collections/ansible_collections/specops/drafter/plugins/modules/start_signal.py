@@ -103,14 +103,12 @@ waited:
   type: float
 """
 
-import json
 import os
 import signal as signals
-import tempfile
 import time
 
 from ansible.module_utils.basic import AnsibleModule
-from ansible_collections.specops.drafter.plugins.module_utils.async_job import job_result, read_json
+from ansible_collections.specops.drafter.plugins.module_utils.async_job import job_result, read_json, write_signal
 
 STATE_SUFFIX = ".state"
 # Only an extraction is ever stopped: a recycled pid running anything else is left alone.
@@ -138,15 +136,8 @@ class StartSignal(object):
         if self.params["signal"] == "wait":
             value["until"] = time.time() + self.params["lease"]
         self.result["changed"] = True
-        if self.module.check_mode:
-            return
-        directory = os.path.dirname(self.params["path"]) or "."
-        if not os.path.isdir(directory):
-            os.makedirs(directory)
-        fd, temporary = tempfile.mkstemp(dir=directory, prefix=".start-signal.")
-        with os.fdopen(fd, "w") as handle:
-            handle.write(json.dumps(value))
-        self.module.atomic_move(temporary, self.params["path"])
+        if not self.module.check_mode:
+            write_signal(self.module, self.params["path"], value)
 
     def poll(self, done):
         start = time.monotonic()
