@@ -174,7 +174,7 @@ def test_job_wait_writes_go_to_the_start_signal_before_it_waits(tmp_path):
         that:
           - waited.changed
           - waited.finished
-          - (waited.result.stdout | from_json) == {{'signal': 'go'}}
+          - (waited.result.stdout | from_json).signal == 'go'
 """,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
