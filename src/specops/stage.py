@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import traceback
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 Handler = Callable[[dict[str, Any]], dict[str, Any]]
 
@@ -26,6 +27,17 @@ def read_request(source: str) -> Any:
     """The JSON request from a file, or from stdin for '-'."""
     raw = sys.stdin.read() if source == "-" else Path(source).read_text()
     return json.loads(raw or "{}")
+
+
+def exit_now(code: int) -> NoReturn:
+    """Exit without the interpreter's teardown, once the result is out and every file is closed.
+
+    Tearing down torch, triton and their threads takes seconds (1.9 s on a 2-core host, measured
+    with the demo's target loaded) that a play waiting on the process inside its service window pays.
+    """
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def respond(name: str, work: Callable[[], dict[str, Any]]) -> int:

@@ -1,7 +1,10 @@
-"""`python -m specops.extract --plan|--run`: the stage protocol of specops.stage over stdin and stdout."""
+"""`python -m specops.extract --plan|--run`: the stage protocol of specops.stage over stdin and stdout.
 
-import sys
+The play waits on this process inside the service window, so it exits without the interpreter's
+teardown (specops.stage.exit_now): every output is written and closed before main returns.
+"""
 
 from specops.extract.stage import main
+from specops.stage import exit_now
 
-sys.exit(main())
+exit_now(main())
