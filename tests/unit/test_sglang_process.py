@@ -365,3 +365,11 @@ def test_release_of_a_server_without_the_memory_saver_is_refused_before_anything
 
     assert rc == 2 and result["changed"] is False and "--enable-memory-saver" in result["msg"]
     assert not site.marker.exists() and http_status(url + "/health_generate") == 200
+
+
+def test_start_with_nothing_running_refuses_settings_that_cannot_start(site_factory, tmp_path):
+    site = site_factory([sys.executable, "-m", "json.tool", "--model-path", str(tmp_path / "Qwen3.6-27b")])
+    rc, result = site.run("start", "--timeout", "5")
+
+    assert rc == 2 and result["msg"].startswith("the server cannot start")
+    assert "sglang_service_model_path" in result["msg"] and "does not exist" in result["msg"]

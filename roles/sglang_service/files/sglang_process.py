@@ -351,7 +351,12 @@ def start(spec, args):
     if pid is not None and read_json(identity_file(spec), {}).get("digest") == spec_digest(spec):
         return {"changed": False, "pid": pid, "msg": "already running with this spec"}
     restarted = False
-    if pid is not None:
+    if pid is None:
+        # Nothing serves (the window's start): check here rather than in a task of its own.
+        problems = launch_problems(spec)[0]
+        if problems:
+            raise ProcessError("the server cannot start: " + "; ".join(problems))
+    else:
         terminate(spec, pid, args.timeout)
         restarted = True
     return {"changed": True, "pid": launch(spec), "restarted": restarted}
@@ -429,6 +434,20 @@ def option_after(argv, name):
 
 def validate(spec, args):
     """Refuse a launch that cannot work, before anything is stopped: the settings name the fix."""
+    problems, python, module = launch_problems(spec)
+    if problems:
+        raise ProcessError("the server would not start, so it is left as it is: " + "; ".join(problems))
+    return {
+        "changed": False,
+        "msg": "launch settings look valid",
+        "python": python,
+        "module": module,
+        "model_path": option_after([str(arg) for arg in spec["argv"]], "--model-path"),
+    }
+
+
+def launch_problems(spec):
+    """What would keep the server from starting (each naming its setting), the Python and the module."""
     argv = [str(arg) for arg in spec["argv"]]
     python = argv[0]
     problems = []
@@ -461,15 +480,7 @@ def validate(spec, args):
                 model, "" if os.path.isdir(model) else ": it does not exist"
             )
         )
-    if problems:
-        raise ProcessError("the server would not start, so it is left as it is: " + "; ".join(problems))
-    return {
-        "changed": False,
-        "msg": "launch settings look valid",
-        "python": python,
-        "module": module,
-        "model_path": model,
-    }
+    return problems, python, module
 
 
 # --- systemd ---------------------------------------------------------------------------------
