@@ -318,11 +318,23 @@ def strict_server(site_factory, fixture_models):
         ],
         environment={"PYTHONPATH": str(SRC_DIR)},
     )
-    site.run("start")
     url = f"http://127.0.0.1:{port}"
-    rc, result = site.run("ready", "--url", url, "--timeout", "120", "--delay", "0.2")
-    assert rc == 0, result
+    # The start waits for readiness in the same call, as the window's start does.
+    rc, result = site.run("start", "--url", url, "--then-ready", "--ready-timeout", "120", "--delay", "0.2")
+    assert rc == 0 and result["changed"] and result["ready"], result
+    assert result["ready_at"] <= time.time()
     return site, url
+
+
+def test_release_and_resume_give_the_moments_the_service_went_down_and_answered_again(strict_server):
+    site, url = strict_server
+    marker = ["--url", url, "--marker", str(site.marker)]
+    rc, released = helper("release", *marker)
+    assert rc == 0 and released["changed"], released
+    rc, resumed = helper("resume", *marker, "--then-ready", "--spec", str(site.spec), "--delay", "0.2")
+    assert rc == 0 and resumed["changed"] and resumed["ready"], resumed
+    assert released["down_at"] < resumed["ready_at"] <= time.time()
+    assert http_status(url + "/health_generate") == 200
 
 
 def test_guard_and_play_both_resume_and_the_server_survives(strict_server):

@@ -349,7 +349,7 @@ def launch(spec):
 def start(spec, args):
     pid = running_pid(spec)
     if pid is not None and read_json(identity_file(spec), {}).get("digest") == spec_digest(spec):
-        return {"changed": False, "pid": pid, "msg": "already running with this spec"}
+        return then_ready(spec, args, {"changed": False, "pid": pid, "msg": "already running with this spec"})
     restarted = False
     if pid is None:
         # Nothing serves (the window's start): check here rather than in a task of its own.
@@ -359,7 +359,7 @@ def start(spec, args):
     else:
         terminate(spec, pid, args.timeout)
         restarted = True
-    return {"changed": True, "pid": launch(spec), "restarted": restarted}
+    return then_ready(spec, args, {"changed": True, "pid": launch(spec), "restarted": restarted})
 
 
 def terminate(spec, pid, timeout):
@@ -572,6 +572,21 @@ def foreign_listener(port, pid):
     return strangers[0] if strangers and owners == set(strangers) else None
 
 
+def then_ready(spec, args, result):
+    """With --then-ready, wait for readiness in the same call: one task less inside the window.
+
+    A server that does not become ready is reported (ready false, ready_msg), not raised: the start
+    or resume itself succeeded, and the role's readiness step names the failure as it always does.
+    """
+    if not args.then_ready:
+        return result
+    try:
+        answer = ready(spec, argparse.Namespace(**dict(vars(args), timeout=args.ready_timeout)))
+    except ProcessError as error:
+        return dict(result, ready=False, ready_msg=str(error))
+    return dict(result, ready=True, ready_at=answer["ready_at"], ready_seconds=answer["seconds"])
+
+
 def ready(spec, args):
     """Poll /health_generate until 200 from OUR server; fail at once when it cannot come."""
     started = time.monotonic()
@@ -676,13 +691,18 @@ def resume(spec, args):
     base = args.url.rstrip("/")
     with open(args.marker + ".lock", "a") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        if not os.path.exists(args.marker):
-            return {"changed": False, "msg": f"not released (no marker {args.marker}): nothing to resume"}
-        claimed = args.marker + ".claimed"
-        os.rename(args.marker, claimed)
-        tags = read_json(claimed, {}).get("tags", json.loads(args.tags))
-        code, text = http(base + "/resume_memory_occupation", body={"tags": tags}, timeout=600)
-        remove(claimed)
+        released = os.path.exists(args.marker)
+        if released:
+            claimed = args.marker + ".claimed"
+            os.rename(args.marker, claimed)
+            tags = read_json(claimed, {}).get("tags", json.loads(args.tags))
+            code, text = http(base + "/resume_memory_occupation", body={"tags": tags}, timeout=600)
+            remove(claimed)
+    # Readiness is waited for outside the lock: the guard's resume must not wait on it.
+    if not released:
+        return then_ready(
+            spec, args, {"changed": False, "msg": f"not released (no marker {args.marker}): nothing to resume"}
+        )
     if code != 200:
         raise ProcessError(
             f"POST {base}/resume_memory_occupation answered {code}: {text[:300]} (not retried: a "
@@ -690,7 +710,7 @@ def resume(spec, args):
             "crash SGLang's scheduler; restart the server if it does not answer)"
         )
     http(base + "/continue_generation", body={}, timeout=args.health_timeout)
-    return {"changed": True, "msg": "resumed"}
+    return then_ready(spec, args, {"changed": True, "msg": "resumed"})
 
 
 # --- the window guard ------------------------------------------------------------------------
@@ -892,6 +912,12 @@ def build_parser():
     parser.add_argument(
         "--health-tries", type=int, default=0, help="ready: give up after this many answers that are not 200"
     )
+    parser.add_argument(
+        "--then-ready",
+        action="store_true",
+        help="start, resume: then wait for readiness in the same call (--url, --ready-timeout)",
+    )
+    parser.add_argument("--ready-timeout", type=float, default=600.0, help="seconds --then-ready waits")
     parser.add_argument("--after", type=float, default=3600.0, help="guard: fire after this many seconds")
     parser.add_argument(
         "--grace",
