@@ -17,7 +17,7 @@ module turns both into the `window` record that report.json, report.md and set_s
 
 python -m specops.window --plan|--run: JSON request on stdin, {"marks": [[stage, epoch_s], ...,
 ["ready", epoch_s]], "mode": "stop" | "memory_saver", "hidden_states": DIR, "service":
-{"down_at": epoch_s, "ready_at": epoch_s}}; --run writes DIR/window.json, where the score stage
+{"down_at": epoch_s, "ready_at": epoch_s, "start_s": s}}; --run writes DIR/window.json, where the score stage
 finds it.
 """
 
@@ -120,6 +120,8 @@ def build_window(
         "ready_at": _iso(ready_at),
         "downtime_s": round(downtime, 3),
         "measured_by": "service" if moments else "play",
+        # The stop window's server start, launch to first 200 (process backend; None otherwise).
+        "server_start_s": _seconds((service or {}).get("start_s")),
         "play_span_s": round(play_span, 3),
         "stages": stages,
         "extraction": extraction,
@@ -144,6 +146,13 @@ def _service_moments(service: Mapping[str, Any] | None) -> tuple[float, float] |
             "the down and ready moments must come from one host's clock"
         )
     return down_at, ready_at
+
+
+def _seconds(value: Any) -> float | None:
+    try:
+        return None if value is None else round(float(value), 3)
+    except (TypeError, ValueError):
+        return None
 
 
 def read_window(hidden_states: Path) -> dict[str, Any] | None:
@@ -177,6 +186,9 @@ def render_markdown(window: Mapping[str, Any] | None) -> str:
             f"The play's own span, from the start of its stop stage to ready: {window['play_span_s']:.1f} s "
             "(the stop's set-up and the guard are armed before the service goes down).",
         ]
+    if window.get("server_start_s") is not None:
+        start = window["server_start_s"]
+        lines += ["", f"Of that, the server's own start (launch to the first 200): {start:.1f} s."]
     lines += ["", "| stage | s |", "| --- | ---: |"]
     lines += [f"| {s['stage']} | {s['s']:.1f} |" for s in window["stages"]]
     extraction = window.get("extraction") or {}

@@ -28,13 +28,16 @@ def test_downtime_runs_from_the_first_stage_to_ready():
 
 
 def test_the_services_own_moments_give_the_downtime_and_the_play_span_is_kept():
-    record = window.build_window(MARKS, "stop", MANIFEST, service={"down_at": 102.5, "ready_at": 189.25})
+    service = {"down_at": 102.5, "ready_at": 189.25, "start_s": 58.5}
+    record = window.build_window(MARKS, "stop", MANIFEST, service=service)
     assert record["downtime_s"] == 86.75
+    assert record["server_start_s"] == 58.5
     assert record["measured_by"] == "service"
     assert record["play_span_s"] == 90.0
     assert (record["down_at"], record["ready_at"]) == ("1970-01-01T00:01:42.500Z", "1970-01-01T00:03:09.250Z")
     assert record["other_s"] == 84.55
     assert "play's own span" in window.render_markdown(record)
+    assert "server's own start (launch to the first 200): 58.5 s" in window.render_markdown(record)
 
 
 def test_without_both_service_moments_the_play_marks_give_the_downtime():
