@@ -701,7 +701,9 @@ def resume(spec, args):
     # Readiness is waited for outside the lock: the guard's resume must not wait on it.
     if not released:
         return then_ready(
-            spec, args, {"changed": False, "msg": f"not released (no marker {args.marker}): nothing to resume"}
+            spec,
+            args,
+            {"changed": False, "msg": f"not released (no marker {args.marker}): nothing to resume"},
         )
     if code != 200:
         raise ProcessError(
