@@ -30,9 +30,22 @@ def test_eval_reports_the_service_window_with_its_stages(first_run, local_defaul
         "extract",
         "start-server",
     ]
-    assert window["downtime_s"] == pytest.approx(sum(s["s"] for s in window["stages"]), abs=0.01)
-    assert 0 < window["compute_s"] < window["downtime_s"]
+    # The stages are the play's marks; the downtime is the service's own moments, inside that span.
+    assert window["play_span_s"] == pytest.approx(sum(s["s"] for s in window["stages"]), abs=0.01)
+    assert window["measured_by"] == "service"
+    assert 0 < window["compute_s"] < window["downtime_s"] <= window["play_span_s"]
+    assert window["server_start_s"] is not None and 0 < window["server_start_s"] < window["downtime_s"]
     assert "## Service window" in (local_default.run_dir / "score" / "report.md").read_text()
+
+
+def test_check_mode_on_a_fresh_run_directory_says_what_a_run_would_do_and_touches_nothing(served, tmp_path):
+    pid_before = served.server_pid()
+    result = served.play("eval.yml", args=("--check",), specops_run_dir=str(tmp_path / "never-run"))
+    assert result.rc == 0, result.output[-6000:]
+    assert "check mode: the completions are not fetched yet" in result.output
+    assert "Take the service off the GPUs" not in result.output
+    assert served.server_pid() == pid_before and served.health_generate_status() == 200
+    assert not (tmp_path / "never-run" / "completions").exists()
 
 
 def test_a_successful_run_prints_no_failure_looking_retry_lines(first_run):
