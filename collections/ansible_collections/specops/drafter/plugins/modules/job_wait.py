@@ -44,7 +44,7 @@ options:
   go:
     description:
       - The start signal of an extraction started ahead of its window (see
-        M(specops.drafter.start_signal)): write V(go) to it before waiting, so letting the
+        M(specops.drafter.start_signal)). V(go) is written to it before the wait, so letting the
         extraction go and waiting for it take one task inside the window.
     type: path
   cleanup:
