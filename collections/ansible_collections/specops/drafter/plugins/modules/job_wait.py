@@ -16,7 +16,7 @@ description:
     finished or O(timeout) seconds have passed, inside one task. An C(until) loop over
     M(ansible.builtin.async_status) prints a C(FAILED - RETRYING) line for every poll of a job
     that is simply still running; this module prints nothing while it waits.
-  - Never fails because the job is still running, nor because the job failed: read RV(finished)
+  - Never fails because the job is still running, nor because the job failed. Read RV(finished)
     and, once it is true, the job's own result in RV(result) (what M(ansible.builtin.async_status)
     would return), so a job that ends inside a service window costs one task, not three.
 author:
