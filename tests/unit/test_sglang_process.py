@@ -194,6 +194,25 @@ def test_ready_names_the_port_holder_when_our_server_exited_because_the_port_was
     assert "address already in use" in result["msg"]
 
 
+def test_a_start_that_waits_reports_a_server_that_cannot_come_and_the_port_holder_without_failing(
+    site_factory,
+):
+    foreign = HTTPServer(("127.0.0.1", 0), Answer200)
+    threading.Thread(target=foreign.serve_forever, daemon=True).start()
+    site = site_factory([sys.executable, "-c", "import sys; print('address already in use'); sys.exit(1)"])
+    try:
+        url = f"http://127.0.0.1:{foreign.server_port}"
+        waits = ("--url", url, "--then-ready", "--ready-timeout", "60", "--delay", "0.2")
+        rc, result = site.run("start", *waits)
+    finally:
+        foreign.shutdown()
+        foreign.server_close()
+
+    # The start itself succeeded; the role's readiness step fails on this answer, naming the holder.
+    assert rc == 0 and result["changed"] and result["ready"] is False
+    assert result["port_holder"] == os.getpid() and "not by our server" in result["ready_msg"]
+
+
 # -- validation before a restart -----------------------------------------------------------------
 def test_validate_names_a_model_path_that_is_not_a_model_directory(site_factory, tmp_path):
     site = site_factory([sys.executable, "-m", "json.tool", "--model-path", str(tmp_path / "Qwen3.6-27b")])

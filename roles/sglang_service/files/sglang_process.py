@@ -583,7 +583,7 @@ def then_ready(spec, args, result):
     try:
         answer = ready(spec, argparse.Namespace(**dict(vars(args), timeout=args.ready_timeout)))
     except ProcessError as error:
-        return dict(result, ready=False, ready_msg=str(error))
+        return dict(result, ready=False, ready_msg=str(error), **error.fields)
     return dict(result, ready=True, ready_at=answer["ready_at"], ready_seconds=answer["seconds"])
 
 
