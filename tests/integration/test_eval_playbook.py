@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
 
 import pytest
@@ -43,7 +44,9 @@ def test_check_mode_on_a_fresh_run_directory_says_what_a_run_would_do_and_touche
     result = served.play("eval.yml", args=("--check",), specops_run_dir=str(tmp_path / "never-run"))
     assert result.rc == 0, result.output[-6000:]
     assert "check mode: the completions are not fetched yet" in result.output
-    assert "Take the service off the GPUs" not in result.output
+    # The window's tasks are listed, and every one of them skipped.
+    window_task = re.search(r"TASK \[Take the service off the GPUs[^\n]*\n(\w+):", result.output)
+    assert window_task and window_task.group(1) == "skipping", result.output[-6000:]
     assert served.server_pid() == pid_before and served.health_generate_status() == 200
     assert not (tmp_path / "never-run" / "completions").exists()
 
