@@ -18,7 +18,7 @@ export PYTHONDONTWRITEBYTECODE := 1
 test test-%: export PYTHONPATH := $(CURDIR)/src
 
 .PHONY: help demo demo-stop test test-in-order test-python test-ansible test-lint test-sanity test-units \
-        test-integration test-systemd test-fleet test-systemd-then-fleet test-models system-deps ml-env venv clean
+        test-integration test-systemd system-deps ml-env venv clean
 
 help:
 	@echo "make demo   - set up, then run playbooks/eval.yml on the local default and print the report path"
@@ -53,20 +53,10 @@ system-deps:
 
 # Three lanes side by side: the integration suite (plays against development servers of its own, on
 # free ports, in its own directories), the systemd suite (mostly waiting: debootstrap, a container
-# booting systemd) followed by the fleet behind the router, and the other suites one after another.
-# Each pytest run keeps its own temporary root, so no run's clean-up of old temporary directories
-# removes another's. The fixture models both playbook lanes read are built once, before they start.
-test: system-deps $(VENV)/.stamp $(ML_VENV)/.stamp test-models
-	$(MAKE) -j3 --output-sync=target test-in-order test-integration test-systemd-then-fleet
-
-TEST_MODELS := .work/test-models
-test-models: $(TEST_MODELS)/fixtures.json
-
-$(TEST_MODELS)/fixtures.json: $(ML_VENV)/.stamp
-	$(ML_VENV)/bin/python -m specops.fixtures --out $(TEST_MODELS) --prompts prompts/coding.jsonl
-
-test-systemd-then-fleet: system-deps $(VENV)/.stamp $(ML_VENV)/.stamp test-models
-	$(MAKE) -j1 test-systemd test-fleet
+# booting systemd), and the other suites one after another. Each pytest run of a lane keeps its own
+# temporary root, so no run's clean-up of old temporary directories removes another's.
+test: system-deps $(VENV)/.stamp $(ML_VENV)/.stamp
+	$(MAKE) -j3 --output-sync=target test-in-order test-integration test-systemd
 
 test-in-order: $(VENV)/.stamp $(ML_VENV)/.stamp
 	$(MAKE) -j1 test-python test-ansible test-lint test-sanity test-units
@@ -90,15 +80,9 @@ test-units: $(VENV)/.stamp
 	./tests/run-ansible-test.sh units
 
 # --durations: the slowest tests are named in every run, so a new slow one is seen.
-test-integration: $(VENV)/.stamp $(ML_VENV)/.stamp test-models
+test-integration: $(VENV)/.stamp $(ML_VENV)/.stamp
 	mkdir -p /tmp/specops-pytest-integration
-	PYTEST_DEBUG_TEMPROOT=/tmp/specops-pytest-integration $(VENV)/bin/pytest -q --durations=10 tests/integration \
-	  --ignore=tests/integration/test_fleet.py
-
-# The fleet: three development servers behind the real sglang-router, a rolling evaluation.
-test-fleet: $(VENV)/.stamp $(ML_VENV)/.stamp test-models
-	mkdir -p /tmp/specops-pytest-fleet
-	PYTEST_DEBUG_TEMPROOT=/tmp/specops-pytest-fleet $(VENV)/bin/pytest -q --durations=5 tests/integration/test_fleet.py
+	PYTEST_DEBUG_TEMPROOT=/tmp/specops-pytest-integration $(VENV)/bin/pytest -q --durations=10 tests/integration
 
 test-systemd: system-deps $(VENV)/.stamp $(ML_VENV)/.stamp
 	mkdir -p /tmp/specops-pytest-systemd
