@@ -47,6 +47,13 @@ options:
         M(specops.drafter.start_signal)). V(go) is written to it before the wait, so letting the
         extraction go and waiting for it take one task inside the window.
     type: path
+  report_interval:
+    description:
+      - Print the job's last progress line on the control node every this many seconds while
+        waiting (the collection's action plugin waits in rounds of this length; the module on the
+        host ignores it). V(0) waits in one round and prints nothing.
+    type: float
+    default: 0
   cleanup:
     description:
       - Remove the results file once the job has finished, as M(ansible.builtin.async_status)
@@ -72,6 +79,13 @@ EXAMPLES = r"""
   async: 3600
   poll: 0
   register: job
+
+- name: Wait up to an hour, printing the job's progress every minute
+  specops.drafter.job_wait:
+    results_file: "{{ job.results_file }}"
+    timeout: 3600
+    report_interval: 60
+    progress_log: /var/log/long-job.progress
 
 - name: Wait up to a minute without a line per poll
   specops.drafter.job_wait:
@@ -127,6 +141,7 @@ def main():
             progress_log=dict(type="path"),
             cleanup=dict(type="bool", default=False),
             go=dict(type="path"),
+            report_interval=dict(type="float", default=0),
         ),
         supports_check_mode=True,
     )
