@@ -287,12 +287,14 @@ class Engine(RequestScheduler):
         check's own request waits at the door while paused, so a paused server answers 503 after
         `timeout` unless /continue_generation (or another scheduler message) comes first.
         """
-        if self.unavailable_reason():
+        if self.status is not Status.UP:
             return False
         tic = time.monotonic()
         while time.monotonic() < tic + timeout:
             if self.last_progress > tic or self.last_scheduler_message > tic:
                 return True
+            if not self.door_closed and self.released_tags:
+                return False  # released without a pause: nothing could decode the check's token
             if not self.door_closed and not self._held() and self.lock.acquire(timeout=0.2):
                 try:
                     if self.unavailable_reason():
