@@ -21,7 +21,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
-from typing import Any
+from typing import Any, NoReturn
 
 from specops.devserver.engine import Engine
 from specops.devserver.memory_backends import CpuBackend, TorchMemorySaverBackend, memory_backend
@@ -53,7 +53,7 @@ def parse_tags(body: Any) -> set[str] | None:
     return set(tags)
 
 
-def scheduler_crash(reason: str) -> None:
+def scheduler_crash(reason: str) -> NoReturn:
     """End the whole server at once, as SGLang's scheduler does on an exception."""
     logger.error("Scheduler hit an exception: %s", reason)
     sys.stderr.flush()
@@ -112,7 +112,6 @@ class MemorySaver:
             return
         if not engine.lock.acquire(blocking=False):
             self._refuse_busy("a forward pass is running")
-            engine.lock.acquire()
         try:
             if not engine.is_fully_idle(ignore_waiting=engine.scheduler_paused):
                 self._refuse_busy(
@@ -122,7 +121,7 @@ class MemorySaver:
         finally:
             engine.lock.release()
 
-    def _refuse_busy(self, what: str) -> None:
+    def _refuse_busy(self, what: str) -> NoReturn:
         if self.strict:
             scheduler_crash(
                 "AssertionError: release_memory_occupation should be called only when server is "
