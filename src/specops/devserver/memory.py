@@ -94,9 +94,7 @@ class MemorySaver:
         engine = self.engine
         tags = self.all_tags(tags)
         if not self.enabled and not self.strict:
-            raise RequestError(
-                400, "memory release/resume needs the server started with --enable-memory-saver"
-            )
+            raise RequestError(400, NEEDS_MEMORY_SAVER)
         if engine.unavailable_reason() and not engine.released_tags:
             raise RequestError(503, engine.unavailable_reason() or "")
         if "weights" in tags and not self.cpu_backup and self.enabled and not self.strict:
@@ -147,9 +145,7 @@ class MemorySaver:
         tags = self.all_tags(tags)
         if not self.enabled:
             if not self.strict:
-                raise RequestError(
-                    400, "memory release/resume needs the server started with --enable-memory-saver"
-                )
+                raise RequestError(400, NEEDS_MEMORY_SAVER)
             logger.warning("resume without --enable-memory-saver: nothing is restored")
             return
         with engine.lock:
