@@ -39,8 +39,18 @@ def build_wheel(work: Path) -> Path:
             shutil.copy2(path, source / name)
     shutil.rmtree(WHEELS, ignore_errors=True)
     subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "--no-build-isolation",
-         "--wheel-dir", str(WHEELS), str(source)],
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--quiet",
+            "--no-deps",
+            "--no-build-isolation",
+            "--wheel-dir",
+            str(WHEELS),
+            str(source),
+        ],
         check=True,
     )
     (wheel,) = WHEELS.glob("specops-*.whl")
@@ -66,7 +76,15 @@ def main() -> int:
         staged = assemble(work)
         args.output_path.mkdir(parents=True, exist_ok=True)
         subprocess.run(
-            [str(galaxy), "collection", "build", str(staged), "--output-path", str(args.output_path), "--force"],
+            [
+                str(galaxy),
+                "collection",
+                "build",
+                str(staged),
+                "--output-path",
+                str(args.output_path),
+                "--force",
+            ],
             check=True,
         )
     return 0

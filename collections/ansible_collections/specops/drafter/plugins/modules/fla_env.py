@@ -634,16 +634,18 @@ class FlaEnv(object):
             msg = "pip failed (exit %d) while %s; the end of its output is in stderr_tail" % (rc, action)
         self.module.fail_json(msg=msg, cmd=cmd, stderr_tail=err[-4000:], stdout_tail=out[-2000:], **self.result)
 
-    def _install(self, reqs, specops):
+    def _install(self, reqs, specops, replace_specops=False):
         args = ["install"] + self._source_options() + list(reqs)
         staging = None
         extras = self.params["specops_extras"]
         try:
             if specops and is_distribution(self.source):
                 # pip keeps an installed specops of the same version: the new build must replace it.
-                cmd, rc, out, err = self._pip(["uninstall", "--yes", "specops"])
-                if rc != 0:
-                    self._fail_pip("removing the previous specops", cmd, rc, out, err)
+                # Only the environment's own copy: one seen through system_site_packages is not ours.
+                if replace_specops:
+                    cmd, rc, out, err = self._pip(["uninstall", "--yes", "specops"])
+                    if rc != 0:
+                        self._fail_pip("removing the previous specops", cmd, rc, out, err)
                 args.append("specops%s @ file://%s" % ("[%s]" % ",".join(extras) if extras else "", self.source))
             elif specops:
                 # Build from a private copy: pip writes build/ and *.egg-info next to the sources.
@@ -721,7 +723,7 @@ class FlaEnv(object):
             if missing:
                 self._install(reqs, specops=False)
             if specops_stale:
-                self._install(reqs, specops=True)
+                self._install(reqs, specops=True, replace_specops=state["dists"]["specops"]["in_env"])
                 self._store_fingerprint(fingerprint)
             if missing or specops_stale or remove:
                 state = self._state(reqs)
