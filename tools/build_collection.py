@@ -23,7 +23,7 @@ COLLECTION = ROOT / "collections" / "ansible_collections" / "specops" / "drafter
 WHEELS = COLLECTION / "wheels"
 # What the package is built from; a private copy keeps build/ and *.egg-info out of the checkout
 # (and stale files in an old build/ out of the wheel).
-PACKAGE_SOURCES = ("pyproject.toml", "README.md", "src")
+PACKAGE_SOURCES = ("pyproject.toml", "README.md", "LICENSE", "src")
 NOT_SHIPPED = shutil.ignore_patterns("__pycache__", "*.pyc", "*.egg-info", "output", ".plugin-cache.yaml")
 
 
