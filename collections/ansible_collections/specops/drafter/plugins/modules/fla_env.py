@@ -634,19 +634,20 @@ class FlaEnv(object):
             msg = "pip failed (exit %d) while %s; the end of its output is in stderr_tail" % (rc, action)
         self.module.fail_json(msg=msg, cmd=cmd, stderr_tail=err[-4000:], stdout_tail=out[-2000:], **self.result)
 
-    def _install(self, reqs, specops, replace_specops=False):
+    def _install(self, reqs, specops):
         args = ["install"] + self._source_options() + list(reqs)
         staging = None
         extras = self.params["specops_extras"]
         try:
             if specops and is_distribution(self.source):
-                # pip keeps an installed specops of the same version: the new build must replace it.
-                # Only the environment's own copy: one seen through system_site_packages is not ours.
-                if replace_specops:
-                    cmd, rc, out, err = self._pip(["uninstall", "--yes", "specops"])
-                    if rc != 0:
-                        self._fail_pip("removing the previous specops", cmd, rc, out, err)
                 args.append("specops%s @ file://%s" % ("[%s]" % ",".join(extras) if extras else "", self.source))
+                cmd, rc, out, err = self._pip(args)
+                if rc != 0:
+                    self._fail_pip("installing %s" % ", ".join(list(reqs) + ["specops"]), cmd, rc, out, err)
+                # pip takes an installed specops of the same version (a previous build, or one seen through
+                # system_site_packages) as this one: the environment gets this build, its dependencies stay.
+                # A copy outside the environment is left alone (pip never uninstalls outside it).
+                args = ["install", "--no-deps", "--force-reinstall"] + self._source_options() + [self.source]
             elif specops:
                 # Build from a private copy: pip writes build/ and *.egg-info next to the sources.
                 staging = tempfile.mkdtemp(prefix="specops-src-", dir=self.module.tmpdir)
@@ -723,7 +724,7 @@ class FlaEnv(object):
             if missing:
                 self._install(reqs, specops=False)
             if specops_stale:
-                self._install(reqs, specops=True, replace_specops=state["dists"]["specops"]["in_env"])
+                self._install(reqs, specops=True)
                 self._store_fingerprint(fingerprint)
             if missing or specops_stale or remove:
                 state = self._state(reqs)
@@ -732,6 +733,9 @@ class FlaEnv(object):
                 if still:
                     self.module.fail_json(msg="after pip install, still not satisfied: %s; check the requirement "
                                           "strings against what the index provides" % ", ".join(still), **self.result)
+                if specops_stale and not state["dists"]["specops"]["in_env"]:
+                    self.module.fail_json(msg="after pip install, specops in %s is still the one at %s, not %s" % (
+                        self.venv, state["dists"]["specops"]["location"], self.source), **self.result)
 
         self.result["versions"] = dict((name, d["version"]) for name, d in state["dists"].items())
         complete = not (check and (installing or self.result["created"]))
