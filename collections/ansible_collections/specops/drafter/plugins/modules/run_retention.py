@@ -51,6 +51,7 @@ attributes:
   platform:
     support: full
     platforms: posix
+    description: Runs on POSIX hosts (it takes C(flock) locks to see whether a play holds a run).
 """
 
 EXAMPLES = r"""
