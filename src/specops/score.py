@@ -816,7 +816,9 @@ def _write(
         hist.append(opts.history, hist.entry(run_id, summary))
         runs = hist.read(opts.history)
         summary["history"] = hist.trend(runs, run_id, opts.history / hist.INDEX)
-        summary_plots.append(plots.render_trend(runs, summary["history"]["drafters"], out))
+        summary_plots.append(
+            plots.render_trend(runs, summary["history"]["drafters"], out, summary["history"]["changes"])
+        )
     summary["plots"] = summary_plots
     summary["window"] = win.read_window(opts.hidden_states)
     atomic_write_text(

@@ -24,8 +24,9 @@ import numpy as np
 CONFIDENCE = 0.95
 RESAMPLES = 4000
 SEED = 0
-# Fewer prompts than this give no interval: a resample of one prompt is that prompt again.
-MIN_PROMPTS = 2
+# Fewer prompts than this give no interval (and so no verdict): a bootstrap cannot see the spread
+# of so few (two prompts resample to three distinct values), and its intervals come out too narrow.
+MIN_PROMPTS = 5
 # The normal quantiles the sample-size rule needs (numpy has no inverse normal): a two-sided 95%
 # interval, and 80% power, the usual chance of resolving a difference that is really there.
 Z_CONFIDENCE = 1.959963984540054

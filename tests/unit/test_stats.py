@@ -36,17 +36,19 @@ def test_interval_holds_the_pooled_tau_and_is_reproducible():
 
 
 def test_prompts_that_all_have_one_tau_give_a_zero_width_interval():
-    assert stats.tau_interval([30, 60, 90], [10, 20, 30]) == pytest.approx([3.0, 3.0])
+    assert stats.tau_interval([30, 60, 90, 3, 6], [10, 20, 30, 1, 2]) == pytest.approx([3.0, 3.0])
 
 
-def test_one_prompt_gives_no_interval():
-    assert stats.tau_interval([30], [10]) is None
-    comparison = stats.paired_comparison([30], [10], [30], [5])
+def test_too_few_prompts_give_no_interval_and_no_verdict():
+    few = stats.MIN_PROMPTS - 1
+    assert stats.tau_interval([30] * few, [10] * few) is None
+    comparison = stats.paired_comparison([30] * few, [10] * few, [30] * few, [5] * few)
     assert comparison["interval"] is None and comparison["verdict"] == stats.UNRESOLVED
+    assert comparison["wins"] == {"first": 0, "second": few, "ties": 0}
 
 
 def test_prompts_without_a_verify_step_are_left_out():
-    assert stats.tau_interval([30, 0, 60], [10, 0, 20]) == pytest.approx([3.0, 3.0])
+    assert stats.tau_interval([30, 0, 60, 3, 6, 9], [10, 0, 20, 1, 2, 3]) == pytest.approx([3.0, 3.0])
     assert stats.paired_comparison([30, 0], [10, 0], [30, 0], [5, 0])["n_prompts"] == 1
 
 
