@@ -62,18 +62,15 @@ from specops.manifest import (
     write_manifest,
 )
 from specops.schema import Option, Schema
+from specops.score_result import REPORT_JSON, REPORT_MD, key_figures
 from specops.stage import StageError, log, serve
 from specops.versions import installed_versions
 
 STAGE = "score"
-REPORT_JSON = "report.json"
-REPORT_MD = "report.md"
 DRAFTERS_DIR = "drafters"
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 # dtype auto keeps float32 on a GPU while the head and drafters take at most this share of free memory.
 FLOAT32_MEMORY_SHARE = 0.25
-# Runs of the history the stage result (and so AWX) carries.
-TREND_RUNS = 20
 DEVICES = ("auto", "cpu", "cuda")
 REQUEST = Schema(
     STAGE,
@@ -334,43 +331,6 @@ def inputs_of(opts: Options) -> dict[str, Any]:
             "step_costs": dict(opts.step_costs),
             "history": str(opts.history) if opts.history else None,
         },
-    }
-
-
-def key_figures(report: Mapping[str, Any], out_dir: Path, changed: bool) -> dict[str, Any]:
-    """The stage result: what set_stats publishes, and where the report is."""
-    return {
-        "changed": changed,
-        "tau": report["overall"]["tau"],
-        "reference_tau": (report.get("reference") or {}).get("tau"),
-        "ratio": report.get("ratio"),
-        "online_tau": (report.get("online") or {}).get("tau"),
-        "n_prompts": len(report["per_prompt"]),
-        "steps": report["overall"]["steps"],
-        "verdict": report.get("verdict") or rep.verdict(report),
-        "warnings": report["warnings"],
-        "drafters": [
-            {
-                "name": row["name"],
-                "tau": row["tau"],
-                "ratio": row["ratio"],
-                "expected_speedup": row["expected_speedup"],
-                "warnings": row["warnings"],
-            }
-            for row in report.get("comparison") or []
-        ],
-        "expected_speedup": ((report.get("comparison") or [{}])[0]).get("expected_speedup"),
-        "history_index": (report.get("history") or {}).get("index"),
-        # The trend AWX shows: tau per drafter over the last runs of the index.
-        "trend": [
-            {"run_id": r["run_id"], "tau": r["tau"], "reference_tau": r.get("reference_tau")}
-            for r in ((report.get("history") or {}).get("runs") or [])[-TREND_RUNS:]
-        ],
-        "run_id": (report.get("history") or {}).get("run_id"),
-        "out_dir": str(out_dir),
-        "report_json": str(out_dir / REPORT_JSON),
-        "report_md": str(out_dir / REPORT_MD),
-        "plots": [str(out_dir / name) for name in report.get("plots") or []],
     }
 
 

@@ -173,9 +173,12 @@ def standard_error(interval: Sequence[float]) -> float:
 
 
 def run_change(
-    before: float | None, before_interval: Sequence[float] | None, after: float | None, after_interval: Sequence[float] | None
+    before: float | None,
+    before_interval: Sequence[float] | None,
+    after: float | None,
+    after_interval: Sequence[float] | None,
 ) -> str | None:
-    """"up" or "down" when tau moved between two runs by more than their noise, else None.
+    """ "up" or "down" when tau moved between two runs by more than their noise, else None.
 
     The runs are taken as independent (their intervals combined in quadrature). Runs on the same
     prompts are positively correlated, so this overstates the noise of their difference: a change

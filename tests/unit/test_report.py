@@ -109,7 +109,9 @@ def test_ratio_is_drafter_tau_over_reference_tau(report):
 def test_verdict_names_both_taus_and_the_ratio():
     report = rep.build_report(RUN, scores({"a": [3, 3, 3]}, 16), scores({"a": [12, 13, 12]}, 16))
     # One prompt: no interval, so no difference can be shown.
-    assert rep.verdict(report) == "drafter tau 3.00 vs reference 12.33 (0.24x): no difference shown at this size"
+    assert rep.verdict(report) == (
+        "drafter tau 3.00 vs reference 12.33 (0.24x): no difference shown at this size"
+    )
 
 
 def five_prompts(lengths: list[int], block_size: int = BLOCK) -> dict:
@@ -233,7 +235,8 @@ def test_summary_markdown_has_a_comparison_table_and_each_drafters_section(summa
         summary, {"step-1": "drafters/step-1/", "step-2": "drafters/step-2/"}, [rep.PLOT_TAU_BY_DRAFTER]
     )
     # Two prompts: too few for an interval, so the reference cell gives no verdict either way.
-    assert "| step-1 | 1.80 | 0.47x: no difference shown at this size | 0.400 | 1.50x | layer_offset |" in markdown
+    row = "| step-1 | 1.80 | 0.47x: no difference shown at this size | 0.400 | 1.50x | layer_offset |"
+    assert row in markdown
     assert "## Drafter step-1" in markdown and "## Drafter step-2" in markdown
     assert "](drafters/step-2/tau_per_prompt.png)" in markdown
     assert "expected speedup = tau / (draft_cost + verify_cost)" in markdown
@@ -326,5 +329,7 @@ def test_the_history_table_shows_intervals_and_names_changes_outside_the_noise(s
     markdown = rep.render_summary({**summary, "history": history}, {"step-1": "", "step-2": ""})
     assert "| r2 | 1.80 [1.70, 1.90] |" in markdown
     assert "- step-1: up, tau 1.50 in `r1` -> 1.80" in markdown
-    quiet = rep.render_summary({**summary, "history": {**history, "changes": []}}, {"step-1": "", "step-2": ""})
+    quiet = rep.render_summary(
+        {**summary, "history": {**history, "changes": []}}, {"step-1": "", "step-2": ""}
+    )
     assert "No drafter's tau moved outside the noise" in quiet

@@ -15,7 +15,7 @@ import pytest
 from score_data import write_completions, write_hidden_states
 
 from specops import report as rep
-from specops import score, window
+from specops import score, stats, window
 from specops.stage import StageError
 
 pytestmark = pytest.mark.slow
@@ -117,6 +117,16 @@ def test_result_carries_the_key_figures_of_report_json(scored):
     assert result["reference_tau"] == report["reference"]["tau"]
     assert result["n_prompts"] == 2 and result["warnings"] == report["warnings"]
     assert 1.0 <= result["tau"] <= report["overall"]["block_size"]
+
+
+def test_the_result_carries_each_taus_interval_and_the_paired_verdict(scored, fixture_models):
+    _, result, out_dir = scored
+    report = json.loads((out_dir / "report.json").read_text())
+    assert result["tau_interval"] == report["overall"]["interval"]
+    assert result["vs_reference"]["names"] == [fixture_models.drafter.name, "reference"]
+    # Two prompts are too few for an interval, so no difference can be shown.
+    assert result["tau_interval"] is None and result["vs_reference"]["verdict"] == stats.UNRESOLVED
+    assert f"({result['ratio']:.2f}x): {stats.UNRESOLVED}" in result["verdict"]
 
 
 def test_every_completion_is_scored_over_all_its_output_tokens(scored, run_dir):
@@ -480,6 +490,18 @@ def test_the_summary_compares_every_drafter_in_one_table(many):
 def test_identical_drafters_score_the_same(many):
     taus = [row["tau"] for row in many.second["drafters"]]
     assert taus[0] == taus[1]
+
+
+def test_identical_drafters_are_paired_with_every_prompt_a_tie(many):
+    pair = next(p for p in many.second["pairs"] if p["names"] == many.names)
+    assert pair["difference"] == 0.0 and pair["verdict"] == stats.UNRESOLVED
+    assert pair["wins"] == {"first": 0, "second": 0, "ties": pair["n_prompts"]}
+
+
+def test_a_forced_rerun_of_the_same_inputs_flags_no_change_in_the_history(many):
+    runs = [json.loads(line) for line in (many.root / "history" / "index.jsonl").read_text().splitlines()]
+    assert all(set(run["interval"]) == set(many.names) for run in runs)
+    assert many.second["changes"] == []
 
 
 def test_every_scoring_run_is_appended_to_the_history_and_kept(many):
