@@ -282,7 +282,7 @@ def _fmt(value: float | None, digits: int = 2) -> str:
 
 
 def _interval(value: Sequence[float] | None, digits: int = 2) -> str:
-    """" [low, high]" after a figure, or nothing where there is no interval (fewer than two prompts)."""
+    """ " [low, high]" after a figure, or nothing where there is no interval (fewer than two prompts)."""
     return f" [{_fmt(value[0], digits)}, {_fmt(value[1], digits)}]" if value else ""
 
 
