@@ -255,6 +255,7 @@ def build_report(
             "steps": len(seq["accept_lengths"]),
             "tokens": sum(seq["accept_lengths"]),
             "reference_tau": tau(ref["accept_lengths"]) if ref else None,
+            "reference_steps": len(ref["accept_lengths"]) if ref else None,
             "online_tau": online.get(seq["id"], {}).get("tau"),
         }
         row["ratio"] = ratio(row["tau"], row["reference_tau"])
@@ -393,8 +394,8 @@ def build_summary(
 ) -> dict[str, Any]:
     """report.json of the run: every drafter's report, the comparison, the speedup model, the history.
 
-    The first drafter's figures also stand at the top level (overall, ratio, per_prompt,
-    diagnostics, warnings), where a single-drafter report keeps them.
+    The first drafter's figures also stand at the top level (overall, ratio, vs_reference,
+    per_prompt, diagnostics, warnings), where a single-drafter report keeps them.
     """
     if not reports:
         raise ValueError("a summary needs at least one drafter's report")
@@ -414,6 +415,7 @@ def build_summary(
         "history": dict(history) if history else None,
         "overall": first["overall"],
         "ratio": first.get("ratio"),
+        "vs_reference": first.get("vs_reference"),
         "per_prompt": first["per_prompt"],
         "diagnostics": first["diagnostics"],
         "warnings": [f"{r['name']}: {w}" if len(reports) > 1 else w for r in reports for w in r["warnings"]],

@@ -217,6 +217,7 @@ def summary(report) -> dict:
 
 def test_summary_keeps_the_first_drafters_figures_at_the_top_level(summary, report):
     assert summary["overall"] == report["overall"] and summary["per_prompt"] == report["per_prompt"]
+    assert summary["vs_reference"] == report["vs_reference"]
     assert [d["name"] for d in summary["drafters"]] == ["step-1", "step-2"]
 
 
