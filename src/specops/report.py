@@ -283,7 +283,8 @@ def _fmt(value: float | None, digits: int = 2) -> str:
 
 
 def _interval(value: Sequence[float] | None, digits: int = 2) -> str:
-    """ " [low, high]" after a figure, or nothing where there is no interval (fewer than two prompts)."""
+    """The interval written after its figure, as " [low, high]"; nothing where a run had too few
+    prompts for one (specops.stats.MIN_PROMPTS)."""
     return f" [{_fmt(value[0], digits)}, {_fmt(value[1], digits)}]" if value else ""
 
 
