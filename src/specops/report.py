@@ -99,15 +99,20 @@ def tau_interval(counts: Mapping[str, tuple[int, int]]) -> list[float] | None:
 
 
 def paired(
-    first: Mapping[str, tuple[int, int]], second: Mapping[str, tuple[int, int]], names: Sequence[str]
+    first: Mapping[str, tuple[int, int]],
+    second: Mapping[str, tuple[int, int]],
+    names: Sequence[str],
+    detectable: float = stats.DETECTABLE_DIFFERENCE,
 ) -> dict[str, Any]:
-    """The first drafter against the second on the prompts both scored (specops.stats.paired_comparison)."""
+    """The first drafter against the second on the prompts both scored (specops.stats.paired_comparison);
+    detectable: the difference in tau it says how many prompts would resolve."""
     ids = [i for i in first if i in second]
     comparison = stats.paired_comparison(
         [first[i][0] for i in ids],
         [first[i][1] for i in ids],
         [second[i][0] for i in ids],
         [second[i][1] for i in ids],
+        detectable=detectable,
     )
     return {"names": list(names), **comparison}
 
@@ -220,13 +225,15 @@ def build_report(
     diagnostics: Sequence[Mapping[str, Any]] = (),
     comparison: Mapping[str, Any] | None = None,
     name: str = "drafter",
+    detectable: float = stats.DETECTABLE_DIFFERENCE,
 ) -> dict[str, Any]:
     """One drafter's report (its section of report.json, and its own directory's report.json).
 
     drafter / reference: {"block_size": int, "sequences": [{"id": str, "accept_lengths": [int]}]};
     online: {id: {"tau", "verify_ct", "completion_tokens"}} from SGLang's meta_info;
     diagnostics: [{"name", "status", "message", "details"}];
-    comparison: `online_comparison`'s result, shown with the online figures.
+    comparison: `online_comparison`'s result, shown with the online figures;
+    detectable: the difference in tau the comparison with the reference sizes a run for.
     """
     for diagnostic in diagnostics:
         if diagnostic["status"] not in STATUSES:
@@ -244,7 +251,7 @@ def build_report(
             **summarize(reference["sequences"], reference["block_size"]),
             "interval": tau_interval(reference_counts),
         }
-        vs_reference = paired(counts, reference_counts, (name, "reference"))
+        vs_reference = paired(counts, reference_counts, (name, "reference"), detectable)
     reference_by_id = {seq["id"]: seq for seq in reference["sequences"]} if reference else {}
     per_prompt = []
     for seq in drafter["sequences"]:
@@ -377,11 +384,13 @@ def reference_pairs(reports: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]
     ]
 
 
-def drafter_pairs(reports: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+def drafter_pairs(
+    reports: Sequence[Mapping[str, Any]], detectable: float = stats.DETECTABLE_DIFFERENCE
+) -> list[dict[str, Any]]:
     """Every two drafters of the run compared on the same prompts, in the order they were given."""
     counts = [{str(r["id"]): (r["tokens"], r["steps"]) for r in report["per_prompt"]} for report in reports]
     return [
-        paired(counts[i], counts[j], (reports[i]["name"], reports[j]["name"]))
+        paired(counts[i], counts[j], (reports[i]["name"], reports[j]["name"]), detectable)
         for i in range(len(reports))
         for j in range(i + 1, len(reports))
     ]
@@ -392,6 +401,7 @@ def build_summary(
     reports: Sequence[Mapping[str, Any]],
     speedup_model: Mapping[str, Any] | None = None,
     history: Mapping[str, Any] | None = None,
+    detectable: float = stats.DETECTABLE_DIFFERENCE,
 ) -> dict[str, Any]:
     """report.json of the run: every drafter's report, the comparison, the speedup model, the history.
 
@@ -406,7 +416,7 @@ def build_summary(
         "run": dict(run),
         "drafters": [dict(r) for r in reports],
         "comparison": comparison_rows(reports),
-        "pairs": reference_pairs(reports) + drafter_pairs(reports),
+        "pairs": reference_pairs(reports) + drafter_pairs(reports, detectable),
         "reference": first.get("reference"),
         "online": first.get("online"),
         "online_comparison": next(

@@ -21,6 +21,8 @@ Request (JSON on stdin, docs/architecture.md):
   diagnostics        any of acceptance, layer_offset, backend, vocabulary              default all
   layer_offset_tolerance  a shifted layer choice warns when its tau exceeds the configured
                      layers' tau by more than this fraction                            default 0.10
+  detectable_difference  the difference in tau the report says how many prompts a
+                     paired comparison needs to resolve (beside the observed one)   default 0.1
   step_costs         {draft_cost, verify_cost} in target decode steps, measured
                      (benchmarks/speedup_h200.py); without it they are estimated       optional
   history            directory of past runs: this run is copied to history/<run_id>/
@@ -48,6 +50,7 @@ from specops import diagnostics as diag
 from specops import history as hist
 from specops import report as rep
 from specops import speedup as spd
+from specops import stats
 from specops import window as win
 from specops.devices import resolve_device
 from specops.dflash_config import DrafterError, target_layer_ids
@@ -132,6 +135,12 @@ REQUEST = Schema(
             default=diag.DEFAULT_LAYER_OFFSET_TOLERANCE,
         ),
         Option(
+            "detectable_difference",
+            "float",
+            "The difference in tau the report says how many prompts a paired comparison needs to resolve.",
+            default=stats.DETECTABLE_DIFFERENCE,
+        ),
+        Option(
             "step_costs",
             "dict",
             "Measured draft_cost and verify_cost in target decode steps; empty to estimate them.",
@@ -164,6 +173,7 @@ class Options:
     dtype: str = REQUEST.option("dtype").default
     diagnostics: tuple[str, ...] = diag.DIAGNOSTICS
     layer_offset_tolerance: float = REQUEST.option("layer_offset_tolerance").default
+    detectable_difference: float = REQUEST.option("detectable_difference").default
     step_costs: tuple[tuple[str, float], ...] = ()
     history: Path | None = None
     force: bool = REQUEST.option("force").default
@@ -279,6 +289,11 @@ def parse_request(request: Mapping[str, Any]) -> Options:
     tolerance = float(request.get("layer_offset_tolerance", diag.DEFAULT_LAYER_OFFSET_TOLERANCE))
     if tolerance < 0:
         raise StageError(f"layer_offset_tolerance {tolerance} is negative: use a fraction such as 0.1")
+    detectable = float(request.get("detectable_difference", stats.DETECTABLE_DIFFERENCE))
+    if detectable <= 0:
+        raise StageError(
+            f"detectable_difference {detectable} must be positive: a difference in tau such as 0.1"
+        )
     return Options(
         hidden_states=hidden_states,
         target=target,
@@ -292,6 +307,7 @@ def parse_request(request: Mapping[str, Any]) -> Options:
         dtype=dtype,
         diagnostics=checks,
         layer_offset_tolerance=tolerance,
+        detectable_difference=detectable,
         step_costs=_step_costs(request.get("step_costs")),
         history=Path(request["history"]).expanduser() if request.get("history") else None,
         force=bool(request.get("force", False)),
@@ -327,6 +343,7 @@ def inputs_of(opts: Options) -> dict[str, Any]:
             "dtype": opts.dtype,
             "diagnostics": sorted(opts.diagnostics),
             "layer_offset_tolerance": opts.layer_offset_tolerance,
+            "detectable_difference": opts.detectable_difference,
             "server_drafter": opts.server_drafter,
             "step_costs": dict(opts.step_costs),
             "history": str(opts.history) if opts.history else None,
@@ -658,7 +675,16 @@ def run(request: dict[str, Any]) -> dict[str, Any]:
                 "dtype": dtype,
                 "versions": versions(),
             }
-            report = rep.build_report(run_info, scores, reference_scores, online, [], comparison, name=name)
+            report = rep.build_report(
+                run_info,
+                scores,
+                reference_scores,
+                online,
+                [],
+                comparison,
+                name=name,
+                detectable=opts.detectable_difference,
+            )
             findings += _config_findings(opts, config, hidden_manifest, target_config, report)
             if server_name in (name, "reference"):
                 findings.append(diag.online_agreement_check(comparison, opts.server_drafter, margins=margins))
@@ -670,7 +696,14 @@ def run(request: dict[str, Any]) -> dict[str, Any]:
                     ),
                 )
             report = rep.build_report(
-                run_info, scores, reference_scores, online, findings, comparison, name=name
+                run_info,
+                scores,
+                reference_scores,
+                online,
+                findings,
+                comparison,
+                name=name,
+                detectable=opts.detectable_difference,
             )
             reports.append(report)
             del drafter
@@ -768,7 +801,7 @@ def _write(
     run_info = {
         key: value for key, value in reports[0]["run"].items() if key not in ("drafter", "target_layer_ids")
     }
-    summary = rep.build_summary(run_info, reports, model)
+    summary = rep.build_summary(run_info, reports, model, detectable=opts.detectable_difference)
     summary_plots = [plots.render_comparison(summary, out)]
     run_id = None
     if opts.history:

@@ -10,16 +10,19 @@ Two drafters scored on the same completions are compared on the same resampled p
 the prompts' difficulty then cancels out of their difference, which makes the comparison far more
 sensitive than two separate intervals would be.
 
-numpy only; plain floats, lists and dicts out, ready for report.json.
+numpy only; plain floats, lists and dicts out, ready for report.json. numpy is imported when a
+figure is computed: the control node imports specops.score, and so this module, for the stage's
+request schema alone, without numpy.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeAlias
 
-import numpy as np
+if TYPE_CHECKING:
+    import numpy as np
 
 CONFIDENCE = 0.95
 RESAMPLES = 4000
@@ -39,11 +42,19 @@ BLOCK_ELEMENTS = 2_000_000
 BETTER, WORSE, UNRESOLVED = "better", "worse", "no difference shown at this size"
 UP, DOWN = "up", "down"
 
-Counts = Sequence[float] | np.ndarray
+Counts: TypeAlias = "Sequence[float] | np.ndarray"
+
+
+def _numpy():
+    """numpy, imported on first use (the module's docstring says why)."""
+    import numpy
+
+    return numpy
 
 
 def pooled_tau(tokens: Counts, steps: Counts) -> float | None:
     """Total accepted tokens / total verify steps; None without a step."""
+    np = _numpy()
     total_steps = float(np.sum(steps))
     return float(np.sum(tokens)) / total_steps if total_steps else None
 
@@ -51,6 +62,7 @@ def pooled_tau(tokens: Counts, steps: Counts) -> float | None:
 def _columns(*counts: Counts) -> list[np.ndarray]:
     """The prompts' counts as float arrays, prompts with no verify step left out (they hold no
     step of any tau and would only make a resample's ratio undefined)."""
+    np = _numpy()
     arrays = [np.asarray(c, dtype=float) for c in counts]
     if len({a.shape for a in arrays}) != 1 or arrays[0].ndim != 1:
         raise ValueError(f"per-prompt counts must be 1-d and of one length, got {[a.shape for a in arrays]}")
@@ -63,6 +75,7 @@ def resampled_sums(columns: Sequence[np.ndarray], resamples: int = RESAMPLES, se
 
     All columns share each resample, which is what pairs two drafters on the same prompts.
     """
+    np = _numpy()
     data = np.stack(columns, axis=1)  # [prompts, columns]
     n = len(data)
     rng = np.random.default_rng(seed)
@@ -75,6 +88,7 @@ def resampled_sums(columns: Sequence[np.ndarray], resamples: int = RESAMPLES, se
 
 
 def _percentiles(replicates: np.ndarray) -> list[float]:
+    np = _numpy()
     tail = (1 - CONFIDENCE) / 2
     low, high = np.quantile(replicates, [tail, 1 - tail])
     return [float(low), float(high)]
@@ -108,6 +122,7 @@ def prompts_needed(spread: float, difference: float) -> int | None:
 
 def _wins(tokens_a: np.ndarray, steps_a: np.ndarray, tokens_b: np.ndarray, steps_b: np.ndarray) -> dict:
     """How many prompts each drafter has the higher tau on, compared without division (exact ties)."""
+    np = _numpy()
     a_times, b_times = tokens_a * steps_b, tokens_b * steps_a
     return {
         "first": int(np.sum(a_times > b_times)),
@@ -133,6 +148,7 @@ def paired_comparison(
     the higher tau. prompts_needed: how many prompts would resolve the observed difference and a
     difference of `detectable` tau, from the observed per-prompt spread.
     """
+    np = _numpy()
     ta, sa, tb, sb = _columns(tokens_a, steps_a, tokens_b, steps_b)
     n = len(ta)
     tau_a, tau_b = pooled_tau(ta, sa), pooled_tau(tb, sb)

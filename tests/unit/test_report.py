@@ -313,6 +313,20 @@ def test_a_comparison_too_small_to_decide_says_how_many_prompts_would():
     assert f"about {needed} prompts would resolve the observed difference" in rep.render_markdown(report)
 
 
+def test_the_prompts_needed_are_stated_for_the_requested_difference():
+    drafter = scores({f"p{k}": [2, 3] if k % 2 else [3, 2, 1] for k in range(6)})
+    reference = scores({f"p{k}": [3, 3] if k % 3 else [2, 2, 2] for k in range(6)})
+    needed = [
+        rep.build_report(RUN, drafter, reference, detectable=size)["vs_reference"]["prompts_needed"]
+        for size in (0.1, 0.2)
+    ]
+    assert [n["detectable"] for n in needed] == [0.1, 0.2]
+    assert needed[0]["for_detectable"] > 3 * needed[1]["for_detectable"]
+    assert "a difference of 0.20." in rep.render_markdown(
+        rep.build_report(RUN, drafter, reference, detectable=0.2)
+    )
+
+
 def test_the_history_table_shows_intervals_and_names_changes_outside_the_noise(summary):
     runs = [
         {"run_id": "r1", "tau": {"step-1": 1.5}, "interval": {"step-1": [1.4, 1.6]}},

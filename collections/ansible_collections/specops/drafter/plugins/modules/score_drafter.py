@@ -130,6 +130,13 @@ options:
         then plots tau per drafter and its interval over the runs and names the changes outside the
         noise. A run with unchanged inputs scores nothing and adds no line; O(force) scores again.
     type: path
+  detectable_difference:
+    description:
+      - The difference in tau for which the report says how many prompts a paired comparison (a
+        drafter against the reference, or two drafters) would need to resolve it, from the run's
+        per-prompt spread (95% interval, 80% power); the observed difference gets the same statement.
+    type: float
+    default: 0.1
   layer_offset_tolerance:
     description:
       - The layer-offset check warns when the drafter's tau with its target layers shifted by -1
@@ -339,6 +346,7 @@ REQUEST_OPTIONS = dict(
                      choices=["acceptance", "layer_offset", "backend", "vocabulary"],
                      default=["acceptance", "layer_offset", "backend", "vocabulary"]),
     layer_offset_tolerance=dict(type="float", default=0.1),
+    detectable_difference=dict(type="float", default=0.1),
     step_costs=dict(type="dict"),
     history=dict(type="path"),
     force=dict(type="bool", default=False),
