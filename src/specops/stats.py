@@ -145,8 +145,9 @@ def paired_comparison(
     difference = tau_a - tau_b with its 95% interval, ratio = tau_a / tau_b with its interval,
     both from the same resamples; verdict: a is "better" or "worse" when the difference's interval
     excludes zero, else "no difference shown at this size". wins counts the prompts where each has
-    the higher tau. prompts_needed: how many prompts would resolve the observed difference and a
-    difference of `detectable` tau, from the observed per-prompt spread.
+    the higher tau (win_shares: the same as shares of the prompts). prompts_needed: how many
+    prompts would resolve the observed difference and a difference of `detectable` tau, from the
+    observed per-prompt spread.
     """
     np = _numpy()
     ta, sa, tb, sb = _columns(tokens_a, steps_a, tokens_b, steps_b)
@@ -160,6 +161,7 @@ def paired_comparison(
         taus_a, taus_b = sums[:, 0] / sums[:, 1], sums[:, 2] / sums[:, 3]
         interval, ratio_interval = _percentiles(taus_a - taus_b), _percentiles(taus_a / taus_b)
         spread = float(np.std(influence(ta, sa) - influence(tb, sb), ddof=1))
+    wins = _wins(ta, sa, tb, sb)
     verdict = UNRESOLVED
     if interval and interval[0] > 0:
         verdict = BETTER
@@ -172,7 +174,8 @@ def paired_comparison(
         "interval": interval,
         "ratio": tau_a / tau_b if tau_a is not None and tau_b else None,
         "ratio_interval": ratio_interval,
-        "wins": _wins(ta, sa, tb, sb),
+        "wins": wins,
+        "win_shares": {side: count / n if n else None for side, count in wins.items()},
         "verdict": verdict,
         "spread": spread,
         "prompts_needed": {

@@ -141,8 +141,9 @@ def test_a_smaller_difference_needs_more_prompts():
 
 
 def test_wins_compare_per_prompt_taus_exactly():
-    wins = stats.paired_comparison([10, 10, 9], [5, 4, 3], [10, 10, 9], [5, 5, 4])["wins"]
-    assert wins == {"first": 2, "second": 0, "ties": 1}
+    comparison = stats.paired_comparison([10, 10, 9], [5, 4, 3], [10, 10, 9], [5, 5, 4])
+    assert comparison["wins"] == {"first": 2, "second": 0, "ties": 1}
+    assert comparison["win_shares"] == {"first": 2 / 3, "second": 0.0, "ties": 1 / 3}
 
 
 def test_a_change_between_runs_is_flagged_only_outside_the_noise():
