@@ -297,7 +297,7 @@ def test_identical_drafters_are_paired_with_no_difference_shown():
     (pair,) = summary["pairs"]
     assert pair["names"] == ["one", "two"] and pair["verdict"] == "no difference shown at this size"
     assert summary["verdict"].endswith("; vs two: no difference shown at this size")
-    row = "| one | two | 5 | 0.00 [0.00, 0.00] | 0 (0%) / 0 (0%) / 5 (100%) | no difference shown at this size"
+    row = "| one | two | 5 | 0.00 [0.00, 0.00] | 0 (0%) / 0 (0%) / 5 (100%) | no difference shown"
     assert row in rep.render_summary(summary, {"one": "", "two": ""})
 
 
