@@ -112,6 +112,8 @@ def bring_back(config: dict) -> dict:
 
 def fire(config: dict, reason: str) -> dict:
     remove(armed_path(config["state_dir"]))
+    # The configuration may hold the api key: it is not left on disk longer than the guard needs it.
+    remove(os.path.join(config["state_dir"], "guard.json"))
     stopped = stop_processes(procfs.token_processes(config["token"])) if config.get("watch_work") else []
     log("fired (%s): stopped the window's work %s, then %s" % (reason, stopped, config["action"]))
     try:

@@ -19,6 +19,7 @@ import time
 import uuid
 
 from ansible_collections.specops.drafter.plugins.module_utils import procfs
+from ansible_collections.specops.drafter.plugins.module_utils.guard import armed_path
 from ansible_collections.specops.drafter.plugins.module_utils.service_errors import ServiceError
 from ansible_collections.specops.drafter.plugins.module_utils.state_files import (
     ensure_dir,
@@ -35,7 +36,11 @@ GUARD_FILES = ("guard", "procfs", "service_errors", "state_files", "sglang_api",
 
 
 def _source(name: str) -> bytes:
-    data = pkgutil.get_data(PACKAGE, name + ".py")
+    # Imported above (guard) or by the module: AnsiballZ carries only the module_utils that are imported.
+    try:
+        data = pkgutil.get_data(PACKAGE, name + ".py")
+    except (IOError, OSError):
+        data = None
     if data is None:
         raise ServiceError("cannot read module_utils/%s.py from the module's payload to place the guard" % name)
     return data
@@ -77,7 +82,7 @@ def arm(state_dir: str, config: dict, use_systemd: bool) -> dict:
     config = dict(config, arm_id=arm_id, state_dir=state_dir, armed_at=time.time())
     config_path = os.path.join(state_dir, "guard.json")
     write_json(config_path, config, mode=0o600)
-    write_atomic(os.path.join(state_dir, "guard.armed"), arm_id + "\n")
+    write_atomic(armed_path(state_dir), arm_id + "\n")
     argv = [sys.executable, "-m", PACKAGE + ".guard", config_path]
     env = dict(os.environ, PYTHONPATH=lib)
     env.pop(procfs.WINDOW_TOKEN_VARIABLE, None)  # the guard is not the window's work it watches
@@ -95,7 +100,7 @@ def arm(state_dir: str, config: dict, use_systemd: bool) -> dict:
              "--setenv=PYTHONPATH=" + lib, "--property=StandardError=append:" + log_path] + argv,
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, check=False)
         if done.returncode != 0:
-            remove(os.path.join(state_dir, "guard.armed"))
+            remove(armed_path(state_dir))
             raise ServiceError("systemd-run could not start the guard: %s" % done.stdout.decode("utf-8", "replace"))
         shown = subprocess.run(["systemctl", "show", unit + ".service", "--property=MainPID", "--value"],
                                stdout=subprocess.PIPE, check=False)
@@ -112,7 +117,7 @@ def arm(state_dir: str, config: dict, use_systemd: bool) -> dict:
 
 def disarm(state_dir: str) -> bool:
     """Remove the arm file (the guard exits without acting) and stop the guard; True when one was armed."""
-    armed = remove(os.path.join(state_dir, "guard.armed"))
+    armed = remove(armed_path(state_dir))
     guard = current_guard(state_dir)
     # A guard that already fired (it removed the arm file) is left to finish its start or resume.
     if guard and armed:

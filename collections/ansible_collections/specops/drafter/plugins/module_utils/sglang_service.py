@@ -91,7 +91,13 @@ class ServiceWindow(object):
                   "action": action, "fire_after": fire_after, "grace": float(self.window["guard_grace"]),
                   "token": self.token, "watch_work": self.token != NO_WINDOW_TOKEN,
                   "health_timeout": self.api.timeout}
-        identity = guard_control.arm(self.state_dir, config, use_systemd=self.params["backend"] == "systemd")
+        try:
+            identity = guard_control.arm(self.state_dir, config, use_systemd=self.params["backend"] == "systemd")
+        except (ServiceError, OSError) as error:
+            # Nothing went down yet: give the window back rather than leave it held by no one.
+            self.lock.release(self.token)
+            raise ServiceError("%s: the guard could not be armed, nothing was changed: %s"
+                               % (self.name, getattr(error, "msg", error)))
         self.lock.set_guard(self.token, {"pid": identity["pid"], "starttime": identity["starttime"]})
         self.result["guard"] = {"armed": True, "pid": identity["pid"], "fires_in": fire_after, "action": action,
                                 "unit": identity["unit"], "log": identity["log"]}
