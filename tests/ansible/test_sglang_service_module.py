@@ -148,19 +148,20 @@ def test_a_second_runs_window_is_refused_naming_the_holder(serving):
 
 # -- the guard -------------------------------------------------------------------------------------
 def test_the_guard_fires_after_the_operators_max_downtime_when_it_is_shorter_than_planned(serving):
+    before = serving.pid()
+    armed = time.monotonic()
     stopped = serving.run("stopped", window=window("w-bound", guard_after=600, max_downtime=2))
-    assert stopped["changed"] and stopped["guard"]["fires_in"] == 2 and serving.pid() is None
-    down = time.monotonic()
+    assert stopped["changed"] and stopped["guard"]["fires_in"] == 2
 
-    assert wait_for(lambda: serving.pid() is not None, 30), serving.guard_log()
-    assert time.monotonic() - down < 25
+    assert wait_for(lambda: serving.pid() not in (None, before), 30), serving.guard_log()
+    assert time.monotonic() - armed < 40
     assert "max_downtime" in serving.guard_log()
     assert wait_for(lambda: http_status(serving.url + "/health_generate") == 200, 60)
     assert not (serving.state_dir / "window.lock").exists()
 
 
 def test_the_guards_resume_after_the_server_was_killed_starts_it(serving):
-    released = serving.run("released", window=window("w-killed", max_downtime=2))
+    released = serving.run("released", window=window("w-killed", max_downtime=8))
     assert released["changed"], released.get("msg")
     killed = serving.pid()
     os.killpg(killed, signal.SIGKILL)
@@ -200,15 +201,16 @@ def test_the_guard_fires_soon_after_the_windows_work_is_gone(serving):
 
 
 def test_a_disarmed_guard_never_acts(serving):
-    stopped = serving.run("stopped", window=window("w-disarm", max_downtime=3))
-    assert stopped["changed"]
+    stopped = serving.run("stopped", window=window("w-disarm", max_downtime=600))
+    assert stopped["changed"] and serving.pid() is None
+    guard = stopped["guard"]["pid"]
+
     started = serving.run("started", window=window("w-disarm"))
-    pid = serving.pid()
+
     assert started["guard"]["disarmed"] is True
-
-    time.sleep(5)
-
-    assert serving.pid() == pid and "fired" not in serving.guard_log()
+    assert wait_for(lambda: not Path(f"/proc/{guard}").exists() or _state(guard) == "Z", 10)
+    assert "fired" not in serving.guard_log()
+    assert not (serving.state_dir / "window.lock").exists()
 
 
 # -- check mode ------------------------------------------------------------------------------------

@@ -105,6 +105,10 @@ def bring_back(config: dict) -> dict:
             # Nothing to resume (the play did it): only make sure the server is not left paused.
             result["continue_status"] = api.continue_generation().status
             return result
+    # The play's stop may still be under way when the guard fires early: let it finish, then start.
+    deadline = time.monotonic() + float(config.get("stop_timeout", 120)) + 10
+    while server.running_pid() is not None and time.monotonic() < deadline:
+        time.sleep(0.5)
     if server.running_pid() is None:
         result["started_pid"] = server.launch()
     return result

@@ -90,7 +90,7 @@ class ServiceWindow(object):
                   "spec": self.params.get("spec"), "url": self.api.url, "api_key": self.api.api_key,
                   "action": action, "fire_after": fire_after, "grace": float(self.window["guard_grace"]),
                   "token": self.token, "watch_work": self.token != NO_WINDOW_TOKEN,
-                  "health_timeout": self.api.timeout}
+                  "health_timeout": self.api.timeout, "stop_timeout": float(self.params["stop_timeout"])}
         try:
             identity = guard_control.arm(self.state_dir, config, use_systemd=self.params["backend"] == "systemd")
         except (ServiceError, OSError) as error:
