@@ -223,7 +223,7 @@ def listening_inodes(port: int, proc_root: str = "/proc") -> set[str]:
 def socket_owners(inodes: set[str], proc_root: str = "/proc") -> set[int]:
     """Pids with one of the socket inodes open; only the processes we may inspect."""
     wanted = set("socket:[%s]" % inode for inode in inodes)
-    owners = set()
+    owners: set[int] = set()
     if not wanted:
         return owners
     for pid in list_pids(proc_root):

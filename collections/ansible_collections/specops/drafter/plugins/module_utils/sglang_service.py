@@ -48,10 +48,11 @@ class ServiceWindow(object):
         self.params = params
         self.check_mode = check_mode
         self.name = params.get("unit") or "sglang"
-        self.window = dict(WINDOW_DEFAULTS)
+        self.window: dict = dict(WINDOW_DEFAULTS)
         self.window.update(dict((k, v) for k, v in (params.get("window") or {}).items() if v is not None))
         self.token = str(self.window["token"])
         self.adopted: dict = {}
+        self.server: SystemdUnit | ProcessServer
         if params["backend"] == "systemd":
             if not params.get("unit"):
                 raise ServiceError("the systemd backend needs unit (sglang_service_unit_name)")
@@ -118,7 +119,7 @@ class ServiceWindow(object):
         self._end_window()
         return ServiceError("%s %s: %s" % (self.name, what, error.msg), **dict(error.fields, **self.result))
 
-    def _ready(self) -> None:
+    def _ready(self) -> dict:
         try:
             answer = wait_ready(self.api, self.server, float(self.params["ready_timeout"]),
                                 float(self.params["ready_delay"]), float(self.params["health_timeout"]))
@@ -133,7 +134,7 @@ class ServiceWindow(object):
         self.result.update(pid=answer["pid"], ready_at=answer["ready_at"])
         return answer
 
-    def _launch(self) -> None:
+    def _launch(self) -> dict:
         launched_at = time.monotonic()
         self.server.launch()
         answer = self._ready()
