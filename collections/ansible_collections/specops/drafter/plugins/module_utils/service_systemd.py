@@ -107,8 +107,8 @@ class SystemdUnit(object):
     def systemctl(self, verb: str) -> None:
         rc, out = run(["systemctl", verb, self.unit])
         if rc != 0:
-            raise ServiceError("systemctl %s %s failed: %s (see journalctl -u %s)" % (verb, self.unit, out.strip(),
-                                                                                   self.unit))
+            raise ServiceError("systemctl %s %s failed: %s (see journalctl -u %s)"
+                               % (verb, self.unit, out.strip(), self.unit))
 
     def launch(self) -> int | None:
         self.systemctl("start")

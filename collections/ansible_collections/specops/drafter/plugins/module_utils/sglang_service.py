@@ -286,8 +286,8 @@ class ServiceWindow(object):
                 self._launch()
             else:
                 if claimed is not None:
-                    self.result.update(changed=True, **resume_claimed(self.api, claimed.get("tags") or [],
-                                                                     self.api.timeout))
+                    answers = resume_claimed(self.api, claimed.get("tags") or [], self.api.timeout)
+                    self.result.update(changed=True, **answers)
                 else:
                     # Nothing to resume (the guard did it, or nothing was released): never left paused.
                     self.api.continue_generation()

@@ -77,9 +77,9 @@ def test_every_call_carries_the_bearer_key_and_old_servers_answer_get_server_inf
     api.pause("retract")
     api.pause(None)
     api.continue_generation()
-    assert [path for _, path, _, _ in Recorder.seen] == ["/server_info", "/get_server_info", "/get_load",
-                                                        "/pause_generation", "/pause_generation",
-                                                        "/continue_generation"]
+    paths = ["/server_info", "/get_server_info", "/get_load", "/pause_generation", "/pause_generation",
+             "/continue_generation"]
+    assert [path for _, path, _, _ in Recorder.seen] == paths
     assert set(auth for _, _, auth, _ in Recorder.seen) == {"Bearer s3cret"}
     assert [body for _, path, _, body in Recorder.seen if path == "/pause_generation"] == [{"mode": "retract"}, {}]
 
