@@ -25,8 +25,7 @@ import signal
 import time
 import traceback
 
-from ansible_collections.specops.drafter.plugins.module_utils.procfs import (  # noqa: F401 (re-exported)
-    Proc,
+from ansible_collections.specops.drafter.plugins.module_utils.procfs import (  # noqa: F401 (re-exported for tests)
     _read,
     list_pids,
     read_proc,

@@ -80,7 +80,7 @@ def test_the_marker_is_claimed_by_exactly_one_of_many(tmp_path):
     marker = ReleasedMarker(str(tmp_path))
     marker.write(["kv_cache"], 1.0)
     claims = []
-    threads = [threading.Thread(target=lambda: claims.append(marker.claim())) for _ in range(8)]
+    threads = [threading.Thread(target=lambda: claims.append(marker.claim())) for dummy in range(8)]
     for thread in threads:
         thread.start()
     for thread in threads:

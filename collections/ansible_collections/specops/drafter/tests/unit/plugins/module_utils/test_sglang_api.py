@@ -79,9 +79,9 @@ def test_every_call_carries_the_bearer_key_and_old_servers_answer_get_server_inf
     api.continue_generation()
     paths = ["/server_info", "/get_server_info", "/get_load", "/pause_generation", "/pause_generation",
              "/continue_generation"]
-    assert [path for _, path, _, _ in Recorder.seen] == paths
-    assert set(auth for _, _, auth, _ in Recorder.seen) == {"Bearer s3cret"}
-    assert [body for _, path, _, body in Recorder.seen if path == "/pause_generation"] == [{"mode": "retract"}, {}]
+    assert [call[1] for call in Recorder.seen] == paths
+    assert set(call[2] for call in Recorder.seen) == {"Bearer s3cret"}
+    assert [call[3] for call in Recorder.seen if call[1] == "/pause_generation"] == [{"mode": "retract"}, {}]
 
 
 def test_a_server_that_is_not_there_answers_minus_one():
