@@ -135,3 +135,13 @@ def disarm(state_dir: str) -> bool:
     remove(os.path.join(state_dir, "guard.json"))
     remove(os.path.join(state_dir, "guard.pid.json"))
     return armed or guard is not None
+
+
+def wait_for_fired_guard(state_dir: str, timeout: float) -> bool:
+    """A guard that fired is bringing the server back: wait until it is done (True) or timeout (False)."""
+    deadline = time.monotonic() + timeout
+    while current_guard(state_dir) is not None:
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.2)
+    return True

@@ -110,10 +110,25 @@ class ServiceWindow(object):
         held = self.lock.holder()
         if held is not None and held.get("token") != self.token:
             return
-        disarmed = guard_control.disarm(self.state_dir)
+        disarmed = guard_control.disarm(self.state_dir) or bool((self.result.get("guard") or {}).get("disarmed"))
         released = self.lock.release(self.token)
         self.result["guard"] = dict(self.result.get("guard") or {}, armed=False, disarmed=disarmed)
         self.result["changed"] = self.result["changed"] or disarmed or released
+
+    def _take_over_from_guard(self) -> None:
+        """The play brings the server back itself: an armed guard of this run is disarmed, and one that
+        already fired is let finish, so that the server is never started twice."""
+        if not os.path.isdir(self.state_dir):
+            return
+        held = self.lock.holder()
+        if held is not None and held.get("token") != self.token:
+            return
+        if guard_control.disarm(self.state_dir):
+            self.result["guard"] = {"armed": False, "disarmed": True}
+        if not guard_control.wait_for_fired_guard(self.state_dir, float(self.params["ready_timeout"])):
+            raise ServiceError("%s: the guard that fired is still bringing the server back after %s s; see %s"
+                               % (self.name, self.params["ready_timeout"],
+                                  os.path.join(self.state_dir, "guard.log")))
 
     def _fail_ending_window(self, error: ServiceError, what: str) -> ServiceError:
         self._end_window()
@@ -178,6 +193,10 @@ class ServiceWindow(object):
             self._take_window()
             self._arm("start")
             self._stop()
+        if launching and running is None:
+            self._take_over_from_guard()
+            running = self.server.running_pid()
+            launching = force_restart or self._needs_launch(running)
         if launching:
             self.result["changed"] = True
             self._launch()
@@ -276,6 +295,7 @@ class ServiceWindow(object):
         if self.check_mode:
             self.result["changed"] = is_released(self.state_dir)
             return self.result
+        self._take_over_from_guard()
         claimed = ReleasedMarker(self.state_dir).claim()
         running = self.server.running_pid()
         try:
