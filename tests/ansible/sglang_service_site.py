@@ -1,4 +1,4 @@
-"""A server site for the sglang_service module's tests: its spec, its state_dir, and the module run through Ansible."""
+"""A server site for the sglang_service module tests: its spec, state_dir, and the module run by Ansible."""
 
 from __future__ import annotations
 
@@ -31,9 +31,19 @@ def ansible_env(**extra: str) -> dict:
 def run_module(args: dict, tmp_path: Path, check: bool = False, env: dict | None = None) -> dict:
     """Run specops.drafter.sglang_service on localhost; its result, with failed set."""
     tree = tmp_path / f"tree-{uuid.uuid4().hex[:6]}"
-    cmd = [str(ANSIBLE), "localhost", "-m", "specops.drafter.sglang_service", "-a", json.dumps(args),
-           "--tree", str(tree)] + (["--check"] if check else [])
-    proc = subprocess.run(cmd, cwd=ROOT, env=env or ansible_env(), capture_output=True, text=True, timeout=600)
+    cmd = [
+        str(ANSIBLE),
+        "localhost",
+        "-m",
+        "specops.drafter.sglang_service",
+        "-a",
+        json.dumps(args),
+        "--tree",
+        str(tree),
+    ] + (["--check"] if check else [])
+    proc = subprocess.run(
+        cmd, cwd=ROOT, env=env or ansible_env(), capture_output=True, text=True, timeout=600
+    )
     result_file = tree / "localhost"
     assert result_file.exists(), proc.stdout + proc.stderr
     result = json.loads(result_file.read_text())
@@ -60,8 +70,16 @@ class Site:
         self.pid_file = root / "server.pid"
         self.state_dir = root / "server.pid.d"
         self.log = root / "server.log"
-        self.argv = argv or [str(ML_PYTHON), "-m", "specops.devserver", "--model-path", str(FIXTURES / "target"),
-                             "--port", str(self.port), *server_flags]
+        self.argv = argv or [
+            str(ML_PYTHON),
+            "-m",
+            "specops.devserver",
+            "--model-path",
+            str(FIXTURES / "target"),
+            "--port",
+            str(self.port),
+            *server_flags,
+        ]
         self.tmp = root / "runs"
         self.tmp.mkdir(parents=True, exist_ok=True)
 
@@ -118,5 +136,3 @@ class Site:
 def window(token: str, **extra) -> dict:
     return dict({"token": token, "owner": f"test run {token}", "guard_grace": 600}, **extra)
 
-
-PYTHON = sys.executable

@@ -1,4 +1,4 @@
-"""specops.drafter.sglang_service through Ansible against the development server: the window's states and its guard.
+"""specops.drafter.sglang_service through Ansible against the development server: states and the guard.
 
 The development server runs from .venv-ml with the memory saver; every test starts its own server
 through the module's process backend, so a test never inherits another's window.
@@ -32,9 +32,18 @@ SLEEPER = [sys.executable, "-c", "import time; time.sleep(300)"]
 @pytest.fixture(scope="module", autouse=True)
 def fixture_models():
     if not (FIXTURES / "target/config.json").exists():
-        subprocess.run([str(ML_PYTHON), "-c", "import sys; from specops.fixtures import build_fixtures; "
-                        "build_fixtures(sys.argv[1], train_reference=False)", str(FIXTURES)],
-                       check=True, env=dict(os.environ, PYTHONPATH="src"), timeout=900)
+        subprocess.run(
+            [
+                str(ML_PYTHON),
+                "-c",
+                "import sys; from specops.fixtures import build_fixtures; "
+                "build_fixtures(sys.argv[1], train_reference=False)",
+                str(FIXTURES),
+            ],
+            check=True,
+            env=dict(os.environ, PYTHONPATH="src"),
+            timeout=900,
+        )
 
 
 @pytest.fixture
@@ -71,7 +80,9 @@ def test_released_then_resumed_keeps_the_pid_and_serves(serving):
     assert serving.pid() == pid and resumed["pid"] == pid
     assert released["down_at"] < resumed["ready_at"] <= time.time()
     assert http_status(serving.url + "/health_generate") == 200
-    assert not (serving.state_dir / "window.lock").exists() and not (serving.state_dir / "guard.json").exists()
+    assert (
+        not (serving.state_dir / "window.lock").exists() and not (serving.state_dir / "guard.json").exists()
+    )
 
 
 def test_a_release_of_weights_without_cpu_backup_is_refused_before_anything_is_touched(site_factory):
@@ -106,7 +117,9 @@ class FakeSglang(BaseHTTPRequestHandler):
     def do_GET(self) -> None:
         self.calls.append((self.path, None))
         if self.path in ("/server_info", "/get_server_info"):
-            self._answer(200, {"version": "0.5.23", "enable_memory_saver": True, "enable_weights_cpu_backup": True})
+            self._answer(
+                200, {"version": "0.5.23", "enable_memory_saver": True, "enable_weights_cpu_backup": True}
+            )
         else:
             self._answer(200, {})
 
@@ -127,7 +140,9 @@ def test_a_pause_that_fails_is_continued_and_the_window_given_back(site_factory)
         server.shutdown()
 
     posts = [(path, body) for path, body in FakeSglang.calls if body is not None]
-    assert failed["failed"] and "pause_generation" in failed["msg"] and "generation continued" in failed["msg"]
+    assert (
+        failed["failed"] and "pause_generation" in failed["msg"] and "generation continued" in failed["msg"]
+    )
     assert posts[0] == ("/pause_generation", {"mode": "retract"})
     assert ("/continue_generation", {}) in posts and not any("release" in path for path, _ in posts)
     assert not (site.state_dir / "window.lock").exists() and not (site.state_dir / "released.json").exists()
@@ -179,16 +194,22 @@ def test_exactly_one_resume_when_the_play_and_the_guard_race(serving):
     resumed = serving.run("resumed", window=window("w-race"))
 
     assert not resumed["failed"], resumed.get("msg")
-    assert wait_for(lambda: "guard" in serving.guard_log() or not (serving.state_dir / "guard.json").exists(), 10)
+    assert wait_for(
+        lambda: "guard" in serving.guard_log() or not (serving.state_dir / "guard.json").exists(), 10
+    )
     time.sleep(2)
-    assert serving.pid() == pid, "a second resume would have crashed the scheduler:\n" + serving.log.read_text()
+    assert serving.pid() == pid, (
+        "a second resume would have crashed the scheduler:\n" + serving.log.read_text()
+    )
     assert http_status(serving.url + "/health_generate") == 200
 
 
 def test_the_guard_fires_soon_after_the_windows_work_is_gone(serving):
     token = "w-work"
     work = subprocess.Popen(SLEEPER, env={**os.environ, "SPECOPS_WINDOW_TOKEN": token})
-    stopped = serving.run("stopped", window=window(token, guard_grace=1), env=ansible_env(SPECOPS_WINDOW_TOKEN=token))
+    stopped = serving.run(
+        "stopped", window=window(token, guard_grace=1), env=ansible_env(SPECOPS_WINDOW_TOKEN=token)
+    )
     assert stopped["changed"], stopped.get("msg")
     time.sleep(3)
     assert serving.pid() is None, "the guard must wait while the window's work runs"
@@ -230,8 +251,12 @@ def test_a_second_start_with_the_same_spec_changes_nothing(serving):
 
 
 def test_stop_ends_every_process_of_the_servers_tree_and_records_it(site_factory):
-    forker = [sys.executable, "-c", "import subprocess, sys, time; "
-              "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(300)']); time.sleep(300)"]
+    forker = [
+        sys.executable,
+        "-c",
+        "import subprocess, sys, time; "
+        "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(300)']); time.sleep(300)",
+    ]
     site = site_factory(argv=forker)
     site.argv = forker
     spec = site.args("started")["spec"]
@@ -244,7 +269,9 @@ def test_stop_ends_every_process_of_the_servers_tree_and_records_it(site_factory
 
     recorded = json.loads(Path(stopped["recorded_tree"]).read_text())
     assert stopped["changed"] and len(recorded) == 2 and recorded[0]["pid"] == pid
-    assert all(not Path(f"/proc/{entry['pid']}").exists() or _state(entry["pid"]) == "Z" for entry in recorded)
+    assert all(
+        not Path(f"/proc/{entry['pid']}").exists() or _state(entry["pid"]) == "Z" for entry in recorded
+    )
 
 
 def _state(pid: int) -> str:
@@ -256,8 +283,18 @@ def _state(pid: int) -> str:
 
 def test_started_refuses_an_answer_from_a_process_that_is_not_ours_and_names_the_port_holder(site_factory):
     site = site_factory(*MEMORY_SAVER)
-    with subprocess.Popen([str(ML_PYTHON), "-m", "specops.devserver", "--model-path", str(FIXTURES / "target"),
-                           "--port", str(site.port)], env=dict(os.environ, PYTHONPATH="src")) as stranger:
+    with subprocess.Popen(
+        [
+            str(ML_PYTHON),
+            "-m",
+            "specops.devserver",
+            "--model-path",
+            str(FIXTURES / "target"),
+            "--port",
+            str(site.port),
+        ],
+        env=dict(os.environ, PYTHONPATH="src"),
+    ) as stranger:
         try:
             assert wait_for(lambda: http_status(site.url + "/health_generate") == 200, 120)
             refused = site.run("started")
@@ -268,6 +305,12 @@ def test_started_refuses_an_answer_from_a_process_that_is_not_ours_and_names_the
 
 
 def test_a_start_with_settings_that_cannot_start_names_the_setting(site_factory, tmp_path):
-    site = site_factory(argv=[sys.executable, "-m", "json.tool", "--model-path", str(tmp_path / "Qwen3.6-27b")])
+    site = site_factory(
+        argv=[sys.executable, "-m", "json.tool", "--model-path", str(tmp_path / "Qwen3.6-27b")]
+    )
     refused = site.run("started")
-    assert refused["failed"] and "sglang_service_model_path" in refused["msg"] and "does not exist" in refused["msg"]
+    assert (
+        refused["failed"]
+        and "sglang_service_model_path" in refused["msg"]
+        and "does not exist" in refused["msg"]
+    )
