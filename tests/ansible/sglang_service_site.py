@@ -134,4 +134,3 @@ class Site:
 
 def window(token: str, **extra) -> dict:
     return dict({"token": token, "owner": f"test run {token}", "guard_grace": 600}, **extra)
-
