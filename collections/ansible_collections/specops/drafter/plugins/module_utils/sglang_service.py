@@ -14,7 +14,7 @@ __metaclass__ = type
 import os
 import time
 
-from ansible_collections.specops.drafter.plugins.module_utils import guard_control
+from ansible_collections.specops.drafter.plugins.module_utils import guard_control, procfs
 from ansible_collections.specops.drafter.plugins.module_utils.memory_window import (
     ReleasedMarker,
     flush_until_idle,
@@ -29,6 +29,7 @@ from ansible_collections.specops.drafter.plugins.module_utils.service_errors imp
 from ansible_collections.specops.drafter.plugins.module_utils.service_process import ProcessServer, launch_problems
 from ansible_collections.specops.drafter.plugins.module_utils.service_systemd import SystemdUnit
 from ansible_collections.specops.drafter.plugins.module_utils.sglang_api import SglangApi, releases_weights
+from ansible_collections.specops.drafter.plugins.module_utils.state_files import ensure_dir, write_json
 from ansible_collections.specops.drafter.plugins.module_utils.window_lock import NO_WINDOW_TOKEN, WindowLock
 
 WINDOW_DEFAULTS = {"token": NO_WINDOW_TOKEN, "owner": "sglang_service without a window", "guard_after": 7200,
@@ -147,6 +148,11 @@ class ServiceWindow(object):
             raise ServiceError("%s is not ready at %s: %s" % (self.name, self.api.url, error.msg),
                                **dict(error.fields, **self.result))
         self.result.update(pid=answer["pid"], ready_at=answer["ready_at"])
+        # The serving server's own processes: GPU holders outside them are refused before a window.
+        serving_tree = os.path.join(self.state_dir, "serving_tree.json")
+        ensure_dir(self.state_dir)
+        write_json(serving_tree, procfs.describe_tree(procfs.process_tree(answer["pid"])))
+        self.result["serving_tree"] = serving_tree
         return answer
 
     def _launch(self) -> dict:

@@ -197,6 +197,11 @@ gpu_memory:
   description: The GPU memory check after the release (C(checked) false where nvidia-smi is absent).
   returned: released
   type: dict
+serving_tree:
+  description: The serving server's processes (pid + start time), for a check of the GPU holders that
+    are not ours before a window (gpu_release's tree_file in check mode).
+  returned: when the server was waited for
+  type: str
 recorded_tree:
   description: The server's processes (pid + start time) recorded before the stop, for gpu_release's tree_file.
   returned: when the server was stopped
