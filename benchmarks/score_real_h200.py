@@ -121,9 +121,7 @@ def kernel_profile(drafter, head, sequences, rows: int = 30) -> list[dict]:
             torch.cuda.synchronize()
     key = "self_device_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
     found = sorted(prof.key_averages(), key=lambda e: -getattr(e, key, 0.0))[:rows]
-    return [
-        {"name": e.key[:90], "calls": e.count, "device_ms": getattr(e, key, 0.0) / 1e3} for e in found
-    ]
+    return [{"name": e.key[:90], "calls": e.count, "device_ms": getattr(e, key, 0.0) / 1e3} for e in found]
 
 
 class Record:
@@ -154,9 +152,15 @@ def main() -> None:
     parser.add_argument("--sequences", type=int)
     parser.add_argument("--planted-mean", type=int, default=5, help="mean planted run (as score_h200.py)")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--profile", type=int, default=0, help="also profile the engine on this many completions")
-    parser.add_argument("--deadline", type=float, default=0, help="skip the optional stages after this many s")
-    parser.add_argument("--out", help="JSON file to write (default $OUT/score_real_h200.json when OUT is set)")
+    parser.add_argument(
+        "--profile", type=int, default=0, help="also profile the engine on this many completions"
+    )
+    parser.add_argument(
+        "--deadline", type=float, default=0, help="skip the optional stages after this many s"
+    )
+    parser.add_argument(
+        "--out", help="JSON file to write (default $OUT/score_real_h200.json when OUT is set)"
+    )
     args = parser.parse_args()
 
     shape = dict(SMOKE if args.smoke else REAL)
@@ -165,7 +169,9 @@ def main() -> None:
     device = "cpu" if args.smoke or not torch.cuda.is_available() else "cuda"
     dtype = getattr(torch, shape["dtype"])
     B, L, P = shape["sequences"], shape["length"], shape["prompt"]
-    out = args.out or (os.path.join(os.environ["OUT"], "score_real_h200.json") if os.environ.get("OUT") else None)
+    out = args.out or (
+        os.path.join(os.environ["OUT"], "score_real_h200.json") if os.environ.get("OUT") else None
+    )
     record = Record(out)
 
     def time_left() -> bool:
@@ -201,7 +207,10 @@ def main() -> None:
         device,
     )
     record.stage(
-        "planted", plant_seconds=plant_seconds, planted_steps=planted_steps, planted_tau=B * (L - 1 - P) / planted_steps
+        "planted",
+        plant_seconds=plant_seconds,
+        planted_steps=planted_steps,
+        planted_tau=B * (L - 1 - P) / planted_steps,
     )
     sequences = []
     for b in range(B):
@@ -261,7 +270,9 @@ def main() -> None:
     matching.DEFAULT_POSITIONS_PER_PASS = per_pass
     if time_left():
         subset = sequences[: shape["subset"]]
-        oracle, oracle_seconds = timed(lambda: [sequential_acceptance(drafter, head, s) for s in subset], device)
+        oracle, oracle_seconds = timed(
+            lambda: [sequential_acceptance(drafter, head, s) for s in subset], device
+        )
         identical["sequential_vs_engine"] = same(oracle, results)
         record.stage(
             "sequential oracle",
@@ -272,7 +283,9 @@ def main() -> None:
             },
         )
     if args.profile and time_left():
-        record.stage("kernel profile", kernel_profile=kernel_profile(drafter, head, sequences[: args.profile]))
+        record.stage(
+            "kernel profile", kernel_profile=kernel_profile(drafter, head, sequences[: args.profile])
+        )
     record.stage("done", ok=all(identical.values()))
     print(json.dumps(record.data, indent=2))
     if not record.data["ok"]:

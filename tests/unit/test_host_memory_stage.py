@@ -23,7 +23,9 @@ HUGE_SERVER = 54 * 10**9
 def test_the_plan_carries_host_memory(fixture_models, completions, tmp_path):  # noqa: F811
     fake = meminfo_file(tmp_path, 256, 200)
     planned = extract.plan(
-        request(fixture_models, completions, tmp_path / "hs", meminfo=str(fake), start_signal=str(tmp_path / "s"))
+        request(
+            fixture_models, completions, tmp_path / "hs", meminfo=str(fake), start_signal=str(tmp_path / "s")
+        )
     )
     memory = planned["host_memory"]
     assert memory["weights"] == "pinned" and memory["available_bytes"] == 200 * 2**30
@@ -52,7 +54,11 @@ def test_a_host_too_small_for_both_copies_holds_no_weights_ahead_and_extracts_th
 ):
     signal, out_dir = tmp_path / "start", tmp_path / "held"
     signal.write_text(json.dumps({"signal": "wait", "until": time.time() + 120}))
-    settings = {"window_mode": "memory_saver", "server_weights_bytes": 50 * GIB, "host_memory_reserve_bytes": GIB}
+    settings = {
+        "window_mode": "memory_saver",
+        "server_weights_bytes": 50 * GIB,
+        "host_memory_reserve_bytes": GIB,
+    }
     req = request(fixture_models, completions, out_dir, start_signal=str(signal), **settings)
     # Room for the server's backup and the reserve, and for half of the target's weights beside them.
     weights = extract.plan({**req, "meminfo": str(meminfo_file(tmp_path, 256, 200))})["host_memory"][

@@ -110,9 +110,10 @@ def plan_host_memory(
     if pageable_needs > meminfo.available:
         raise StageError(
             f"host memory: the server's CPU backup of {gib(backup)} in memory-saver mode plus a reserve of "
-            f"{gib(reserve)} needs {gib(pageable_needs)}, but {meminfo.source} shows {gib(meminfo.available)} "
-            "available: the release would fail or the OOM killer would stop a process. Use the stop window "
-            "(specops_gpu_window_mode: stop) or free host memory; the service was not touched"
+            f"{gib(reserve)} needs {gib(pageable_needs)}, but {meminfo.source} shows "
+            f"{gib(meminfo.available)} available: the release would fail or the OOM killer would stop a "
+            "process. Use the stop window (specops_gpu_window_mode: stop) or free host memory; the service "
+            "was not touched"
         )
     if not prestart:
         weights, reason = "pageable", "the extraction is not started ahead of the window: it loads inside it"

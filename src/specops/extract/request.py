@@ -114,7 +114,12 @@ REQUEST = Schema(
             "Host memory left to everything else; 0 is the larger of 4 GiB and 5% of the host's.",
             default=0,
         ),
-        Option("meminfo", "path", "The host's memory figures, in /proc/meminfo's format.", default="/proc/meminfo"),
+        Option(
+            "meminfo",
+            "path",
+            "The host's memory figures, in /proc/meminfo's format.",
+            default="/proc/meminfo",
+        ),
     ),
 )
 DEFAULTS: dict[str, Any] = REQUEST.defaults

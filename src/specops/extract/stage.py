@@ -22,8 +22,8 @@ from specops.extract import start_signal
 from specops.extract.backend_guard import backend_plan, check_backend
 from specops.extract.capture import LayerCapture, decoder_body
 from specops.extract.devices import DevicePlan, describe_device, plan_for, resolve_device_dtype
-from specops.extract.host_memory import plan_host_memory, read_meminfo
 from specops.extract.extraction import ExtractionSettings, extract_shards
+from specops.extract.host_memory import plan_host_memory, read_meminfo
 from specops.extract.outputs import stage_result, write_extraction_manifest
 from specops.extract.parity import checked_parity
 from specops.extract.prepared import Prepared, prepare

@@ -167,7 +167,9 @@ def hold(prep: Any, load: Callable[[Any], Any], host_memory: dict[str, Any] | No
     return _wait(path, figures, model=model)
 
 
-def _wait(path: Path, figures: dict[str, Any], load_on: Callable[[Any], Any] | None = None, model: Any = None) -> Held:
+def _wait(
+    path: Path, figures: dict[str, Any], load_on: Callable[[Any], Any] | None = None, model: Any = None
+) -> Held:
     """Say "waiting", wait for go, say "started" (or "stopped", raising NotStarted)."""
     write_state(path, "waiting", **figures)
     log(f"waiting for go in {path}")
