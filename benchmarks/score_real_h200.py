@@ -151,6 +151,13 @@ def main() -> None:
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on CPU in fp32")
     parser.add_argument("--sequences", type=int)
     parser.add_argument("--planted-mean", type=int, default=5, help="mean planted run (as score_h200.py)")
+    parser.add_argument(
+        "--margin-factor",
+        type=float,
+        default=4.0,
+        help="planted runs stop at a draft whose top-2 gap is under this many times the logit noise; "
+        "lower plants longer runs (tau nearer planted-mean + 1) with closer calls",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
         "--profile", type=int, default=0, help="also profile the engine on this many completions"
@@ -192,7 +199,7 @@ def main() -> None:
     features = torch.randn(B, L, 5, shape["hidden"], device=device, generator=generator, dtype=dtype)
     ids = torch.randint(0, shape["vocab"] - 1, (B, L), device=device, generator=generator)
     noise = logit_noise(drafter, head, features, ids, P)
-    threshold = max(4 * noise, 1e-4)
+    threshold = max(args.margin_factor * noise, 1e-4)
     rows = torch.randn(1024, shape["hidden"], device=device, dtype=dtype)
     head.logits(rows)
     _, head_seconds = timed(lambda: [head.logits(rows) for _ in range(5)], device)
