@@ -13,6 +13,12 @@
 # resume (or start), pinning and the copy to the device grow with the weights, and projects them to
 # Qwen3.6-27B's 54 GB.
 #
+# The 14b target takes 29.4 GB of disk (with big's 5.1 GB and the ML environment, ~40 GB of the host's
+# 64), is built once (random init on the GPU, save_pretrained; about a minute or two), and in
+# memory-saver mode asks the host for its pinned weights and the server's CPU backup, ~65 GB (the
+# plan's host_memory says whether they were pinned). A command runs at most 10 minutes: split the
+# plays over calls with PLAYS and TARGETS, keeping $WORK.
+#
 # Run from the checkout on the GPU host, with the wheels in .whl/ (benchmarks/README.md):
 #   TARGETS="fixture big 14b" benchmarks/eval_h200.sh
 # On a host that keeps $WORK between calls, a later call adds its plays to the same results:
