@@ -83,3 +83,9 @@ def test_the_served_model_may_differ_from_the_target():
     host = Meminfo(total=256 * GIB, available=200 * GIB, source="test")
     plan = plan_host_memory(5 * 10**9, "memory_saver", True, "auto", host, server_weights_bytes=QWEN36_27B)
     assert plan["server_cpu_backup_bytes"] == QWEN36_27B and plan["weights"] == "pinned"
+
+
+def test_a_small_host_in_the_stop_window_is_not_refused():
+    host = Meminfo(total=4 * GIB, available=2 * GIB, source="test")
+    plan = plan_host_memory(10**9, "stop", True, "auto", host)
+    assert plan["weights"] == "pageable"

@@ -107,7 +107,8 @@ def plan_host_memory(
     parts.append(f"{gib(reserve)} reserve")
     pinning = f"{' + '.join(parts)} = {gib(pinned_needs)}, {gib(meminfo.available)} available"
 
-    if pageable_needs > meminfo.available:
+    # Without a backup nothing is required of the host up front: a small host still extracts (stop mode).
+    if backup and pageable_needs > meminfo.available:
         raise StageError(
             f"host memory: the server's CPU backup of {gib(backup)} in memory-saver mode plus a reserve of "
             f"{gib(reserve)} needs {gib(pageable_needs)}, but {meminfo.source} shows "
