@@ -249,7 +249,8 @@ class ServiceWindow(object):
     def released(self) -> dict:
         info = self._memory_saver_info()  # before anything is touched
         tags = list(self.params.get("tags") or [])
-        self.result.update(version=info.get("version"), released_tags=tags)
+        self.result.update(version=info.get("version"), released_tags=tags,
+                           memory_saver_backend=info.get("memory_saver_backend"))
         self.lock.check(self.token)
         if is_released(self.state_dir):
             self.result["msg"] = "already released (marker %s)" % ReleasedMarker(self.state_dir).path

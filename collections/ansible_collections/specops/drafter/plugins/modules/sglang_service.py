@@ -185,6 +185,11 @@ server_start_s:
   description: Seconds from the launch to the first 200.
   returned: when the server was started
   type: float
+memory_saver_backend:
+  description: What frees the memory on the server, as its server info says (the development server's
+    C(torch_memory_saver <version>) on CUDA); absent where the server does not say.
+  returned: released
+  type: str
 pause_mode:
   description: C(retract), or C(drain then abort) on versions without pause modes.
   returned: released
