@@ -18,27 +18,84 @@ export PYTHONDONTWRITEBYTECODE := 1
 test test-%: export PYTHONPATH := $(CURDIR)/src
 
 .PHONY: help demo demo-stop test test-in-order test-python test-ansible test-lint test-sanity test-units \
-        test-integration test-systemd system-deps ml-env venv clean
+        test-integration test-systemd system-deps ml-env venv lock lock-check clean
 
 help:
 	@echo "make demo   - set up, then run playbooks/eval.yml on the local default and print the report path"
 	@echo "make test   - run every test suite (lint, sanity, units, package, playbooks, systemd)"
 
-$(VENV)/.stamp: requirements/control.txt
+# uv fills the environments from the locks (seconds where pip takes minutes) and compiles them; it
+# lives in a small environment of its own, installed by pip from a hash-pinned lock.
+UV_ENV := .work/uv
+UV := $(UV_ENV)/bin/uv
+# Exactly what a lock says: every dependency is in it, each file is checked against its hashes.
+UV_INSTALL_LOCK = $(UV) pip install --require-hashes --no-deps --python
+# torch is not in ml.lock: the host's pip configuration (index, wheelhouse) provides it, here a local
+# CPU wheel. The version is the one the local inventory asks the fla_env role for.
+ML_TORCH = $(shell sed -n 's/^fla_env_torch: *//p' inventory/local/group_vars/gpu_hosts.yml)
+PURELIB = $$($(1)/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+
+$(UV_ENV)/.stamp: requirements/bootstrap.lock
 	@test -n "$(PYTHON_CONTROL)" || { echo "Python 3.12 is required for ansible-core 2.21 (set PYTHON_CONTROL)"; exit 1; }
-	$(PYTHON_CONTROL) -m venv $(VENV)
-	$(VENV)/bin/pip install -q -r requirements/control.txt
+	@echo "== $(UV_ENV): uv, from requirements/bootstrap.lock"
+	$(PYTHON_CONTROL) -m venv --clear $(UV_ENV)
+	$(UV_ENV)/bin/pip install --progress-bar on --require-hashes --no-deps -r requirements/bootstrap.lock
+	touch $@
+
+# --clear: a rebuilt environment holds what the lock says and nothing left over from an older one.
+$(VENV)/.stamp: $(UV_ENV)/.stamp requirements/test.lock requirements/collections.yml \
+                requirements/collection-sources.lock requirements/install_collections.py
+	@echo "== $(VENV): Python $(PYTHON_CONTROL), the control node's runtime and the test tools (requirements/test.lock)"
+	$(PYTHON_CONTROL) -m venv --clear $(VENV)
+	$(UV_INSTALL_LOCK) $(VENV)/bin/python -r requirements/test.lock
+	@echo "== $(VENV): collections of requirements/collections.yml"
+	$(VENV)/bin/python requirements/install_collections.py requirements/collections.yml \
+	  --source-lock requirements/collection-sources.lock --dest "$(call PURELIB,$(VENV))"
 	touch $@
 
 venv: $(VENV)/.stamp
 
-# The ML environment is built by the fla_env role, the same code that builds it on GPU hosts.
-$(ML_VENV)/.stamp: $(VENV)/.stamp pyproject.toml requirements/ml-dev.txt
-	$(ANSIBLE_PLAYBOOK) playbooks/ml_env.yml -e fla_env_python=$(PYTHON_ML)
-	$(ML_VENV)/bin/pip install -q -r requirements/ml-dev.txt
+# The ML environment is built by the fla_env role, the same code that builds it on GPU hosts, from the
+# same lock (the role's default). The steps before it fill it with what the role would install, with
+# progress shown (inside a module pip runs silently for minutes); the role then installs specops,
+# finds the rest satisfied and verifies the backend.
+$(ML_VENV)/.stamp: $(VENV)/.stamp pyproject.toml requirements/ml.lock requirements/ml-dev.lock
+	@test -n "$(PYTHON_ML)" || { echo "Python 3.11 is required for the ML environment (set PYTHON_ML)"; exit 1; }
+	@echo "== $(ML_VENV): Python $(PYTHON_ML), requirements/ml.lock and ml-dev.lock"
+	$(PYTHON_ML) -m venv --clear $(ML_VENV)
+	$(UV_INSTALL_LOCK) $(ML_VENV)/bin/python -r requirements/ml.lock -r requirements/ml-dev.lock
+	@echo "== $(ML_VENV): $(ML_TORCH) from pip's configured index or wheelhouse"
+	$(ML_VENV)/bin/pip install --progress-bar on --no-deps "$(ML_TORCH)"
+	@echo "== $(ML_VENV): specops and the backend check (fla_env role)"
+	$(ANSIBLE_PLAYBOOK) playbooks/ml_env.yml -e fla_env_python=$(PYTHON_ML) -e fla_env_venv=$(CURDIR)/$(ML_VENV)
 	touch $@
 
 ml-env: $(ML_VENV)/.stamp
+
+# The locks, from the .in files next to them (and pyproject.toml for ml.lock). Hashes of every file
+# of each pinned version, so a host of another platform can check what it installs.
+# control and test: any platform, Python 3.12 (ansible-core 2.21). ml: the Python and platform the
+# ML environment is tested on (its torch wheel decides the rest); GPU hosts take the same pins.
+# torch's CPU wheel is found where pip's configuration looks (find-links); uv does not read pip's files.
+PIP_WHEELHOUSES = $(or $(PIP_FIND_LINKS),$(shell $(PYTHON_CONTROL) -m pip config get global.find-links 2>/dev/null))
+LOCK = $(UV) pip compile --quiet --generate-hashes --custom-compile-command "make lock"
+lock: $(UV_ENV)/.stamp
+	$(LOCK) --universal --python-version 3.12 requirements/bootstrap.in -o requirements/bootstrap.lock
+	$(LOCK) --universal --python-version 3.12 requirements/control.in -o requirements/control.lock
+	$(LOCK) --universal --python-version 3.12 requirements/test.in -o requirements/test.lock
+	$(LOCK) --python-version 3.12 --no-deps requirements/collection-sources.in -o requirements/collection-sources.lock
+	$(LOCK) --python-version 3.11 --python-platform x86_64-manylinux_2_28 --no-emit-package torch \
+	  $(foreach dir,$(PIP_WHEELHOUSES),--find-links $(dir)) pyproject.toml --extra ml requirements/ml.in -o requirements/ml.lock
+	$(LOCK) --python-version 3.11 --python-platform x86_64-manylinux_2_28 requirements/ml-dev.in -o requirements/ml-dev.lock
+
+# Environments rebuilt from the locks hold exactly the locked versions: builds both again under other
+# names and compares their `pip freeze` with the locks.
+LOCK_CHECK_VENV := .venv-lock-check
+lock-check:
+	$(MAKE) VENV=$(LOCK_CHECK_VENV) ML_VENV=$(LOCK_CHECK_VENV)-ml $(LOCK_CHECK_VENV)-ml/.stamp
+	$(LOCK_CHECK_VENV)/bin/python requirements/check_lock.py requirements/test.lock
+	$(LOCK_CHECK_VENV)-ml/bin/python requirements/check_lock.py requirements/ml.lock \
+	  requirements/ml-dev.lock --also "$(ML_TORCH)" --also specops==$$(sed -n 's/^version = "\(.*\)"/\1/p' pyproject.toml)
 
 demo: $(VENV)/.stamp
 	$(ANSIBLE_PLAYBOOK) playbooks/eval.yml -e fla_env_python=$(PYTHON_ML)
