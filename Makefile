@@ -29,7 +29,9 @@ help:
 UV_ENV := .work/uv
 UV := $(UV_ENV)/bin/uv
 # Exactly what a lock says: every dependency is in it, each file is checked against its hashes.
-UV_INSTALL_LOCK = $(UV) pip install --require-hashes --no-deps --python
+# --compile-bytecode: make exports PYTHONDONTWRITEBYTECODE, so without it every ansible-playbook run
+# would compile ansible-core again.
+UV_INSTALL_LOCK = $(UV) pip install --require-hashes --no-deps --compile-bytecode --python
 # torch is not in ml.lock: the host's pip configuration (index, wheelhouse) provides it, here a local
 # CPU wheel. The version is the one the local inventory asks the fla_env role for.
 ML_TORCH = $(shell sed -n 's/^fla_env_torch: *//p' inventory/local/group_vars/gpu_hosts.yml)
