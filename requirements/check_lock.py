@@ -1,10 +1,10 @@
 #!/usr/bin/env python3
 """Compare an environment's `pip freeze` with the locks it was built from.
 
-Run it with the environment's own interpreter: the locks' markers are evaluated for it.
-Every locked package whose marker applies must be installed at its locked version, and nothing else may be installed
-except what --also names (torch, which the host's index decides, and specops itself, which must be
-recorded by version, never as a file:// path of a temporary copy). Exit 1 with the differences.
+Run it with the environment's own interpreter: the locks' markers are evaluated for it. Every
+locked package whose marker applies must be installed at its locked version, and nothing else may be
+installed except what --also names (torch, which the host's index decides, and specops itself,
+which must be recorded by version, never as a file:// path of a temporary copy). Exit 1 with the differences.
 
     .venv-ml/bin/python requirements/check_lock.py requirements/ml.lock requirements/ml-dev.lock \
         --also torch==2.13.0 --also specops==0.1.0
@@ -46,8 +46,9 @@ def locked(paths: list[Path]) -> dict[str, str]:
 
 
 def frozen() -> dict[str, str]:
-    out = subprocess.run([sys.executable, "-m", "pip", "freeze", "--all"], check=True,
-                         capture_output=True, text=True).stdout
+    out = subprocess.run(
+        [sys.executable, "-m", "pip", "freeze", "--all"], check=True, capture_output=True, text=True
+    ).stdout
     found = {}
     for line in out.splitlines():
         match = PIN.match(line)
@@ -60,10 +61,16 @@ def frozen() -> dict[str, str]:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("locks", type=Path, nargs="+")
-    parser.add_argument("--also", action="append", default=[],
-                        help="name==version installed beside the locks (a local version label +cpu matches)")
+    parser.add_argument(
+        "--also",
+        action="append",
+        default=[],
+        help="name==version installed beside the locks (a local version label +cpu matches)",
+    )
     args = parser.parse_args()
 
     want = locked(args.locks)

@@ -40,8 +40,22 @@ def download_wheel(source_lock: Path, cache: Path) -> Path:
     log(f"downloading {name}=={version} from the package index (about 50 MB)")
     started = time.monotonic()
     subprocess.run(
-        [sys.executable, "-m", "pip", "download", "--no-deps", "--require-hashes", "--progress-bar", "on",
-         "--only-binary", ":all:", "-r", str(source_lock), "-d", str(cache)],
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "download",
+            "--no-deps",
+            "--require-hashes",
+            "--progress-bar",
+            "on",
+            "--only-binary",
+            ":all:",
+            "-r",
+            str(source_lock),
+            "-d",
+            str(cache),
+        ],
         check=True,
     )
     wheel = next(cache.glob(f"{name}-{version}-*.whl"))
@@ -75,11 +89,19 @@ def install(wheel: Path, namespace: str, name: str, version: str | None, dest: P
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("requirements", type=Path, help="galaxy requirements file (collections: name, version)")
-    parser.add_argument("--source-lock", type=Path, required=True, help="hash-pinned `ansible` wheel requirement")
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "requirements", type=Path, help="galaxy requirements file (collections: name, version)"
+    )
+    parser.add_argument(
+        "--source-lock", type=Path, required=True, help="hash-pinned `ansible` wheel requirement"
+    )
     parser.add_argument("--dest", type=Path, required=True, help="directory that gets ansible_collections/")
-    parser.add_argument("--cache", type=Path, default=Path(".work/collection-wheels"), help="where the wheel is kept")
+    parser.add_argument(
+        "--cache", type=Path, default=Path(".work/collection-wheels"), help="where the wheel is kept"
+    )
     args = parser.parse_args()
 
     wanted = yaml.safe_load(args.requirements.read_text())["collections"]
