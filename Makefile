@@ -10,6 +10,8 @@ find_python = $(shell for p in $$HOME/.pyenv/versions/$(1)*/bin/python$(1) $$(co
 PYTHON_CONTROL ?= $(call find_python,3.12)
 PYTHON_ML ?= $(call find_python,3.11)
 VENV := .venv
+# Labels a long step's output and says it is still working when it is quiet (see .ci/heartbeat.py).
+HEARTBEAT = $(PYTHON_CONTROL) $(CURDIR)/.ci/heartbeat.py
 ML_VENV := .venv-ml
 ANSIBLE_PLAYBOOK := $(VENV)/bin/ansible-playbook
 export ANSIBLE_CONFIG := $(CURDIR)/ansible.cfg
@@ -18,7 +20,8 @@ export PYTHONDONTWRITEBYTECODE := 1
 test test-%: export PYTHONPATH := $(CURDIR)/src
 
 .PHONY: help demo demo-stop test test-in-order test-python test-ansible test-lint test-sanity test-units \
-        test-integration test-systemd system-deps ml-env venv lock lock-check clean
+        test-integration test-systemd test-fixtures test-models test-fixtures-untrained system-deps ml-env \
+        venv lock lock-check clean
 
 help:
 	@echo "make demo   - set up, then run playbooks/eval.yml on the local default and print the report path"
@@ -49,9 +52,9 @@ $(VENV)/.stamp: $(UV_ENV)/.stamp requirements/test.lock requirements/collections
                 requirements/collection-sources.lock requirements/install_collections.py
 	@echo "== $(VENV): Python $(PYTHON_CONTROL), the control node's runtime and the test tools (requirements/test.lock)"
 	$(PYTHON_CONTROL) -m venv --clear $(VENV)
-	$(UV_INSTALL_LOCK) $(VENV)/bin/python -r requirements/test.lock
+	$(HEARTBEAT) venv $(UV_INSTALL_LOCK) $(VENV)/bin/python -r requirements/test.lock
 	@echo "== $(VENV): collections of requirements/collections.yml"
-	$(VENV)/bin/python requirements/install_collections.py requirements/collections.yml \
+	$(HEARTBEAT) venv $(VENV)/bin/python requirements/install_collections.py requirements/collections.yml \
 	  --source-lock requirements/collection-sources.lock --dest "$(call PURELIB,$(VENV))"
 	touch $@
 
@@ -65,11 +68,11 @@ $(ML_VENV)/.stamp: $(VENV)/.stamp pyproject.toml requirements/ml.lock requiremen
 	@test -n "$(PYTHON_ML)" || { echo "Python 3.11 is required for the ML environment (set PYTHON_ML)"; exit 1; }
 	@echo "== $(ML_VENV): Python $(PYTHON_ML), requirements/ml.lock and ml-dev.lock"
 	$(PYTHON_ML) -m venv --clear $(ML_VENV)
-	$(UV_INSTALL_LOCK) $(ML_VENV)/bin/python -r requirements/ml.lock -r requirements/ml-dev.lock
+	$(HEARTBEAT) ml-env $(UV_INSTALL_LOCK) $(ML_VENV)/bin/python -r requirements/ml.lock -r requirements/ml-dev.lock
 	@echo "== $(ML_VENV): $(ML_TORCH) from pip's configured index or wheelhouse"
-	$(ML_VENV)/bin/pip install --progress-bar on --no-deps "$(ML_TORCH)"
+	$(HEARTBEAT) ml-env $(ML_VENV)/bin/pip install --progress-bar on --no-deps "$(ML_TORCH)"
 	@echo "== $(ML_VENV): specops and the backend check (fla_env role)"
-	$(ANSIBLE_PLAYBOOK) playbooks/ml_env.yml -e fla_env_python=$(PYTHON_ML) -e fla_env_venv=$(CURDIR)/$(ML_VENV)
+	$(HEARTBEAT) ml-env $(ANSIBLE_PLAYBOOK) playbooks/ml_env.yml -e fla_env_python=$(PYTHON_ML) -e fla_env_venv=$(CURDIR)/$(ML_VENV)
 	touch $@
 
 ml-env: $(ML_VENV)/.stamp
@@ -99,8 +102,8 @@ lock-check:
 	$(LOCK_CHECK_VENV)-ml/bin/python requirements/check_lock.py requirements/ml.lock \
 	  requirements/ml-dev.lock --also "$(ML_TORCH)" --also specops==$$(sed -n 's/^version = "\(.*\)"/\1/p' pyproject.toml)
 
-demo: $(VENV)/.stamp
-	$(ANSIBLE_PLAYBOOK) playbooks/eval.yml -e fla_env_python=$(PYTHON_ML)
+demo: $(VENV)/.stamp $(ML_VENV)/.stamp
+	$(HEARTBEAT) demo $(ANSIBLE_PLAYBOOK) playbooks/eval.yml -e fla_env_python=$(PYTHON_ML)
 	@echo "Report: $(CURDIR)/.work/demo/run/score/report.md"
 
 demo-stop: $(VENV)/.stamp
@@ -110,12 +113,42 @@ system-deps:
 	@command -v debootstrap >/dev/null && command -v systemd-nspawn >/dev/null || \
 	  { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq debootstrap systemd-container; }
 
+# Fixture models, built once before the lanes start, each build saying its steps:
+# TEST_MODELS has the trained reference drafter: the playbooks of the integration and fleet tests
+# read it, and so do the unit tests that need a drafter trained on the target. TEST_FIXTURES holds
+# the same target and drafter with an untrained reference: the unit and module tests read it.
+TEST_MODELS := $(CURDIR)/.work/test-models
+TEST_FIXTURES := $(CURDIR)/.work/test-fixtures
+test test-%: export SPECOPS_TEST_MODELS := $(TEST_MODELS)
+test test-%: export SPECOPS_FIXTURES := $(TEST_FIXTURES)
+
+# Per-test durations of every suite land here (JUnit XML, and the slowest in each log), so lanes
+# can be balanced on measured numbers.
+TEST_REPORTS := $(CURDIR)/.work/test-reports
+# -v: one line per test, so a lane shows where it is; --durations: slow tests are named in every run.
+PYTEST_FLAGS = -v -p no:cacheprovider --durations=25 --durations-min=1 --junitxml=$(TEST_REPORTS)/$@.xml
+# Spread over both cores, a file per worker: module-scoped fixtures (servers, engines) stay built once.
+XDIST = -n 2 --dist loadfile
+
+test-fixtures: $(ML_VENV)/.stamp
+	$(MAKE) -j2 test-models test-fixtures-untrained
+
+test-models: $(ML_VENV)/.stamp
+	$(HEARTBEAT) models $(ML_VENV)/bin/python -m specops.fixtures --out $(TEST_MODELS) --prompts prompts/coding.jsonl
+
+test-fixtures-untrained: $(ML_VENV)/.stamp
+	$(HEARTBEAT) fixtures $(ML_VENV)/bin/python -m specops.fixtures --out $(TEST_FIXTURES) --no-reference-training
+
 # Three lanes side by side: the integration suite (plays against development servers of its own, on
-# free ports, in its own directories), the systemd suite (mostly waiting: debootstrap, a container
-# booting systemd), and the other suites one after another. Each pytest run of a lane keeps its own
-# temporary root, so no run's clean-up of old temporary directories removes another's.
+# free ports, in its own directories: the critical path), the systemd suite (mostly waiting:
+# debootstrap, a container booting systemd), and the other suites one after another, each spread
+# over both cores. Every line a lane prints carries its name and shows as soon as it is written; a
+# lane quiet for 25 s says so. Each pytest run keeps its own temporary root, so no run's clean-up
+# of old temporary directories removes another's.
 test: system-deps $(VENV)/.stamp $(ML_VENV)/.stamp
-	$(MAKE) -j3 --output-sync=target test-in-order test-integration test-systemd
+	$(MAKE) test-fixtures
+	mkdir -p $(TEST_REPORTS)
+	$(MAKE) -j3 --output-sync=none test-in-order test-integration test-systemd
 
 test-in-order: $(VENV)/.stamp $(ML_VENV)/.stamp
 	$(MAKE) -j1 test-python test-ansible test-lint test-sanity test-units
@@ -123,29 +156,29 @@ test-in-order: $(VENV)/.stamp $(ML_VENV)/.stamp
 test-python: $(ML_VENV)/.stamp
 	$(ML_VENV)/bin/ruff check src tests benchmarks roles
 	$(ML_VENV)/bin/ruff format --check src tests benchmarks roles
-	$(ML_VENV)/bin/mypy
-	$(ML_VENV)/bin/pytest -q tests/unit
+	$(HEARTBEAT) mypy $(ML_VENV)/bin/mypy
+	$(HEARTBEAT) unit $(ML_VENV)/bin/pytest $(PYTEST_FLAGS) $(XDIST) tests/unit
 
 test-ansible: $(VENV)/.stamp $(ML_VENV)/.stamp
-	$(VENV)/bin/pytest -q tests/ansible
+	$(HEARTBEAT) ansible $(VENV)/bin/pytest $(PYTEST_FLAGS) $(XDIST) tests/ansible
 
 test-lint: $(VENV)/.stamp
-	$(VENV)/bin/ansible-lint --profile production
+	$(HEARTBEAT) lint $(VENV)/bin/ansible-lint --profile production
 
 test-sanity: $(VENV)/.stamp
-	./tests/run-ansible-test.sh sanity
+	$(HEARTBEAT) sanity ./tests/run-ansible-test.sh sanity
 
 test-units: $(VENV)/.stamp
-	./tests/run-ansible-test.sh units
+	$(HEARTBEAT) units ./tests/run-ansible-test.sh units
 
-# --durations: the slowest tests are named in every run, so a new slow one is seen.
 test-integration: $(VENV)/.stamp $(ML_VENV)/.stamp
 	mkdir -p /tmp/specops-pytest-integration
-	PYTEST_DEBUG_TEMPROOT=/tmp/specops-pytest-integration $(VENV)/bin/pytest -q --durations=10 tests/integration
+	PYTEST_DEBUG_TEMPROOT=/tmp/specops-pytest-integration \
+	  $(HEARTBEAT) integration $(VENV)/bin/pytest $(PYTEST_FLAGS) tests/integration
 
 test-systemd: system-deps $(VENV)/.stamp $(ML_VENV)/.stamp
 	mkdir -p /tmp/specops-pytest-systemd
-	PYTEST_DEBUG_TEMPROOT=/tmp/specops-pytest-systemd $(VENV)/bin/pytest -q tests/systemd
+	PYTEST_DEBUG_TEMPROOT=/tmp/specops-pytest-systemd $(HEARTBEAT) systemd $(VENV)/bin/pytest $(PYTEST_FLAGS) tests/systemd
 
 clean:
 	rm -rf .work
