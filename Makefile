@@ -83,15 +83,19 @@ ml-env: $(ML_VENV)/.stamp
 # ML environment is tested on (its torch wheel decides the rest); GPU hosts take the same pins.
 # torch's CPU wheel is found where pip's configuration looks (find-links); uv does not read pip's files.
 PIP_WHEELHOUSES = $(or $(PIP_FIND_LINKS),$(shell $(PYTHON_CONTROL) -m pip config get global.find-links 2>/dev/null))
-LOCK = $(UV) pip compile --quiet --generate-hashes --custom-compile-command "make lock"
+# A lock whose content did not change keeps its date, so the environments built from it stay current.
+# uv keeps the versions an existing output file pins (upgrade with: make lock LOCK_FLAGS=--upgrade).
+LOCK = compile_lock() { out="$$1"; shift; cp "$$out" "$$out.new" 2>/dev/null; \
+         $(UV) pip compile $(LOCK_FLAGS) --quiet --generate-hashes --custom-compile-command "make lock" "$$@" -o "$$out.new" && \
+         { cmp -s "$$out.new" "$$out" && rm "$$out.new" || { mv "$$out.new" "$$out"; echo "updated $$out"; }; }; }; compile_lock
 lock: $(UV_ENV)/.stamp
-	$(LOCK) --universal --python-version 3.12 requirements/bootstrap.in -o requirements/bootstrap.lock
-	$(LOCK) --universal --python-version 3.12 requirements/control.in -o requirements/control.lock
-	$(LOCK) --universal --python-version 3.12 requirements/test.in -o requirements/test.lock
-	$(LOCK) --python-version 3.12 --no-deps requirements/collection-sources.in -o requirements/collection-sources.lock
-	$(LOCK) --python-version 3.11 --python-platform x86_64-manylinux_2_28 --no-emit-package torch \
-	  $(foreach dir,$(PIP_WHEELHOUSES),--find-links $(dir)) pyproject.toml --extra ml requirements/ml.in -o requirements/ml.lock
-	$(LOCK) --python-version 3.11 --python-platform x86_64-manylinux_2_28 requirements/ml-dev.in -o requirements/ml-dev.lock
+	$(LOCK) requirements/bootstrap.lock --universal --python-version 3.12 requirements/bootstrap.in
+	$(LOCK) requirements/control.lock --universal --python-version 3.12 requirements/control.in
+	$(LOCK) requirements/test.lock --universal --python-version 3.12 requirements/test.in
+	$(LOCK) requirements/collection-sources.lock --python-version 3.12 --no-deps requirements/collection-sources.in
+	$(LOCK) requirements/ml.lock --python-version 3.11 --python-platform x86_64-manylinux_2_28 --no-emit-package torch \
+	  $(foreach dir,$(PIP_WHEELHOUSES),--find-links $(dir)) pyproject.toml --extra ml requirements/ml.in
+	$(LOCK) requirements/ml-dev.lock --python-version 3.11 --python-platform x86_64-manylinux_2_28 requirements/ml-dev.in
 
 # Environments rebuilt from the locks hold exactly the locked versions: builds both again under other
 # names and compares their `pip freeze` with the locks.
