@@ -20,8 +20,8 @@ export PYTHONDONTWRITEBYTECODE := 1
 test test-%: export PYTHONPATH := $(CURDIR)/src
 
 .PHONY: help demo demo-stop test test-in-order test-python test-ansible test-lint test-sanity test-units \
-        test-integration test-systemd test-fixtures test-models test-fixtures-untrained system-deps ml-env \
-        venv lock lock-check clean
+        test-integration test-systemd test-fixtures test-models test-in-order-lane test-integration-lane \
+        system-deps ml-env venv lock lock-check clean
 
 help:
 	@echo "make demo   - set up, then run playbooks/eval.yml on the local default and print the report path"
@@ -117,10 +117,11 @@ system-deps:
 	@command -v debootstrap >/dev/null && command -v systemd-nspawn >/dev/null || \
 	  { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq debootstrap systemd-container; }
 
-# Fixture models, built once before the lanes start, each build saying its steps:
-# TEST_MODELS has the trained reference drafter: the playbooks of the integration and fleet tests
-# read it, and so do the unit tests that need a drafter trained on the target. TEST_FIXTURES holds
-# the same target and drafter with an untrained reference: the unit and module tests read it.
+# Fixture models, each built once per run and shared, each build saying its steps: TEST_MODELS has
+# the trained reference drafter (the playbooks of the integration and fleet tests read it, and so do
+# the unit tests that need a drafter trained on the target); TEST_FIXTURES holds the same target and
+# drafter with an untrained reference (the unit and module tests read it). A suite run on its own
+# builds what it needs itself.
 TEST_MODELS := $(CURDIR)/.work/test-models
 TEST_FIXTURES := $(CURDIR)/.work/test-fixtures
 test test-%: export SPECOPS_TEST_MODELS := $(TEST_MODELS)
@@ -134,25 +135,28 @@ PYTEST_FLAGS = -v -p no:cacheprovider --durations=25 --durations-min=1 --junitxm
 # Spread over both cores, a file per worker: module-scoped fixtures (servers, engines) stay built once.
 XDIST = -n 2 --dist loadfile
 
-test-fixtures: $(ML_VENV)/.stamp
-	$(MAKE) -j2 test-models test-fixtures-untrained
-
 test-models: $(ML_VENV)/.stamp
 	$(HEARTBEAT) models $(ML_VENV)/bin/python -m specops.fixtures --out $(TEST_MODELS) --prompts prompts/coding.jsonl
 
-test-fixtures-untrained: $(ML_VENV)/.stamp
+test-fixtures: $(ML_VENV)/.stamp
 	$(HEARTBEAT) fixtures $(ML_VENV)/bin/python -m specops.fixtures --out $(TEST_FIXTURES) --no-reference-training
 
 # Three lanes side by side: the integration suite (plays against development servers of its own, on
 # free ports, in its own directories: the critical path), the systemd suite (mostly waiting:
-# debootstrap, a container booting systemd), and the other suites one after another, each spread
-# over both cores. Every line a lane prints carries its name and shows as soon as it is written; a
-# lane quiet for 25 s says so. Each pytest run keeps its own temporary root, so no run's clean-up
-# of old temporary directories removes another's.
+# debootstrap, a container booting systemd; it starts at once), and the other suites one after
+# another, each spread over both cores. The fixture models are built by this make, once, while the
+# systemd lane starts; the lanes that read them wait for them. Every line a lane prints carries its
+# name and shows as soon as it is written; a lane quiet for 25 s says so. Each pytest run keeps its
+# own temporary root, so no run's clean-up of old temporary directories removes another's.
 test: system-deps $(VENV)/.stamp $(ML_VENV)/.stamp
-	$(MAKE) test-fixtures
 	mkdir -p $(TEST_REPORTS)
-	$(MAKE) -j3 --output-sync=none test-in-order test-integration test-systemd
+	$(MAKE) -j3 --output-sync=none test-in-order-lane test-integration-lane test-systemd
+
+test-in-order-lane: test-models test-fixtures
+	$(MAKE) test-in-order
+
+test-integration-lane: test-models
+	$(MAKE) test-integration
 
 test-in-order: $(VENV)/.stamp $(ML_VENV)/.stamp
 	$(MAKE) -j1 test-python test-ansible test-lint test-sanity test-units
