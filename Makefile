@@ -61,16 +61,19 @@ $(VENV)/.stamp: $(UV_ENV)/.stamp requirements/test.lock requirements/collections
 venv: $(VENV)/.stamp
 
 # The ML environment is built by the fla_env role, the same code that builds it on GPU hosts, from the
-# same lock (the role's default). The steps before it fill it with what the role would install, with
-# progress shown (inside a module pip runs silently for minutes); the role then installs specops,
-# finds the rest satisfied and verifies the backend.
-$(ML_VENV)/.stamp: $(VENV)/.stamp pyproject.toml requirements/ml.lock requirements/ml-dev.lock
+# same lock (the role's default). The first steps fill it with what the role would install, with
+# progress shown (inside a module pip runs silently for minutes), and run again only when a lock
+# changes; the role then installs specops, finds the rest satisfied and verifies the backend.
+$(ML_VENV)/.locked: $(UV_ENV)/.stamp requirements/ml.lock requirements/ml-dev.lock
 	@test -n "$(PYTHON_ML)" || { echo "Python 3.11 is required for the ML environment (set PYTHON_ML)"; exit 1; }
 	@echo "== $(ML_VENV): Python $(PYTHON_ML), requirements/ml.lock and ml-dev.lock"
 	$(PYTHON_ML) -m venv --clear $(ML_VENV)
 	$(HEARTBEAT) ml-env $(UV_INSTALL_LOCK) $(ML_VENV)/bin/python -r requirements/ml.lock -r requirements/ml-dev.lock
 	@echo "== $(ML_VENV): $(ML_TORCH) from pip's configured index or wheelhouse"
 	$(HEARTBEAT) ml-env $(ML_VENV)/bin/pip install --progress-bar on --no-deps "$(ML_TORCH)"
+	touch $@
+
+$(ML_VENV)/.stamp: $(VENV)/.stamp $(ML_VENV)/.locked pyproject.toml
 	@echo "== $(ML_VENV): specops and the backend check (fla_env role)"
 	$(HEARTBEAT) ml-env $(ANSIBLE_PLAYBOOK) playbooks/ml_env.yml -e fla_env_python=$(PYTHON_ML) -e fla_env_venv=$(CURDIR)/$(ML_VENV)
 	touch $@
