@@ -32,7 +32,9 @@ def main() -> int:
     started = last_output = time.monotonic()
     last_line = b""
     pending = b""
-    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL
+    )
     assert proc.stdout is not None
     selector = selectors.DefaultSelector()
     selector.register(proc.stdout, selectors.EVENT_READ)
@@ -40,10 +42,9 @@ def main() -> int:
         if not selector.select(timeout=QUIET):
             now = time.monotonic()
             hint = (pending or last_line).decode(errors="replace").strip()[-160:]
-            out.write(
-                prefix + f"... still working ({now - last_output:.0f} s without output, {now - started:.0f} s in all)"
-                f"{'; last: ' + hint if hint else ''}\n".encode()
-            )
+            quiet, total = now - last_output, now - started
+            note = f"... still working ({quiet:.0f} s without output, {total:.0f} s in all)"
+            out.write(prefix + f"{note}{'; last: ' + hint if hint else ''}\n".encode())
             out.flush()
             last_output = now
             continue
