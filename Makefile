@@ -154,6 +154,7 @@ test-fixtures: $(ML_VENV)/.stamp
 test: system-deps $(VENV)/.stamp $(ML_VENV)/.stamp
 	mkdir -p $(TEST_REPORTS)
 	$(MAKE) -j3 --output-sync=none test-in-order-lane test-integration-lane test-systemd
+	$(PYTHON_CONTROL) .ci/durations.py --top 5 $(TEST_REPORTS)/*.xml
 
 test-in-order-lane: test-models test-fixtures
 	$(MAKE) test-in-order
