@@ -29,6 +29,8 @@ touch "$WORK/plays.jsonl"
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/ansible-site \
   "$WHEELS"/ansible_core-*.whl "$WHEELS"/resolvelib-*.whl "$WHEELS"/cryptography-*.whl \
   "$WHEELS"/cffi-*.whl "$WHEELS"/pycparser-*.whl || exit 1
+# The development server's --enable-memory-saver on CUDA releases through torch_memory_saver.
+python3 -m pip install -q --no-index --no-deps "$WHEELS"/torch_memory_saver-*.whl || exit 1
 # Only the control node's packages: the ML environment is built by the play itself.
 export PYTHONPATH=/tmp/ansible-site ANSIBLE_CONFIG=$ROOT/ansible.cfg ANSIBLE_NOCOLOR=1 ANSIBLE_FORCE_COLOR=0
 

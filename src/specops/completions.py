@@ -15,7 +15,7 @@ import os
 import threading
 from collections import Counter
 from concurrent.futures import CancelledError, ThreadPoolExecutor, as_completed
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -98,6 +98,9 @@ REQUEST = Schema(
             "Seconds before the first retry; each further retry waits twice as long.",
             default=1.0,
         ),
+        # SGLang started with --api-key answers 401 without it (entrypoints/http_server.py, 0.5.23:
+        # add_api_key_middleware); never written to the manifest or the output.
+        Option("api_key", "str", "Sent as Authorization: Bearer on every request; empty sends none.", default=""),
     ),
 )
 DEFAULTS: dict[str, Any] = REQUEST.defaults
@@ -116,6 +119,7 @@ class Settings:
     timeout: float
     retries: int
     backoff: float
+    api_key: str = field(default="", repr=False)
 
 
 def _is_int(value: Any) -> bool:
@@ -170,6 +174,7 @@ def parse_request(request: dict[str, Any]) -> Settings:
         timeout=float(values["timeout"]),
         retries=values["retries"],
         backoff=float(values["backoff"]),
+        api_key=str(values["api_key"] or ""),
     )
 
 
@@ -351,6 +356,8 @@ class ServerClient:
             server=self.url,
         )
         self.session = requests.Session()
+        if settings.api_key:
+            self.session.headers["Authorization"] = f"Bearer {settings.api_key}"
         adapter = HTTPAdapter(max_retries=retry, pool_maxsize=settings.concurrency)
         self.session.mount("http://", adapter)
         self.session.mount("https://", adapter)

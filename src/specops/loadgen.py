@@ -2,8 +2,14 @@
 
 python -m specops.loadgen --url http://127.0.0.1:PORT --out results.jsonl --stop-file F
 sends greedy /generate requests from a few threads until the stop file appears, max_requests were
-sent or max_seconds passed; each answer is one JSON line (start, latency, status, error), and the
-last line of stdout is the summary (requests, failed, p50/p99 latency). Standard library only.
+sent or max_seconds passed; each answer is one JSON line (start, latency, status, error, and whether
+the request completed fully), and the last line of stdout is the summary (requests, failed,
+incomplete, p50/p99 latency). `--kinds short,long,stream` mixes short, long and streaming requests,
+so requests are in flight whenever the service is paused or released. Standard library only.
+
+A request completed fully when it answered 200 with every token it asked for (`ignore_eos`, so the
+count is known) and a finish_reason that is not an abort; a stream also had to end with
+`data: [DONE]`. An aborted SGLang request answers 200 too: only the count and finish_reason tell.
 """
 
 from __future__ import annotations
@@ -21,6 +27,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
+
+KINDS = ("short", "long", "stream")
 
 PROMPTS = (
     "def fibonacci(n):",
@@ -58,6 +66,7 @@ def summarize(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
     return {
         "requests": len(rows),
         "failed": len(failed),
+        "incomplete": sum(1 for r in rows if not r.get("complete", r["ok"])),
         "failures": [{"status": r["status"], "error": r["error"]} for r in failed[:10]],
         "p50_s": percentile(ok, 50),
         "p99_s": percentile(ok, 99),
@@ -76,7 +85,16 @@ class LoadGenerator:
         max_new_tokens: int,
         timeout: float,
         stop_file: Path | None,
+        kinds: Sequence[str] = ("short",),
+        long_max_new_tokens: int = 64,
+        api_key: str | None = None,
     ):
+        unknown = sorted(set(kinds) - set(KINDS))
+        if unknown or not kinds:
+            raise ValueError(f"request kinds {unknown or kinds} unknown: use some of {', '.join(KINDS)}")
+        self.kinds = tuple(kinds)
+        self.long_max_new_tokens = long_max_new_tokens
+        self.api_key = api_key
         self.url = url.rstrip("/") + "/generate"
         self.concurrency = concurrency
         self.max_requests = max_requests
@@ -98,33 +116,57 @@ class LoadGenerator:
             return self._sent - 1
 
     def _one(self, number: int) -> dict[str, Any]:
-        body = {
+        kind = self.kinds[number % len(self.kinds)]
+        expected = self.max_new_tokens if kind == "short" else self.long_max_new_tokens
+        body: dict[str, Any] = {
             "text": PROMPTS[number % len(PROMPTS)],
-            "sampling_params": {"max_new_tokens": self.max_new_tokens, "temperature": 0},
+            "sampling_params": {"max_new_tokens": expected, "temperature": 0, "ignore_eos": True},
         }
+        if kind == "stream":
+            body["stream"] = True
+        headers = {"Content-Type": "application/json"}
+        if self.api_key:
+            headers["Authorization"] = f"Bearer {self.api_key}"
         request = urllib.request.Request(
-            self.url,
-            data=json.dumps(body).encode(),
-            method="POST",
-            headers={"Content-Type": "application/json"},
+            self.url, data=json.dumps(body).encode(), method="POST", headers=headers
         )
         start, status, error = time.time(), -1, None
         began = time.monotonic()
+        final: dict[str, Any] = {}
+        done = False
         try:
             with urllib.request.urlopen(request, timeout=self.timeout) as response:
                 status = response.status
-                json.loads(response.read())
+                if kind == "stream":
+                    final, done = read_stream(response)
+                else:
+                    final = json.loads(response.read())
         except urllib.error.HTTPError as exc:
             status, error = exc.code, exc.read()[:200].decode("utf-8", "replace")
         except (OSError, ValueError) as exc:
             error = f"{type(exc).__name__}: {exc}"
+        meta = (final.get("meta_info") or {}) if isinstance(final, dict) else {}
+        finish = meta.get("finish_reason")
+        tokens = meta.get("completion_tokens")
+        complete = (
+            status == 200
+            and tokens == expected
+            and not (isinstance(finish, dict) and finish.get("type") == "abort")
+            and (done or kind != "stream")
+        )
         return {
             "n": number,
+            "kind": kind,
             "start": start,
             "latency_s": time.monotonic() - began,
             "status": status,
             "ok": status == 200,
             "error": error,
+            "expected_tokens": expected,
+            "completion_tokens": tokens,
+            "finish_reason": finish,
+            "done": done if kind == "stream" else None,
+            "complete": complete,
         }
 
     def _worker(self) -> None:
@@ -142,6 +184,23 @@ class LoadGenerator:
         return sorted(self.rows, key=lambda r: r["n"])
 
 
+def read_stream(response: Any) -> tuple[dict[str, Any], bool]:
+    """SGLang's server-sent events: (the last JSON chunk, whether `data: [DONE]` ended the stream)."""
+    last: dict[str, Any] = {}
+    for raw in response:
+        line = raw.decode("utf-8").strip()
+        if not line.startswith("data:"):
+            continue
+        data = line[len("data:") :].strip()
+        if data == "[DONE]":
+            return last, True
+        chunk = json.loads(data)
+        if isinstance(chunk, dict) and "error" in chunk:
+            raise ValueError(f"stream error: {chunk['error']}")
+        last = chunk
+    return last, False
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m specops.loadgen", description=__doc__.splitlines()[0])
     parser.add_argument("--url", required=True, help="base URL of a loopback server or router")
@@ -152,6 +211,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-seconds", type=float, default=900.0)
     parser.add_argument("--max-new-tokens", type=int, default=8)
     parser.add_argument("--timeout", type=float, default=120.0, help="seconds to wait for one answer")
+    parser.add_argument(
+        "--kinds", default="short", help=f"comma-separated request kinds, taken in turn ({', '.join(KINDS)})"
+    )
+    parser.add_argument(
+        "--long-max-new-tokens", type=int, default=64, help="tokens of a long or streaming request"
+    )
+    parser.add_argument("--api-key", default=None, help="sent as `Authorization: Bearer KEY`")
     args = parser.parse_args(argv)
     require_loopback(args.url)
     generator = LoadGenerator(
@@ -162,6 +228,9 @@ def main(argv: list[str] | None = None) -> int:
         args.max_new_tokens,
         args.timeout,
         Path(args.stop_file) if args.stop_file else None,
+        kinds=[k.strip() for k in args.kinds.split(",") if k.strip()],
+        long_max_new_tokens=args.long_max_new_tokens,
+        api_key=args.api_key,
     )
     rows = generator.run()
     out = Path(args.out)

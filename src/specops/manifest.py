@@ -11,6 +11,34 @@ from pathlib import Path
 from typing import Any
 
 MANIFEST_NAME = "manifest.json"
+# Reports, plots and manifests are read by others (AWX's view, a team's web server): mkstemp's
+# private 0600 is widened to this mode (octal), or to what the umask allows when it is unset.
+OUTPUT_MODE_VARIABLE = "SPECOPS_OUTPUT_MODE"
+
+
+def output_mode() -> int:
+    """The mode new outputs get: SPECOPS_OUTPUT_MODE, else 0666 less the process's umask."""
+    configured = os.environ.get(OUTPUT_MODE_VARIABLE, "").strip()
+    if configured:
+        try:
+            return int(configured, 8) & 0o7777
+        except ValueError:
+            raise ValueError(
+                f"{OUTPUT_MODE_VARIABLE}={configured!r} is not an octal file mode such as 0644"
+            ) from None
+    return 0o666 & ~_umask()
+
+
+def _umask() -> int:
+    # Read, not set: os.umask(0) would open a moment in which other threads create files world-writable.
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0o022
 
 
 def atomic_write_bytes(path: str | os.PathLike[str], data: bytes) -> None:
@@ -22,6 +50,7 @@ def atomic_write_bytes(path: str | os.PathLike[str], data: bytes) -> None:
         with os.fdopen(fd, "wb") as handle:
             handle.write(data)
             handle.flush()
+            os.fchmod(handle.fileno(), output_mode())
             os.fsync(handle.fileno())
         os.replace(tmp, path)
     except BaseException:

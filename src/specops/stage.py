@@ -6,6 +6,7 @@ import argparse
 import json
 import os
 import sys
+import time
 import traceback
 from collections.abc import Callable
 from pathlib import Path
@@ -18,9 +19,20 @@ class StageError(Exception):
     """An error the user can act on: the message names the problem and the fix."""
 
 
+# A file the stage's progress lines are appended to as well, where a waiting play reads the last one.
+PROGRESS_LOG_VARIABLE = "SPECOPS_PROGRESS_LOG"
+
+
 def log(message: str) -> None:
-    """Progress goes to stderr so stdout stays one JSON result."""
+    """Progress goes to stderr so stdout stays one JSON result, and to SPECOPS_PROGRESS_LOG when set."""
     print(message, file=sys.stderr, flush=True)
+    path = os.environ.get(PROGRESS_LOG_VARIABLE)
+    if path:
+        try:
+            with open(path, "a") as handle:
+                handle.write(f"{time.strftime('%Y-%m-%dT%H:%M:%S')} {message}\n")
+        except OSError:
+            pass  # progress is for people; never a reason to fail the stage
 
 
 def read_request(source: str) -> Any:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import socket
 import subprocess
@@ -14,42 +13,17 @@ import urllib.request
 
 import pytest
 import torch
+from devserver_client import call
 
 from specops.devserver.engine import Engine
 from specops.devserver.launch import SRC_DIR, DevServerProcess, free_port, http_status
 from specops.devserver.memory import MemorySaver
+from specops.devserver.memory_backends import CpuBackend
 from specops.devserver.protocol import RequestError, parse_generate
 
 pytestmark = pytest.mark.slow
 
 PROMPT_IDS = [[318, 293, 342, 11, 311], [1, 88, 86, 269, 202, 75, 76, 2, 202, 1, 68]]
-
-
-def call(
-    url: str, path: str, body: object = None, method: str | None = None, timeout: float = 120
-) -> tuple[int, object]:
-    data = None if body is None else json.dumps(body).encode()
-    request = urllib.request.Request(
-        url + path,
-        data=data,
-        method=method or ("POST" if data else "GET"),
-        headers={"Content-Type": "application/json"},
-    )
-    try:
-        with urllib.request.urlopen(request, timeout=timeout) as response:
-            return response.status, _decoded(response.read())
-    except urllib.error.HTTPError as error:
-        return error.code, _decoded(error.read())
-
-
-def _decoded(raw: bytes) -> object:
-    """JSON where the endpoint answers JSON; plain text (SGLang's /flush_cache) otherwise."""
-    if not raw:
-        return None
-    try:
-        return json.loads(raw)
-    except json.JSONDecodeError:
-        return raw.decode("utf-8")
 
 
 def cli_env() -> dict[str, str]:
@@ -245,30 +219,8 @@ def test_flush_cache_is_refused_while_a_request_is_pending(server):
         status, body = call(server.url, "/flush_cache", {}, method="POST")
     finally:
         worker.join(180)
-    assert status == 400 and "will not be performed" in body
-
-
-def test_get_load_counts_the_request_in_flight_then_none(server):
-    def in_flight() -> list[tuple[int, int, int]]:
-        status, ranks = call(server.url, "/get_load")
-        assert status == 200
-        return [(r["dp_rank"], r["num_reqs"], r["num_waiting_reqs"]) for r in ranks]
-
-    worker = threading.Thread(target=call, args=(server.url, "/generate", greedy(PROMPT_IDS[0], 300)))
-    worker.start()
-    try:
-        deadline = time.monotonic() + 30
-        while in_flight() == [(0, 0, 0)]:
-            assert time.monotonic() < deadline, "the long request never showed in /get_load"
-            time.sleep(0.02)
-        assert in_flight() == [(0, 1, 0)]
-    finally:
-        worker.join(600)
-    # The client may give up first on a loaded machine; the server still finishes the request.
-    deadline = time.monotonic() + 600
-    while in_flight() != [(0, 0, 0)]:
-        assert time.monotonic() < deadline, "the request never left /get_load"
-        time.sleep(0.2)
+    # SGLang 0.5.23 entrypoints/http_server.py:1036: the scheduler's message, or this default.
+    assert status == 400 and body == "Flush cache failed.\n"
 
 
 def test_flush_cache_succeeds_when_idle(server):
@@ -278,14 +230,16 @@ def test_flush_cache_succeeds_when_idle(server):
 # -- memory release --------------------------------------------------------------------------
 def test_release_makes_generation_unavailable_until_resume(server):
     before = call(server.url, "/generate", greedy(PROMPT_IDS[0]))[1]["output_ids"]
-    status, released = call(server.url, "/release_memory_occupation", {"tags": []})
+    # SGLang 0.5.23 http_server.py:1577: the endpoints return nothing, i.e. 200 with `null`.
+    assert call(server.url, "/release_memory_occupation", {"tags": []}) == (200, None)
     try:
-        assert status == 200 and "weights" in released["released_tags"]
+        released = call(server.url, "/server_info")[1]["internal_states"][0]["released_memory_tags"]
+        assert released == ["cuda_graph", "kv_cache", "weights"]
         assert call(server.url, "/generate", greedy(PROMPT_IDS[0]))[0] == 503
         assert http_status(server.url + "/health_generate") == 503
     finally:
-        status, resumed = call(server.url, "/resume_memory_occupation", {"tags": []})
-    assert status == 200 and resumed["released_tags"] == []
+        resumed = call(server.url, "/resume_memory_occupation", {"tags": []})
+    assert resumed == (200, None)
     assert call(server.url, "/generate", greedy(PROMPT_IDS[0]))[1]["output_ids"] == before
     assert http_status(server.url + "/health_generate") == 200
 
@@ -314,7 +268,7 @@ def test_strict_release_without_memory_saver_answers_success_and_frees_nothing()
     engine.status = engine.status.UP
     engine.model = sentinel = object()
     answer = MemorySaver(engine, enabled=False, cpu_backup=False).release({"weights"})
-    assert answer["success"] and engine.model is sentinel and not engine.released_tags
+    assert answer is None and engine.model is sentinel and not engine.released_tags
 
 
 class SchedulerCrashed(Exception):
@@ -335,7 +289,7 @@ def test_strict_release_while_a_request_is_pending_crashes_the_scheduler(crash):
     engine = Engine("unused")
     engine.status = engine.status.UP
     engine.model = object()
-    with engine.track(), pytest.raises(SchedulerCrashed, match="no ongoing request"):
+    with engine.track(), pytest.raises(SchedulerCrashed, match="only when server is idle"):
         MemorySaver(engine, enabled=True, cpu_backup=True).release({"kv_cache"})
 
 
@@ -394,16 +348,16 @@ def test_forgiving_release_is_refused_while_requests_are_pending():
     engine = Engine("unused")
     engine.status = engine.status.UP
     engine.model = object()
-    with engine.track(), pytest.raises(RequestError, match="pending") as error:
+    with engine.track(), pytest.raises(RequestError, match="1 waiting request") as error:
         MemorySaver(engine, enabled=True, cpu_backup=True, strict=False).release({"kv_cache"})
     assert error.value.status == 400
 
 
-def test_releasing_weights_without_cpu_backup_is_refused():
+def test_forgiving_release_of_weights_without_cpu_backup_is_refused():
     engine = Engine("unused")
     engine.status = engine.status.UP
     with pytest.raises(RequestError, match="--enable-weights-cpu-backup"):
-        MemorySaver(engine, enabled=True, cpu_backup=False).release({"weights"})
+        MemorySaver(engine, enabled=True, cpu_backup=False, strict=False).release({"weights"})
 
 
 def test_generate_body_with_one_text_is_not_batched():
@@ -490,9 +444,9 @@ def test_on_a_gpu_release_frees_the_weights_into_pinned_host_memory_and_resume_r
     model = torch.nn.Linear(64, 64).to("cuda")
     weight = model.weight.detach().clone()
     engine.model = model
-    saver = MemorySaver(engine, enabled=True, cpu_backup=True)
+    saver = MemorySaver(engine, enabled=True, cpu_backup=True, backend=CpuBackend("cuda", cpu_backup=True))
     for _ in range(2):  # the pinned buffers are made once and serve the next release too
         saver.release({"weights"})
-        assert model.weight.numel() == 0 and saver._host["weight"].is_pinned()
+        assert model.weight.numel() == 0 and saver.backend._host["weight"].is_pinned()
         saver.resume({"weights"})
         assert engine.model is model and torch.equal(model.weight, weight)

@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
-from specops.manifest import fingerprint, is_up_to_date, staleness, write_manifest
+import os
+import stat
+
+import pytest
+
+from specops.manifest import atomic_write_text, fingerprint, is_up_to_date, staleness, write_manifest
 
 INPUTS = {"prompts": "fixed"}
 
@@ -32,3 +37,25 @@ def test_a_missing_file_is_named(tmp_path):
 
 def test_other_inputs_are_said_to_be_other_inputs(tmp_path):
     assert staleness(made(tmp_path), fingerprint({"prompts": "other"})) == "it was made from other inputs"
+
+
+def test_outputs_are_readable_by_others_under_the_usual_umask(tmp_path, monkeypatch):
+    monkeypatch.delenv("SPECOPS_OUTPUT_MODE", raising=False)
+    old = os.umask(0o022)
+    try:
+        atomic_write_text(tmp_path / "report.md", "tau\n")
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE((tmp_path / "report.md").stat().st_mode) == 0o644
+
+
+def test_the_output_mode_is_configurable(tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECOPS_OUTPUT_MODE", "0640")
+    atomic_write_text(tmp_path / "report.md", "tau\n")
+    assert stat.S_IMODE((tmp_path / "report.md").stat().st_mode) == 0o640
+
+
+def test_a_mode_that_is_not_octal_is_named(tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECOPS_OUTPUT_MODE", "rw-r--r--")
+    with pytest.raises(ValueError, match="SPECOPS_OUTPUT_MODE='rw-r--r--' is not an octal file mode"):
+        atomic_write_text(tmp_path / "report.md", "tau\n")

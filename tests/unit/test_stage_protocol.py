@@ -27,3 +27,14 @@ def test_exit_now_flushes_the_result_and_keeps_the_status_without_running_exit_h
     assert proc.returncode == 2
     assert proc.stdout == '{"changed": true}'
     assert proc.stderr == "last progress line"
+
+
+def test_progress_lines_also_go_to_the_progress_log_a_waiting_play_reads(tmp_path, monkeypatch, capsys):
+    from specops.stage import log
+
+    progress = tmp_path / "score.progress.log"
+    monkeypatch.setenv("SPECOPS_PROGRESS_LOG", str(progress))
+    log("score: 64/128 sequences")
+    log("score: 128/128 sequences")
+    assert capsys.readouterr().err.splitlines() == ["score: 64/128 sequences", "score: 128/128 sequences"]
+    assert progress.read_text().splitlines()[-1].endswith(" score: 128/128 sequences")

@@ -15,6 +15,7 @@ from specops.devserver.engine import Engine
 from specops.devserver.memory import MemorySaver
 from specops.devserver.routes import App, DevHTTPServer
 from specops.devserver.speculative import ALGORITHM
+from specops.devserver.versions import DEFAULT_VERSION, VERSIONS
 
 logger = logging.getLogger("specops.devserver")
 
@@ -78,11 +79,24 @@ def build_parser() -> argparse.ArgumentParser:
         help="DFlash block size, verified token included (default: the drafter's block_size)",
     )
     parser.add_argument(
+        "--sglang-version",
+        default=DEFAULT_VERSION,
+        choices=sorted(VERSIONS),
+        help="the SGLang release whose answers and failures to imitate (pause modes, flush, release, "
+        "load and info endpoints)",
+    )
+    parser.add_argument(
+        "--api-key",
+        default=None,
+        help="require `Authorization: Bearer KEY` on every endpoint but health and metrics, as SGLang does",
+    )
+    parser.add_argument(
         "--forgiving",
         action="store_true",
         help="lenient development mode: listen before loading, answer 400 where SGLang's scheduler "
-        "crashes (release while busy, resume of an unreleased tag) and refuse memory calls without "
-        "--enable-memory-saver; by default the server fails as SGLang fails",
+        "crashes (release while busy, resume of an unreleased tag) or serves garbage (weights released "
+        "without --enable-weights-cpu-backup), refuse memory calls without --enable-memory-saver, and "
+        "serve every info and load path; by default the server fails as SGLang fails",
     )
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     return parser
@@ -171,6 +185,11 @@ def main(argv: list[str] | None = None) -> int:
         draft_model_path=draft_path,
         num_draft_tokens=args.speculative_num_draft_tokens,
     )
+    version = VERSIONS[args.sglang_version]
+    memory = MemorySaver(
+        engine, args.enable_memory_saver, args.enable_weights_cpu_backup, strict=strict, version=version
+    )
+    engine.place_model = memory.place
     if strict:
         # SGLang starts its HTTP server only after every scheduler has loaded its weights
         # (entrypoints/http_server.py `launch_server` at sgl-project/sglang 0025436e): a connection
@@ -187,9 +206,11 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     server.app = App(
         engine=engine,
-        memory=MemorySaver(engine, args.enable_memory_saver, args.enable_weights_cpu_backup, strict=strict),
+        memory=memory,
         server_args=dict(vars(args)),
         strict=strict,
+        version=version,
+        api_key=args.api_key,
     )
     stop = threading.Event()
     failure: list[str] = []

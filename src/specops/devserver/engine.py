@@ -2,17 +2,17 @@
 
 from __future__ import annotations
 
-import contextlib
 import enum
 import logging
 import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable
 from typing import Any
 
 from specops.devserver.protocol import Item, RequestError, SamplingParams, finish_reason
-from specops.devserver.speculative import DFlashSpeculator
+from specops.devserver.scheduler import RequestScheduler, TokensCallback
+from specops.devserver.speculative import DFlashSpeculator, SpecOutcome
 
 logger = logging.getLogger("specops.devserver")
 
@@ -25,7 +25,7 @@ class Status(enum.Enum):
     SHUTTING_DOWN = "ShuttingDown"
 
 
-class Engine:
+class Engine(RequestScheduler):
     """Holds the model; a single lock serialises every forward pass, as one GPU would."""
 
     def __init__(
@@ -50,13 +50,11 @@ class Engine:
         self.status = Status.STARTING
         self.released_tags: set[str] = set()
         self.lock = threading.Lock()
-        self._counter_lock = threading.Lock()
-        self.pending = 0  # /generate requests waiting for or holding the model
         self.last_progress = 0.0  # monotonic time of the last decoded token, for health under load
         self.stop_ids: set[int] = set()
-        # /pause_generation holds new requests at the door until /continue_generation.
-        self.paused = False
-        self._pause_cond = threading.Condition()
+        # Called with the model once loaded (allocations inside the memory saver's regions).
+        self.place_model: Callable[[Any], Any] | None = None
+        self._init_scheduler()
 
     # -- lifecycle ---------------------------------------------------------------------------
     def load(self) -> None:
@@ -69,7 +67,10 @@ class Engine:
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
         model = AutoModelForCausalLM.from_pretrained(self.model_path)
         # transformers types .to() through a decorator whose stub takes the model as first argument.
-        self.model = model.to(self.device).eval()  # type: ignore[arg-type]
+        if self.place_model is not None:
+            self.model = self.place_model(model).eval()
+        else:
+            self.model = model.to(self.device).eval()  # type: ignore[arg-type]
         self.stop_ids = self._eos_ids()
         if self.draft_model_path:
             self.speculator = DFlashSpeculator.load(
@@ -113,33 +114,7 @@ class Engine:
         while self.pending:
             time.sleep(poll)
 
-    # -- pause / continue ----------------------------------------------------------------------
-    def pause(self) -> None:
-        with self._pause_cond:
-            self.paused = True
-        logger.info("generation paused: new requests wait for /continue_generation")
-
-    def resume_generation(self) -> None:
-        with self._pause_cond:
-            self.paused = False
-            self._pause_cond.notify_all()
-        logger.info("generation continued")
-
-    def wait_unpaused(self) -> None:
-        with self._pause_cond:
-            self._pause_cond.wait_for(lambda: not self.paused)
-
-    # -- request accounting ------------------------------------------------------------------
-    @contextlib.contextmanager
-    def track(self) -> Iterator[None]:
-        with self._counter_lock:
-            self.pending += 1
-        try:
-            yield
-        finally:
-            with self._counter_lock:
-                self.pending -= 1
-
+    # -- availability ------------------------------------------------------------------------
     def unavailable_reason(self) -> str | None:
         """Why the model cannot serve now (the answer is then 503), or None when it can."""
         if self.status is Status.STARTING:
@@ -153,30 +128,28 @@ class Engine:
             )
         return None
 
-    def _require_available(self) -> None:
+    def require_available(self) -> None:
         reason = self.unavailable_reason()
         if reason:
             raise RequestError(503, reason)
 
     # -- generation --------------------------------------------------------------------------
-    def generate(self, items: list[Item]) -> list[dict[str, Any]]:
-        """Serve one /generate request (one or more prompts), in order, under the model lock."""
+    def generate(
+        self, items: list[Item], on_tokens: list[TokensCallback] | None = None
+    ) -> list[dict[str, Any]]:
+        """Serve one /generate request (one or more prompts), in order, one model step at a time."""
         # A request held by a pause has not reached the scheduler: it is not pending yet.
         self.wait_unpaused()
-        with self.track():
-            self._require_available()
-            prompts = [self._prompt_ids(item) for item in items]
-            results = []
-            with self.lock:
-                for item, ids in zip(items, prompts, strict=False):
-                    # Re-check under the lock: memory may have been released while this request queued.
-                    self._require_available()
-                    started = time.monotonic()
-                    output_ids, spec = self._decode(ids, item.params)
-                    results.append(self._response(item, ids, output_ids, time.monotonic() - started, spec))
-            return results
+        self.require_available()
+        prompts = [self.prompt_ids(item) for item in items]
+        results = []
+        for index, (item, ids) in enumerate(zip(items, prompts, strict=True)):
+            with self.admit(item.rid) as ticket:
+                callback = on_tokens[index] if on_tokens else None
+                results.append(self.serve(item, ids, ticket, callback))
+        return results
 
-    def _prompt_ids(self, item: Item) -> list[int]:
+    def prompt_ids(self, item: Item) -> list[int]:
         ids = item.input_ids if item.input_ids is not None else self.tokenizer.encode(item.text)
         vocab = self.model.get_input_embeddings().num_embeddings if self.model is not None else None
         if not ids:
@@ -187,23 +160,61 @@ class Engine:
             )
         return ids
 
+    def decode_text(self, output_ids: list[int]) -> str:
+        return self.tokenizer.decode(output_ids, skip_special_tokens=True)
+
     def _stop_set(self, params: SamplingParams) -> set[int]:
         return set(params.stop_token_ids) | (set() if params.ignore_eos else self.stop_ids)
 
-    def _decode(self, ids: list[int], params: SamplingParams) -> tuple[list[int], dict[str, Any] | None]:
-        """Output ids, and SGLang's spec meta_info when the drafter speculated (greedy requests only)."""
+    def _finished(self, output: list[int], params: SamplingParams) -> bool:
+        return len(output) >= params.max_new_tokens or bool(output and output[-1] in self._stop_set(params))
+
+    def _decode(
+        self,
+        ids: list[int],
+        params: SamplingParams,
+        interrupted: Callable[[], bool] | None = None,
+        on_tokens: TokensCallback | None = None,
+    ) -> tuple[list[int], SpecOutcome | None]:
+        """New ids (up to where `interrupted` stopped them), and the drafter's counters when it speculated."""
         if self.speculator is None or not params.greedy:
-            return self._generate_ids(ids, params), None
+            return self._generate_ids(ids, params, interrupted, on_tokens), None
+
+        def progress(output: list[int]) -> None:
+            self.last_progress = time.monotonic()
+            if on_tokens is not None:
+                on_tokens(list(output))
+
         outcome = self.speculator.generate(
-            self.model, ids, params.max_new_tokens, self._stop_set(params), progress=self._progress
+            self.model,
+            ids,
+            params.max_new_tokens,
+            self._stop_set(params),
+            progress=progress,
+            interrupted=interrupted,
         )
-        self._progress()
-        return outcome.output_ids, outcome.meta_info()
-
-    def _progress(self) -> None:
         self.last_progress = time.monotonic()
+        return outcome.output_ids, outcome
 
-    def _generate_ids(self, ids: list[int], params: SamplingParams) -> list[int]:
+    def _merge_spec(self, parts: list[Any]) -> dict[str, Any] | None:
+        """One request's counters over the segments a pause cut it into."""
+        if not parts:
+            return None
+        merged = SpecOutcome(output_ids=[], num_draft_tokens=parts[0].num_draft_tokens)
+        for part in parts:
+            merged.output_ids += part.output_ids
+            merged.verify_ct += part.verify_ct
+            merged.accepted_drafts += part.accepted_drafts
+            merged.appended_per_step += part.appended_per_step
+        return merged.meta_info()
+
+    def _generate_ids(
+        self,
+        ids: list[int],
+        params: SamplingParams,
+        interrupted: Callable[[], bool] | None = None,
+        on_tokens: TokensCallback | None = None,
+    ) -> list[int]:
         """transformers' own generate: greedy at temperature 0, so the ids match model.generate exactly."""
         import torch
         from transformers import StoppingCriteria, StoppingCriteriaList
@@ -213,11 +224,14 @@ class Engine:
         engine = self
 
         class Heartbeat(StoppingCriteria):
-            """Never stops; records that a token was decoded so health checks under load succeed."""
+            """Records each decoded token (health under load, streams); stops where a pause cuts in."""
 
             def __call__(self, input_ids, scores, **kwargs):
                 engine.last_progress = time.monotonic()
-                return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+                if on_tokens is not None:
+                    on_tokens(input_ids[0, len(ids) :].tolist())
+                stop = interrupted is not None and interrupted()
+                return torch.full((input_ids.shape[0],), stop, dtype=torch.bool, device=input_ids.device)
 
         stop = self._stop_set(params)
         config = self.model.generation_config.__class__.from_dict(self.model.generation_config.to_dict())
@@ -267,20 +281,31 @@ class Engine:
 
     # -- health ------------------------------------------------------------------------------
     def health(self, timeout: float) -> bool:
-        """Like SGLang: decode one token, or see the busy model make progress, within `timeout`."""
-        if self.unavailable_reason() or self.paused:
+        """Like SGLang (entrypoints/http_server.py:722, 0.5.23): a 1-token request, or any sign of life.
+
+        200 as soon as a token is decoded or a scheduler message arrives after the check began; the
+        check's own request waits at the door while paused, so a paused server answers 503 after
+        `timeout` unless /continue_generation (or another scheduler message) comes first.
+        """
+        if self.status is not Status.UP:
             return False
         tic = time.monotonic()
         while time.monotonic() < tic + timeout:
-            if self.lock.acquire(timeout=0.2):
+            if self.last_progress > tic or self.last_scheduler_message > tic:
+                return True
+            if not self.door_closed and self.released_tags:
+                return False  # released without a pause: nothing could decode the check's token
+            if not self.door_closed and not self._held() and self.lock.acquire(timeout=0.2):
                 try:
                     if self.unavailable_reason():
                         return False
-                    self._generate_ids([0], SamplingParams(temperature=0.0, max_new_tokens=1))
-                    return True
+                    if not self._held():
+                        self._generate_ids([0], SamplingParams(temperature=0.0, max_new_tokens=1))
+                        return True
                 finally:
                     self.lock.release()
-            if self.last_progress > tic:
-                return True
-        logger.error("health check failed: no token decoded in the last %.0f s", timeout)
+            else:
+                with self.cond:
+                    self.cond.wait(0.2)
+        logger.error("health check failed: no response from the scheduler in the last %.0f s", timeout)
         return False

@@ -10,7 +10,6 @@ DEFAULT_TEMPERATURE = 1.0  # SGLang samples unless told temperature 0
 
 # Features SGLang has and this server does not: asking for them is an error, not a silent no-op.
 UNSUPPORTED_FLAGS = (
-    "stream",
     "return_logprob",
     "return_hidden_states",
     "input_embeds",

@@ -2,22 +2,37 @@
 
 from __future__ import annotations
 
+import dataclasses
+import datetime
 import json
 import logging
 import os
 import time
+import uuid
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
+from urllib.parse import parse_qs, urlsplit
 
+from specops.devserver.auth import UNAUTHORIZED, is_authorized
 from specops.devserver.engine import Engine
 from specops.devserver.memory import MemorySaver, parse_tags
-from specops.devserver.protocol import RequestError, error_body, parse_generate
+from specops.devserver.protocol import Item, RequestError, error_body, parse_generate
+from specops.devserver.streaming import DONE, ClientGone, TokenStream, error_event
+from specops.devserver.versions import DEFAULT_VERSION, VERSIONS, SGLangVersion
 
 logger = logging.getLogger("specops.devserver")
 
-HEALTH_CHECK_TIMEOUT = float(os.environ.get("SGLANG_HEALTH_CHECK_TIMEOUT", "20"))
+# entrypoints/http_server.py:218 (0.5.23): read once, as an integer number of seconds.
+HEALTH_CHECK_TIMEOUT = int(os.getenv("SGLANG_HEALTH_CHECK_TIMEOUT", 20))
 QUIET_PATHS = ("/health", "/health_generate")
+FLUSHED_TEXT = (
+    "Cache flushed.\nPlease check backend logs for more details. "
+    "(When there are running or waiting requests, the operation will not be performed.)\n"
+)
+EMPTY = object()  # no body at all, where `None` is sent as JSON `null`
+# FastAPI's answer for a path with no route.
+NOT_FOUND = {"detail": "Not Found"}
 
 
 @dataclass
@@ -26,6 +41,8 @@ class App:
     memory: MemorySaver
     server_args: dict[str, Any]
     strict: bool = True
+    version: SGLangVersion = VERSIONS[DEFAULT_VERSION]
+    api_key: str | None = None
     created: int = field(default_factory=lambda: int(time.time()))
 
     @property
@@ -59,8 +76,8 @@ class Handler(BaseHTTPRequestHandler):
         level = logging.DEBUG if path in QUIET_PATHS else logging.INFO
         logger.log(level, "%s %s", self.address_string(), format % args)
 
-    def _send(self, status: int, body: Any = None) -> None:
-        data = b"" if body is None else json.dumps(body).encode("utf-8")
+    def _send(self, status: int, body: Any = EMPTY) -> None:
+        data = b"" if body is EMPTY else json.dumps(body).encode("utf-8")
         self.send_response(status)
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(data)))
@@ -85,11 +102,21 @@ class Handler(BaseHTTPRequestHandler):
         except json.JSONDecodeError as error:
             raise RequestError(400, f"the body is not JSON: {error}") from None
 
+    def _query(self) -> dict[str, list[str]]:
+        return parse_qs(urlsplit(self.path).query)
+
     def _dispatch(self, routes: dict[str, Any]) -> None:
         path = self.path.split("?")[0]
+        app = self.app
+        if not is_authorized(app.version, app.api_key, self.command, path, self.headers.get("Authorization")):
+            self._send(401, UNAUTHORIZED)
+            return
         route = routes.get(path)
         try:
             if route is None:
+                if app.strict:
+                    self._send(404, NOT_FOUND)
+                    return
                 raise RequestError(404, f"no endpoint {self.command} {path} on this server")
             route()
         except RequestError as error:
@@ -98,20 +125,39 @@ class Handler(BaseHTTPRequestHandler):
             logger.exception("%s %s failed", self.command, path)
             self._send(500, error_body(500, f"internal error: {error}"))
 
+    def _served(self, routes: dict[str, Any]) -> dict[str, Any]:
+        """The version's info and load paths; forgiving serves every name."""
+        version = self.app.version
+        optional = (
+            "/server_info",
+            "/get_server_info",
+            "/model_info",
+            "/get_model_info",
+            "/get_load",
+            "/v1/loads",
+        )
+        if self.app.strict:
+            keep = set(version.info_paths) | {version.load_path}
+            return {path: route for path, route in routes.items() if path not in optional or path in keep}
+        return routes
+
     def do_GET(self) -> None:
         self._dispatch(
-            {
-                "/health": self.health,
-                "/health_generate": self.health,
-                "/v1/models": self.models,
-                "/get_model_info": self.model_info,
-                "/model_info": self.model_info,
-                "/get_server_info": self.server_info,
-                "/server_info": self.server_info,
-                "/get_weight_version": self.weight_version,
-                "/get_load": self.load,
-                "/flush_cache": self.flush_cache,
-            }
+            self._served(
+                {
+                    "/health": self.health,
+                    "/health_generate": self.health,
+                    "/v1/models": self.models,
+                    "/get_model_info": self.model_info,
+                    "/model_info": self.model_info,
+                    "/get_server_info": self.server_info,
+                    "/server_info": self.server_info,
+                    "/get_weight_version": self.weight_version,
+                    "/get_load": self.load,
+                    "/v1/loads": self.loads,
+                    "/flush_cache": self.flush_cache,
+                }
+            )
         )
 
     def do_POST(self) -> None:
@@ -168,57 +214,161 @@ class Handler(BaseHTTPRequestHandler):
 
     def server_info(self) -> None:
         engine = self.app.engine
+        engine.note_scheduler_message()
+        args = {key: value for key, value in self.app.server_args.items() if key != "api_key"}
         self._send(
             200,
             {
-                **self.app.server_args,
+                **args,
                 "status": engine.status.value,
                 "internal_states": [
-                    {"pending_requests": engine.pending, "released_memory_tags": sorted(engine.released_tags)}
+                    {
+                        "pending_requests": engine.pending,
+                        "running_requests": engine.count("running"),
+                        "waiting_requests": engine.count("waiting"),
+                        "paused": engine.paused,
+                        "released_memory_tags": sorted(engine.released_tags),
+                    }
                 ],
-                "version": "specops-devserver",
+                "version": self.app.version.name,
+                "memory_saver_backend": self.app.memory.backend_name,
             },
         )
 
     def load(self) -> None:
-        # One entry per data-parallel rank, as SGLang's GetLoadReqOutput (managers/io_struct.py):
-        # a router drain waits on it until no request is left in flight.
+        # 0.5.4 scheduler.py:2379 `GetLoadReqOutput`: num_reqs counts running and waiting requests.
+        engine = self.app.engine
+        engine.note_scheduler_message()
+        running, waiting = engine.count("running"), engine.count("waiting")
         self._send(
-            200, [{"dp_rank": 0, "num_reqs": self.app.engine.pending, "num_waiting_reqs": 0, "num_tokens": 0}]
+            200, [{"dp_rank": 0, "num_reqs": running + waiting, "num_waiting_reqs": waiting, "num_tokens": 0}]
+        )
+
+    def loads(self) -> None:
+        # 0.5.23 entrypoints/v1_loads.py:96 and managers/load_snapshot.py `LoadSnapshot` (core keys).
+        engine = self.app.engine
+        engine.note_scheduler_message()
+        self._send(
+            200,
+            {
+                "timestamp": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+                "version": self.app.version.name,
+                "accelerator": None,
+                "num_accelerators": 1,
+                "loads": [
+                    {
+                        "timestamp": time.time(),
+                        "dp_rank": 0,
+                        "num_running_reqs": engine.count("running"),
+                        "num_waiting_reqs": engine.count("waiting"),
+                        "num_used_tokens": 0,
+                        "num_total_tokens": 0,
+                    }
+                ],
+            },
         )
 
     def flush_cache(self) -> None:
-        # SGLang refuses to flush while requests run or wait, and answers plain text either way
-        # (entrypoints/http_server.py `flush_cache` at sgl-project/sglang 0025436e).
-        if self.app.strict:
-            self._send_text(
-                400 if self.app.engine.pending else 200,
-                "Cache flushed.\nPlease check backend logs for more details. "
-                "(When there are running or waiting requests, the operation will not be performed.)\n",
-            )
-        elif self.app.engine.pending:
-            self._send(
-                400, error_body(400, f"{self.app.engine.pending} request(s) pending: cache not flushed")
-            )
+        """Plain text either way (http_server.py:1025, 0.5.23): 400 unless the scheduler is idle."""
+        app, engine = self.app, self.app.engine
+        engine.note_scheduler_message()
+        if not app.strict:
+            if engine.pending:
+                self._send(400, error_body(400, f"{engine.pending} request(s) pending: cache not flushed"))
+            else:
+                self._send(200, {"success": True, "message": "Cache flushed."})
+            return
+        # flush_wrapper.py (0.5.23): `?timeout=` waits for idleness that long; 0 answers at once.
+        timeout = float((self._query().get("timeout") or ["0"])[0]) if app.version.name != "0.5.4" else 0.0
+        deadline = time.monotonic() + timeout
+        while True:
+            idle = self._idle_for_flush()
+            if idle or time.monotonic() >= deadline:
+                break
+            time.sleep(0.05)
+        if idle:
+            self._send_text(200, FLUSHED_TEXT)
+        elif not app.version.flush_failure_text:
+            self._send_text(400, FLUSHED_TEXT)
         else:
-            self._send(200, {"success": True, "message": "Cache flushed."})
+            self._send_text(
+                400, "Timed out waiting for idle state." if timeout > 0 else "Flush cache failed.\n"
+            )
+
+    def _idle_for_flush(self) -> bool:
+        """scheduler.py:5520 (0.5.23): idle, ignoring waiting requests while the scheduler is paused."""
+        engine = self.app.engine
+        if not engine.lock.acquire(blocking=False):
+            return False
+        try:
+            return engine.is_fully_idle(ignore_waiting=engine.scheduler_paused)
+        finally:
+            engine.lock.release()
 
     def generate(self) -> None:
-        request = parse_generate(self._body())
+        body = self._body()
+        request = parse_generate(body)
+        if isinstance(body, dict) and body.get("stream"):
+            self._generate_stream(request.items)
+            return
         results = self.app.engine.generate(request.items)
         self._send(200, results if request.batched else results[0])
 
+    def _generate_stream(self, items: list[Item]) -> None:
+        engine = self.app.engine
+        engine.wait_unpaused()
+        engine.require_available()
+        items = [dataclasses.replace(item, rid=item.rid or uuid.uuid4().hex) for item in items]
+        prompts = [engine.prompt_ids(item) for item in items]
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.send_header("Cache-Control", "no-cache")
+        self.end_headers()
+        self.close_connection = True
+        streams = [
+            TokenStream(self.wfile, engine.decode_text, item.rid or "", len(ids))
+            for item, ids in zip(items, prompts, strict=True)
+        ]
+        as_ids = [
+            Item(text=None, input_ids=ids, rid=item.rid, params=item.params)
+            for item, ids in zip(items, prompts, strict=True)
+        ]
+        try:
+            for item, stream in zip(as_ids, streams, strict=True):
+                result = engine.generate([item], on_tokens=[stream])[0]
+                stream.write(result)
+            streams[0].send(DONE)
+        except ClientGone:
+            logger.info("client disconnected: stream aborted")
+        except RequestError as error:
+            streams[0].send(error_event(error.status, error.message) + DONE)
+
     def pause_generation(self) -> None:
-        # JSON body as in http_server.py `pause_generation` at 0025436e.
-        self.app.engine.pause()
+        # http_server.py:1831 (0.5.23): PauseGenerationReqInput, mode abort (default), retract or in_place.
+        version, body = self.app.version, self._body()
+        mode = "abort"
+        if version.name != "0.5.4":
+            if body is not None and not isinstance(body, dict):
+                raise RequestError(422, 'the body must be a JSON object such as {"mode": "retract"}')
+            mode = (body or {}).get("mode", "abort")
+            if mode not in version.pause_modes:
+                raise RequestError(422, f"mode must be one of {', '.join(version.pause_modes)}, got {mode!r}")
+        self.app.engine.pause(mode)
+        if mode != "abort":
+            self.app.engine.note_scheduler_message()
         self._send(200, {"message": "Generation paused successfully.", "status": "ok"})
 
     def continue_generation(self) -> None:
         self.app.engine.resume_generation()
+        self.app.engine.note_scheduler_message()
         self._send(200, {"message": "Generation continued successfully.", "status": "ok"})
 
     def release_memory(self) -> None:
-        self._send(200, self.app.memory.release(parse_tags(self._body())))
+        self.app.memory.release(parse_tags(self._body()))
+        self.app.engine.note_scheduler_message()
+        self._send(200, None if self.app.strict else {"success": True})
 
     def resume_memory(self) -> None:
-        self._send(200, self.app.memory.resume(parse_tags(self._body())))
+        self.app.memory.resume(parse_tags(self._body()))
+        self.app.engine.note_scheduler_message()
+        self._send(200, None if self.app.strict else {"success": True})

@@ -179,9 +179,14 @@ class DFlashSpeculator:
         prompt_ids: list[int],
         max_new_tokens: int,
         stop_ids: Iterable[int],
-        progress: Callable[[], None] | None = None,
+        progress: Callable[[list[int]], None] | None = None,
+        interrupted: Callable[[], bool] | None = None,
     ) -> SpecOutcome:
-        """Decode greedily by drafting and verifying (see the module docstring)."""
+        """Decode greedily by drafting and verifying (see the module docstring).
+
+        `progress` sees the output after each step; `interrupted` stops the decode between two steps
+        (a pause), leaving what was verified so far.
+        """
         import torch
 
         stop = set(stop_ids)
@@ -196,8 +201,10 @@ class DFlashSpeculator:
         with torch.inference_mode():
             greedy, features = self._target(model, prompt_ids)
             output.append(greedy[-1])
+            if progress is not None:
+                progress(output)
             sequence = list(prompt_ids) + output
-            while not finished():
+            while not finished() and not (interrupted is not None and interrupted()):
                 start = len(sequence) - 1
                 drafts = self._drafts(features, sequence[start], start)
                 greedy, verified = self._target(model, sequence + drafts)
@@ -219,5 +226,5 @@ class DFlashSpeculator:
                 # Verified now: positions up to the last accepted draft; the bonus token's come next step.
                 features = verified[: start + appended]
                 if progress is not None:
-                    progress()
+                    progress(output)
         return outcome

@@ -30,7 +30,7 @@ options:
   timeout:
     description:
       - Seconds to wait at most.
-    type: int
+    type: float
     required: true
   delay:
     description:
@@ -47,6 +47,27 @@ options:
         M(specops.drafter.start_signal)). V(go) is written to it before the wait, so letting the
         extraction go and waiting for it take one task inside the window.
     type: path
+  report_interval:
+    description:
+      - Print the job's last progress line on the control node every this many seconds while
+        waiting (the collection's action plugin waits in rounds of this length; the module on the
+        host ignores it). V(0) waits in one round and prints nothing.
+    type: float
+    default: 0
+  stop_token:
+    description:
+      - Stop the job's work before waiting: every process that carries
+        C(SPECOPS_WINDOW_TOKEN=<stop_token>) in its environment, except this module and its
+        ancestors, gets SIGTERM, and SIGKILL if it is still there after O(timeout) seconds. The
+        action plugin uses it to end a window early.
+    type: str
+  watch_router:
+    description:
+      - Used by the collection's action plugin on the control node (the module ignores it): a dict
+        with C(url) (the SGLang router), C(exclude) (this batch's worker urls), C(min_healthy);
+        when fewer other replicas are healthy, the job's work is stopped (O(stop_token)) and the
+        task fails saying why.
+    type: dict
   cleanup:
     description:
       - Remove the results file once the job has finished, as M(ansible.builtin.async_status)
@@ -72,6 +93,13 @@ EXAMPLES = r"""
   async: 3600
   poll: 0
   register: job
+
+- name: Wait up to an hour, printing the job's progress every minute
+  specops.drafter.job_wait:
+    results_file: "{{ job.results_file }}"
+    timeout: 3600
+    report_interval: 60
+    progress_log: /var/log/long-job.progress
 
 - name: Wait up to a minute without a line per poll
   specops.drafter.job_wait:
@@ -100,10 +128,17 @@ progress:
 """
 
 import os
+import signal
 import time
 
 from ansible.module_utils.basic import AnsibleModule
 from ansible_collections.specops.drafter.plugins.module_utils.async_job import job_result, write_signal
+from ansible_collections.specops.drafter.plugins.module_utils.procfs import (
+    is_same_process,
+    read_stat,
+    start_time,
+    token_processes,
+)
 
 
 def last_line(path):
@@ -118,19 +153,55 @@ def last_line(path):
     return next((line for line in reversed(lines) if line.strip()), "")
 
 
+def stop_work(token, timeout):
+    """SIGTERM the processes that carry the window's token (not this module's own line), SIGKILL the rest."""
+    mine = set(ancestors(os.getpid()))
+    pids = [(pid, start_time(pid)) for pid in token_processes(token) if pid not in mine]
+    for pid, _ in pids:
+        try:
+            os.kill(pid, signal.SIGTERM)
+        except OSError:
+            pass
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and any(is_same_process(p, s) for p, s in pids):
+        time.sleep(0.1)
+    for pid, started in pids:
+        if is_same_process(pid, started):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass
+    return [pid for pid, _ in pids]
+
+
+def ancestors(pid):
+    line = []
+    while pid > 1:
+        line.append(pid)
+        stat = read_stat(pid)
+        pid = stat.ppid if stat else 0
+    return line
+
+
 def main():
     module = AnsibleModule(
         argument_spec=dict(
             results_file=dict(type="path", required=True),
-            timeout=dict(type="int", required=True),
+            timeout=dict(type="float", required=True),
             delay=dict(type="float", default=1.0),
             progress_log=dict(type="path"),
             cleanup=dict(type="bool", default=False),
             go=dict(type="path"),
+            report_interval=dict(type="float", default=0),
+            stop_token=dict(type="str", no_log=False),
+            watch_router=dict(type="dict"),
         ),
         supports_check_mode=True,
     )
     path = module.params["results_file"]
+    stopped = []
+    if module.params["stop_token"] and not module.check_mode:
+        stopped = stop_work(module.params["stop_token"], module.params["timeout"])
     if module.params["go"] and not module.check_mode:
         write_signal(module, module.params["go"], {"signal": "go"})
     start = time.monotonic()
@@ -139,7 +210,13 @@ def main():
     while result is None and time.monotonic() < deadline:
         time.sleep(min(module.params["delay"], max(0.0, deadline - time.monotonic())))
         result = job_result(path)
-    answer = dict(changed=bool(module.params["go"]), finished=result is not None, waited=round(time.monotonic() - start, 3))
+    answer = dict(
+        changed=bool(module.params["go"] or stopped),
+        finished=result is not None,
+        waited=round(time.monotonic() - start, 3),
+    )
+    if module.params["stop_token"]:
+        answer["stopped_pids"] = stopped
     if result is not None:
         answer["result"] = result
         if module.params["cleanup"] and not module.check_mode:

@@ -42,6 +42,12 @@ options:
       - Base URL of the SGLang server (no trailing path).
     type: str
     default: http://127.0.0.1:30000
+  api_key:
+    description:
+      - The server's API key (SGLang started with C(--api-key)), sent as C(Authorization: Bearer) on
+        every request. Empty sends none. Never returned or written.
+    type: str
+    default: ""
   prompts:
     description:
       - JSONL file of prompts on the managed host, C({"id", "prompt"}) or C({"id", "messages"}) per line.
@@ -203,6 +209,7 @@ REQUEST_OPTIONS = dict(
     timeout=dict(type="float", default=300),
     retries=dict(type="int", default=5),
     backoff=dict(type="float", default=1.0),
+    api_key=dict(type="str", default="", no_log=True),
 )
 
 FIGURES = {

@@ -1,0 +1,215 @@
+"""Requests in flight, and how /pause_generation, /continue_generation and a release move them.
+
+SGLang 0.5.23 (read in managers/tokenizer_manager.py and managers/scheduler.py):
+- The tokenizer holds every new request at its door while paused (tokenizer_manager.py:938), in
+  every mode; only /continue_generation opens it (tokenizer_manager.py:2282).
+- mode "abort" (the default) aborts every request the scheduler holds (tokenizer_manager.py:2276):
+  a running one finishes with what it decoded and finish_reason {"type": "abort", "message":
+  "Aborted", ...} (scheduler.py:5811, schedule_batch.py:339); a queued one with no output and
+  "Abort in waiting queue" (tokenizer_manager.py:3596). Both answer HTTP 200: only an abort with
+  a status code >= 400 becomes an error (tokenizer_manager.py:1901).
+- mode "retract" pauses the scheduler and sends running requests back to the waiting queue
+  (scheduler.py:5816); "in_place" pauses it and leaves them running (scheduler.py:5820).
+  After /continue_generation both continue; a retracted request recomputes its prefix.
+The model here decodes one request at a time under `lock` (one GPU); the others wait for it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from specops.devserver.protocol import Item
+
+RUNNING_ABORT = {"type": "abort", "message": "Aborted", "status_code": None, "err_type": None}
+WAITING_ABORT = {"type": "abort", "message": "Abort in waiting queue"}
+
+TokensCallback = Callable[[list[int]], None]
+
+
+@dataclass
+class Ticket:
+    """One request inside the scheduler: waiting for the model, or running on it."""
+
+    rid: str
+    state: str = "waiting"
+    abort: dict[str, Any] | None = None  # the finish_reason once aborted
+
+
+class RequestScheduler:
+    """Admission, pause modes and idleness; the engine that inherits it supplies the decoding."""
+
+    lock: threading.Lock
+    released_tags: set[str]
+
+    def _init_scheduler(self) -> None:
+        self.cond = threading.Condition()
+        self.tickets: list[Ticket] = []
+        self.door_closed = False  # the tokenizer's is_pause
+        self.scheduler_paused = False  # the scheduler's _engine_paused (retract / in_place)
+        self.pause_mode: str | None = None
+        self.preempting = False  # a release (0.5.4) waits for the running step to end
+        self.last_scheduler_message = 0.0  # what /health_generate counts as a sign of life
+
+    # -- counts --------------------------------------------------------------------------------
+    @property
+    def pending(self) -> int:
+        return len(self.tickets)
+
+    @property
+    def paused(self) -> bool:
+        return self.door_closed
+
+    def count(self, state: str) -> int:
+        return sum(1 for ticket in self.tickets if ticket.state == state)
+
+    def is_fully_idle(self, ignore_waiting: bool = False) -> bool:
+        """scheduler.py:5337 (0.5.23): nothing running; nothing waiting unless told to ignore it."""
+        return self.count("running") == 0 and (ignore_waiting or self.count("waiting") == 0)
+
+    def note_scheduler_message(self) -> None:
+        self.last_scheduler_message = time.monotonic()
+
+    # -- pause / continue ------------------------------------------------------------------------
+    def pause(self, mode: str = "abort") -> None:
+        with self.cond:
+            self.door_closed = True
+            self.pause_mode = mode
+            if mode == "abort":
+                for ticket in self.tickets:
+                    ticket.abort = RUNNING_ABORT if ticket.state == "running" else WAITING_ABORT
+            else:
+                self.scheduler_paused = True
+            self.cond.notify_all()
+        if mode != "abort":
+            # The scheduler handles the pause before any later message (a release): the running
+            # step has stepped aside when this returns.
+            with self.lock:
+                pass
+
+    def resume_generation(self) -> None:
+        with self.cond:
+            self.door_closed = False
+            self.scheduler_paused = False
+            self.pause_mode = None
+            self.cond.notify_all()
+
+    def wait_unpaused(self) -> None:
+        with self.cond:
+            self.cond.wait_for(lambda: not self.door_closed)
+
+    def _held(self) -> bool:
+        """Whether an admitted request must wait before its next decoding step."""
+        return self.scheduler_paused or self.preempting or bool(self.released_tags)
+
+    @contextlib.contextmanager
+    def preempt(self) -> Iterator[None]:
+        """Hold the model between two steps of the running request (0.5.4's release)."""
+        with self.cond:
+            self.preempting = True
+        try:
+            with self.lock:
+                yield
+        finally:
+            with self.cond:
+                self.preempting = False
+                self.cond.notify_all()
+
+    # -- admission -----------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def admit(self, rid: str | None) -> Iterator[Ticket]:
+        ticket = Ticket(rid or uuid.uuid4().hex)
+        with self.cond:
+            self.tickets.append(ticket)
+        try:
+            yield ticket
+        finally:
+            with self.cond:
+                self.tickets.remove(ticket)
+                self.cond.notify_all()
+
+    @contextlib.contextmanager
+    def track(self) -> Iterator[None]:
+        """A request counted as in flight (waiting), for callers that decode by themselves."""
+        with self.admit(None):
+            yield
+
+    def serve(self, item: Item, ids: list[int], ticket: Ticket, on_tokens: TokensCallback | None) -> dict:
+        """Decode one request to its end, stepping aside for pauses and releases; its answer."""
+        started = time.monotonic()
+        output: list[int] = []
+        spec_parts: list[Any] = []
+        params = item.params
+        while not self._finished(output, params) and ticket.abort is None:
+            with self.cond:
+                self.cond.wait_for(lambda: ticket.abort is not None or not self._held())
+            if ticket.abort is not None:
+                break
+            with self.lock:
+                # A pause or release may have come between the wait and the lock.
+                if self._held() or ticket.abort is not None:
+                    continue
+                ticket.state = "running"
+                rest = dataclasses.replace(params, max_new_tokens=params.max_new_tokens - len(output))
+                before = list(output)
+
+                def stream(new: list[int], before: list[int] = before) -> None:
+                    if on_tokens is not None:
+                        on_tokens(before + new)
+
+                new, spec = self._decode(
+                    ids + output,
+                    rest,
+                    interrupted=lambda: ticket.abort is not None or self.scheduler_paused or self.preempting,
+                    on_tokens=stream,
+                )
+            output.extend(new)
+            if spec is not None:
+                spec_parts.append(spec)
+            with self.cond:
+                # A retracted request goes back to the waiting queue; in place it stays running.
+                if self.scheduler_paused and self.pause_mode == "retract":
+                    ticket.state = "waiting"
+        if ticket.abort is not None and not self._finished(output, params):
+            return self._aborted(item, ids, output, ticket, time.monotonic() - started)
+        return self._response(item, ids, output, time.monotonic() - started, self._merge_spec(spec_parts))
+
+    def _aborted(self, item: Item, ids: list[int], output: list[int], ticket: Ticket, latency: float) -> dict:
+        assert ticket.abort is not None
+        if ticket.abort is WAITING_ABORT:
+            # tokenizer_manager.py:3597-3631: id, finish_reason, weight_version, e2e_latency only.
+            return {
+                "text": "",
+                "output_ids": [],
+                "meta_info": {
+                    "id": ticket.rid,
+                    "finish_reason": dict(WAITING_ABORT),
+                    "weight_version": self.weight_version,
+                    "e2e_latency": latency,
+                    "completion_tokens": 0,
+                },
+            }
+        answer = self._response(item, ids, output, latency, None)
+        answer["meta_info"]["finish_reason"] = dict(RUNNING_ABORT)
+        return answer
+
+    # -- supplied by the engine ------------------------------------------------------------------
+    weight_version: str
+
+    def _finished(self, output: list[int], params: Any) -> bool:
+        raise NotImplementedError
+
+    def _decode(self, ids, params, interrupted, on_tokens):  # type: ignore[no-untyped-def]
+        raise NotImplementedError
+
+    def _response(self, item, ids, output_ids, latency, spec=None) -> dict:  # type: ignore[no-untyped-def]
+        raise NotImplementedError
+
+    def _merge_spec(self, parts: list[Any]) -> dict[str, Any] | None:
+        raise NotImplementedError

@@ -1,0 +1,180 @@
+"""The strict development server fails where SGLang fails: crashes, garbage weights, refusals.
+
+Sources: sglang 0.5.23 managers/scheduler_components/weight_updater.py:337 (release asserts
+idleness), managers/scheduler.py (an exception ends the scheduler and SIGQUITs the launcher),
+utils/auth.py (the API key), entrypoints/http_server.py (bodies and status codes); sglang 0.5.4
+managers/scheduler_update_weights_mixin.py:101, managers/scheduler.py:2341 and http_server.py:609.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import urllib.error
+
+import pytest
+from devserver_client import call
+
+from specops.devserver.launch import DevServerProcess, http_status
+
+pytestmark = pytest.mark.slow
+
+PROMPT = [318, 293, 342, 11, 311]
+API_KEY = "test-key"
+BEARER = {"Authorization": f"Bearer {API_KEY}"}
+
+
+def request(max_new_tokens: int) -> dict:
+    return {
+        "input_ids": PROMPT,
+        "sampling_params": {"temperature": 0, "max_new_tokens": max_new_tokens, "ignore_eos": True},
+    }
+
+
+def wait_until(condition, what: str, bound: float = 120.0) -> None:
+    deadline = time.monotonic() + bound
+    while not condition():
+        assert time.monotonic() < deadline, f"{what} did not happen within {bound:g} s"
+        time.sleep(0.02)
+
+
+def in_background(url: str, body: dict, headers: dict | None = None) -> tuple[threading.Thread, dict]:
+    answer: dict = {}
+
+    def send() -> None:
+        try:
+            answer["result"] = call(url, "/generate", body, timeout=600, headers=headers)
+        except (urllib.error.URLError, ConnectionError) as error:
+            answer["error"] = error
+
+    worker = threading.Thread(target=send)
+    worker.start()
+    return worker, answer
+
+
+@pytest.fixture(scope="module")
+def old_server(fixture_models, tmp_path_factory):
+    """A server imitating SGLang 0.5.4."""
+    log = tmp_path_factory.mktemp("devserver-054") / "server.log"
+    with DevServerProcess(
+        fixture_models.target,
+        "--sglang-version",
+        "0.5.4",
+        "--enable-memory-saver",
+        "--enable-weights-cpu-backup",
+        log_path=log,
+    ) as process:
+        process.wait_ready()
+        yield process
+
+
+@pytest.fixture(scope="module")
+def keyed_server(fixture_models, tmp_path_factory):
+    """--api-key, and the memory saver without --enable-weights-cpu-backup."""
+    log = tmp_path_factory.mktemp("devserver-keyed") / "server.log"
+    with DevServerProcess(
+        fixture_models.target, "--api-key", API_KEY, "--enable-memory-saver", log_path=log
+    ) as process:
+        process.wait_ready()
+        yield process
+
+
+def running(url: str, headers: dict | None = None) -> int:
+    status, body = call(url, "/v1/loads", headers=headers)
+    assert status == 200
+    return body["loads"][0]["num_running_reqs"]
+
+
+def test_a_release_during_a_running_forward_pass_kills_the_whole_server(fixture_models, tmp_path):
+    # 0.5.23 asserts is_fully_idle before a release: the scheduler dies and SIGQUITs the launcher.
+    log = tmp_path / "server.log"
+    with DevServerProcess(
+        fixture_models.target, "--enable-memory-saver", "--enable-weights-cpu-backup", log_path=log
+    ) as server:
+        server.wait_ready()
+        worker, answer = in_background(server.url, request(2000))
+        wait_until(lambda: running(server.url) == 1, "the request running")
+        with pytest.raises((urllib.error.URLError, ConnectionError)):
+            call(server.url, "/release_memory_occupation", {"tags": ["kv_cache"]})
+        assert server.process.wait(60) == 131
+        worker.join(60)
+    assert "result" not in answer, "the request in flight must be lost with the server"
+    assert "Scheduler hit an exception" in log.read_text()
+
+
+def test_under_0_5_4_a_release_during_a_forward_pass_waits_for_the_step_and_the_request_completes(old_server):
+    # 0.5.4 has no idleness assert: the release happens between two steps; after the resume the
+    # running request continues to its full length.
+    url = old_server.url
+    worker, answer = in_background(url, request(300))
+    wait_until(lambda: call(url, "/get_load")[1][0]["num_reqs"] == 1, "the request in flight")
+    assert call(url, "/release_memory_occupation", {"tags": []}) == (200, None)
+    assert old_server.process.poll() is None
+    assert call(url, "/resume_memory_occupation", {"tags": []}) == (200, None)
+    worker.join(600)
+    status, body = answer["result"]
+    assert status == 200 and len(body["output_ids"]) == 300
+
+
+def test_under_0_5_4_flush_cache_when_busy_answers_400_with_the_success_text(old_server):
+    url = old_server.url
+    worker, _ = in_background(url, request(300))
+    wait_until(lambda: call(url, "/get_load")[1][0]["num_reqs"] == 1, "the request in flight")
+    status, text = call(url, "/flush_cache", {})
+    worker.join(600)
+    assert status == 400 and text.startswith("Cache flushed.")
+
+
+def test_under_0_5_4_pause_takes_no_mode_and_aborts_the_request_in_flight(old_server):
+    url = old_server.url
+    worker, answer = in_background(url, request(2000))
+    wait_until(lambda: call(url, "/get_load")[1][0]["num_reqs"] == 1, "the request in flight")
+    try:
+        assert call(url, "/pause_generation", {"mode": "retract"})[0] == 200
+        worker.join(300)
+    finally:
+        call(url, "/continue_generation", {})
+    assert answer["result"][1]["meta_info"]["finish_reason"]["type"] == "abort"
+
+
+def test_under_0_5_4_get_load_counts_requests_and_server_info_says_0_5_4(old_server):
+    # 0.5.4 GetLoadReqOutput: num_reqs = running + waiting; only /get_server_info exists.
+    url = old_server.url
+    assert call(url, "/get_load") == (
+        200,
+        [{"dp_rank": 0, "num_reqs": 0, "num_waiting_reqs": 0, "num_tokens": 0}],
+    )
+    assert call(url, "/get_server_info")[1]["version"] == "0.5.4"
+    assert call(url, "/server_info")[0] == 404 and call(url, "/v1/loads")[0] == 404
+
+
+def test_server_info_reports_the_version_and_the_memory_saver_flags(keyed_server):
+    status, info = call(keyed_server.url, "/server_info", headers=BEARER)
+    assert status == 200 and info["version"] == "0.5.23"
+    assert info["enable_memory_saver"] is True and info["enable_weights_cpu_backup"] is False
+    assert info["memory_saver_backend"] == "cpu" and "api_key" not in info
+
+
+def test_weights_released_without_cpu_backup_come_back_different_and_health_stays_200(keyed_server):
+    # torch_memory_saver throws away a region without a CPU backup: the resumed server serves
+    # garbage and its 1-token health check still passes.
+    url = keyed_server.url
+    before = call(url, "/generate", request(16), headers=BEARER)[1]["output_ids"]
+    assert call(url, "/release_memory_occupation", {"tags": ["weights"]}, headers=BEARER) == (200, None)
+    assert call(url, "/resume_memory_occupation", {"tags": ["weights"]}, headers=BEARER) == (200, None)
+    status, after = call(url, "/generate", request(16), headers=BEARER)
+    assert status == 200 and after["output_ids"] != before
+    assert http_status(url + "/health_generate") == 200
+
+
+def test_api_key_is_required_everywhere_but_health(keyed_server):
+    # utils/auth.py (0.5.23): 401 {"error": "Unauthorized"}; /health*, /ready*, /metrics* stay open.
+    url = keyed_server.url
+    assert call(url, "/generate", request(2)) == (401, {"error": "Unauthorized"})
+    wrong = {"Authorization": "Bearer nope"}
+    assert call(url, "/generate", request(2), headers=wrong) == (401, {"error": "Unauthorized"})
+    for path in ("/server_info", "/v1/loads", "/v1/models", "/flush_cache", "/no_such_path"):
+        assert call(url, path)[0] == 401, path
+    assert call(url, "/generate", request(2), headers=BEARER)[0] == 200
+    assert call(url, "/generate", request(2), headers={"Authorization": f"bearer {API_KEY}"})[0] == 200
+    assert http_status(url + "/health_generate") == 200 and http_status(url + "/health") == 200
