@@ -31,7 +31,10 @@ def main() -> int:
         for suite in ElementTree.parse(report).getroot().iter("testsuite"):
             wall += float(suite.get("time", 0))
             for case in suite.iter("testcase"):
-                by_file[case.get("classname", "?").rsplit(".", 1)[0]] += float(case.get("time", 0))
+                # classname is the module's dotted path, with the class appended for tests in a class.
+                module, _, last = case.get("classname", "?").rpartition(".")
+                name = module if last[:1].isupper() else f"{module}.{last}".lstrip(".")
+                by_file[name] += float(case.get("time", 0))
         total = sum(by_file.values())
         print(f"{report.stem}: {wall:.0f} s wall, {total:.0f} s summed over {len(by_file)} files")
         for name, seconds in sorted(by_file.items(), key=lambda item: -item[1])[: args.top]:
