@@ -192,5 +192,11 @@ test-systemd: system-deps $(VENV)/.stamp $(ML_VENV)/.stamp
 	mkdir -p /tmp/specops-pytest-systemd
 	PYTEST_DEBUG_TEMPROOT=/tmp/specops-pytest-systemd $(HEARTBEAT) systemd $(VENV)/bin/pytest $(PYTEST_FLAGS) tests/systemd
 
+# The collection as users install it (dist/specops-drafter-<version>.tar.gz): modules, roles,
+# playbooks and the specops wheel that the fla_env role installs by default.
+.PHONY: collection
+collection: $(VENV)/.stamp
+	$(VENV)/bin/python tools/build_collection.py --output-path dist
+
 clean:
 	rm -rf .work

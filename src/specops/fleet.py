@@ -94,6 +94,20 @@ def merge_reports(
     overall = pooled([r["overall"] for r in reports])
     reference = pooled([r.get("reference") for r in reports])
     per_prompt = [{"host": h["host"], **row} for h in hosts for row in h["report"]["per_prompt"]]
+    # The interval and the paired comparison resample the prompts of every host together.
+    counts = {f"{row['host']}/{row['id']}": (row["tokens"], row["steps"]) for row in per_prompt}
+    reference_counts = {
+        f"{row['host']}/{row['id']}": (row["tokens"], row["reference_steps"])
+        for row in per_prompt
+        if row.get("reference_steps") is not None
+    }
+    if overall:
+        overall["interval"] = rep.tau_interval(counts)
+    if reference:
+        reference["interval"] = rep.tau_interval(reference_counts)
+    vs_reference = (
+        rep.paired(counts, reference_counts, ("drafter", "reference")) if reference_counts else None
+    )
     per_host = []
     for h in hosts:
         r = h["report"]
@@ -126,6 +140,7 @@ def merge_reports(
         "overall": overall,
         "reference": reference,
         "ratio": rep.ratio(overall["tau"] if overall else None, reference["tau"] if reference else None),
+        "vs_reference": vs_reference,
         "online": merged_online(reports),
         "per_host": per_host,
         "per_prompt": per_prompt,
@@ -177,7 +192,16 @@ def render_markdown(fleet: Mapping[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-SCORED_KEYS = ("overall", "reference", "ratio", "online", "per_prompt", "diagnostics", "warnings")
+SCORED_KEYS = (
+    "overall",
+    "reference",
+    "ratio",
+    "vs_reference",
+    "online",
+    "per_prompt",
+    "diagnostics",
+    "warnings",
+)
 
 
 def scored_part(fleet: Mapping[str, Any]) -> dict[str, Any]:
@@ -209,8 +233,11 @@ def merge(request: Mapping[str, Any]) -> dict[str, Any]:
     fleet = merge_reports(hosts, request.get("rollout") or {})
     figures = {
         "tau": fleet["overall"]["tau"],
+        "tau_interval": fleet["overall"].get("interval"),
         "reference_tau": (fleet["reference"] or {}).get("tau"),
+        "reference_tau_interval": (fleet["reference"] or {}).get("interval"),
         "ratio": fleet["ratio"],
+        "vs_reference": fleet["vs_reference"],
         "online_tau": (fleet["online"] or {}).get("tau"),
         "n_prompts": len(fleet["per_prompt"]),
         "n_hosts": len(hosts),

@@ -1,7 +1,8 @@
 """Past runs of the score stage: each run's own directory and one index, appended to.
 
 Layout under the history directory:
-    index.jsonl        one JSON line per run: run_id, time, tau per drafter, reference tau
+    index.jsonl        one JSON line per run that scored: run_id, time, tau per drafter and its
+                       95% interval, reference tau and its interval, prompts scored
     <run_id>/          that run's report.json, report.md and plots, copied when it was scored
 Appends take an exclusive lock on the index and write each line with one write() call on an
 O_APPEND descriptor, so concurrent runs (several AWX jobs on one host) never interleave or lose lines.
@@ -18,6 +19,8 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
+from specops import stats
+
 INDEX = "index.jsonl"
 
 
@@ -32,8 +35,11 @@ def entry(run_id: str, summary: Mapping[str, Any]) -> dict[str, Any]:
         "run_id": run_id,
         "time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "tau": {d["name"]: d["overall"]["tau"] for d in summary["drafters"]},
+        "interval": {d["name"]: d["overall"].get("interval") for d in summary["drafters"]},
+        "n_prompts": {d["name"]: len(d.get("per_prompt") or []) for d in summary["drafters"]},
         "paths": {d["name"]: d["run"].get("drafter") for d in summary["drafters"]},
         "reference_tau": (summary.get("reference") or {}).get("tau"),
+        "reference_interval": (summary.get("reference") or {}).get("interval"),
     }
 
 
@@ -81,9 +87,49 @@ def keep_run(history_dir: Path, run_id: str, files: Iterable[Path]) -> Path:
     return final
 
 
+def changes(runs: list[dict[str, Any]], run_id: str) -> list[dict[str, Any]]:
+    """Each drafter of run_id whose tau moved since its previous run by more than the two runs'
+    intervals allow (specops.stats.run_change); runs written before intervals were kept are never
+    flagged."""
+    position = next((i for i, run in enumerate(runs) if run["run_id"] == run_id), None)
+    if position is None:
+        return []
+    current, found = runs[position], []
+    for name, after in current["tau"].items():
+        previous = next((run for run in reversed(runs[:position]) if run["tau"].get(name) is not None), None)
+        if previous is None:
+            continue
+        before = previous["tau"][name]
+        direction = stats.run_change(
+            before,
+            (previous.get("interval") or {}).get(name),
+            after,
+            (current.get("interval") or {}).get(name),
+        )
+        if direction:
+            found.append(
+                {
+                    "run_id": run_id,
+                    "drafter": name,
+                    "direction": direction,
+                    "before": before,
+                    "after": after,
+                    "previous_run_id": previous["run_id"],
+                }
+            )
+    return found
+
+
 def trend(runs: list[dict[str, Any]], run_id: str, index: Path) -> dict[str, Any]:
-    """The report's history section: the runs and the drafter names seen in them, in first-seen order."""
+    """The report's history section: the runs, the drafter names seen in them (first-seen order) and
+    the changes of this run that stand outside the noise."""
     names: list[str] = []
     for run in runs:
         names += [name for name in run["tau"] if name not in names]
-    return {"index": str(index), "run_id": run_id, "runs": runs, "drafters": names}
+    return {
+        "index": str(index),
+        "run_id": run_id,
+        "runs": runs,
+        "drafters": names,
+        "changes": changes(runs, run_id),
+    }

@@ -116,66 +116,117 @@ def render_plots(report: Mapping[str, Any], out_dir: str | Path) -> list[str]:
     return list(rep.PLOT_FILES)
 
 
+def _error_bars(values: Sequence[float | None], intervals: Sequence[Sequence[float] | None]) -> list[list]:
+    """matplotlib's yerr (distances below and above each value) from [low, high] intervals; 0 where
+    there is no interval."""
+    below, above = [], []
+    for value, interval in zip(values, intervals, strict=True):
+        below.append(value - interval[0] if interval and value is not None else 0.0)
+        above.append(interval[1] - value if interval and value is not None else 0.0)
+    return [below, above]
+
+
 def render_comparison(summary: Mapping[str, Any], out_dir: str | Path) -> str:
-    """tau of every drafter (and the reference) side by side, with the expected speedup on top."""
+    """tau of every drafter (and the reference) side by side with its 95% interval, and the expected
+    speedup on top."""
     plt = _pyplot()
     rows = list(summary["comparison"])
     names = [r["name"] for r in rows]
     taus = [r["tau"] or 0 for r in rows]
+    intervals = [r.get("interval") for r in rows]
     speedups = [r["expected_speedup"] for r in rows]
     if summary.get("reference"):
         names.append("reference")
         taus.append(summary["reference"]["tau"] or 0)
+        intervals.append(summary["reference"].get("interval"))
         speedups.append((summary.get("speedup_model") or {}).get("reference_expected"))
     fig, ax = plt.subplots(figsize=(max(5.0, 0.8 * len(names) + 2), 4))
     bars = ax.bar(
-        range(len(names)), taus, color=["tab:blue"] * len(rows) + ["tab:orange"] * (len(names) - len(rows))
+        range(len(names)),
+        taus,
+        yerr=_error_bars(taus, intervals),
+        capsize=4,
+        color=["tab:blue"] * len(rows) + ["tab:orange"] * (len(names) - len(rows)),
     )
-    for bar, speedup in zip(bars, speedups, strict=True):
+    for bar, speedup, interval in zip(bars, speedups, intervals, strict=True):
         if speedup is not None:
             ax.annotate(
                 f"{speedup:.2f}x",
-                (bar.get_x() + bar.get_width() / 2, bar.get_height()),
+                # Above the interval's cap, where the label hides nothing.
+                (bar.get_x() + bar.get_width() / 2, max(bar.get_height(), interval[1] if interval else 0)),
                 ha="center",
                 va="bottom",
                 fontsize=8,
             )
     ax.set_xticks(range(len(names)))
     ax.set_xticklabels(names, rotation=30, ha="right", fontsize=8)
-    ax.set_ylim(0, max(taus + [1.0]) * 1.2)
-    ax.set_ylabel("tau (labels: expected speedup)")
+    ax.set_ylim(0, max(taus + [i[1] for i in intervals if i] + [1.0]) * 1.2)
+    ax.set_ylabel("tau, 95% interval (labels: expected speedup)")
     ax.set_title("tau by drafter")
     _save(plt, fig, Path(out_dir) / rep.PLOT_TAU_BY_DRAFTER)
     return rep.PLOT_TAU_BY_DRAFTER
 
 
-def render_trend(runs: Sequence[Mapping[str, Any]], drafters: Sequence[str], out_dir: str | Path) -> str:
-    """tau per drafter over the runs of the index, oldest first (one line per drafter name)."""
+def render_trend(
+    runs: Sequence[Mapping[str, Any]],
+    drafters: Sequence[str],
+    out_dir: str | Path,
+    changes: Sequence[Mapping[str, Any]] = (),
+) -> str:
+    """tau per drafter over the runs of the index, oldest first (one line per drafter name), each point
+    with its 95% interval where the run kept one; the last run's changes outside the noise
+    (specops.history.changes) are marked with a red triangle pointing their way."""
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(max(6.0, 0.5 * len(runs) + 2), 4))
     x = list(range(len(runs)))
     for name in drafters:
         points = [
-            (i, run["tau"][name]) for i, run in zip(x, runs, strict=True) if run["tau"].get(name) is not None
+            (i, run["tau"][name], (run.get("interval") or {}).get(name))
+            for i, run in zip(x, runs, strict=True)
+            if run["tau"].get(name) is not None
         ]
         if points:
-            ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=name)
+            taus = [p[1] for p in points]
+            ax.errorbar(
+                [p[0] for p in points],
+                taus,
+                yerr=_error_bars(taus, [p[2] for p in points]),
+                marker="o",
+                capsize=3,
+                label=name,
+            )
     references = [
-        (i, run.get("reference_tau"))
+        (i, run["reference_tau"], run.get("reference_interval"))
         for i, run in zip(x, runs, strict=True)
         if run.get("reference_tau") is not None
     ]
     if references:
-        ax.plot(
+        taus = [p[1] for p in references]
+        ax.errorbar(
             [p[0] for p in references],
-            [p[1] for p in references],
+            taus,
+            yerr=_error_bars(taus, [p[2] for p in references]),
             linestyle="--",
             color="gray",
+            capsize=3,
             label="reference",
         )
+    position = {run["run_id"]: i for i, run in enumerate(runs)}
+    for direction in ("up", "down"):
+        moved = [c for c in changes if c["direction"] == direction and c["run_id"] in position]
+        if moved:
+            ax.scatter(
+                [position[c["run_id"]] for c in moved],
+                [c["after"] for c in moved],
+                marker="^" if direction == "up" else "v",
+                s=120,
+                color="red",
+                zorder=4,
+                label=f"moved {direction}, outside the noise",
+            )
     ax.set_xticks(x)
     ax.set_xticklabels([run["run_id"] for run in runs], rotation=60, ha="right", fontsize=7)
-    ax.set_ylabel("tau")
+    ax.set_ylabel("tau, 95% interval")
     ax.set_title("tau per drafter over past runs")
     ax.legend(fontsize=8)
     _save(plt, fig, Path(out_dir) / rep.PLOT_TAU_TREND)

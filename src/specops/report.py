@@ -16,7 +16,11 @@ import math
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-SCHEMA_VERSION = 2
+from specops import stats
+
+# 3: tau intervals (overall.interval), the paired comparison with the reference (vs_reference) and
+# between drafters (pairs).
+SCHEMA_VERSION = 3
 
 # One drafter's plots (in its own directory) and the summary's (in the score directory).
 PLOT_TAU_PER_PROMPT = "tau_per_prompt.png"
@@ -81,6 +85,36 @@ def summarize(sequences: Sequence[Mapping[str, Any]], block_size: int) -> dict[s
         "histogram": histogram(pooled, block_size),
         "acceptance_by_position": acceptance_by_position(pooled, block_size),
     }
+
+
+def prompt_counts(sequences: Sequence[Mapping[str, Any]]) -> dict[str, tuple[int, int]]:
+    """Each prompt's (accepted tokens, verify steps): what tau's interval resamples."""
+    return {str(seq["id"]): (sum(seq["accept_lengths"]), len(seq["accept_lengths"])) for seq in sequences}
+
+
+def tau_interval(counts: Mapping[str, tuple[int, int]]) -> list[float] | None:
+    """The 95% interval of the pooled tau, prompts resampled (specops.stats)."""
+    values = list(counts.values())
+    return stats.tau_interval([t for t, _ in values], [s for _, s in values])
+
+
+def paired(
+    first: Mapping[str, tuple[int, int]],
+    second: Mapping[str, tuple[int, int]],
+    names: Sequence[str],
+    detectable: float = stats.DETECTABLE_DIFFERENCE,
+) -> dict[str, Any]:
+    """The first drafter against the second on the prompts both scored (specops.stats.paired_comparison);
+    detectable: the difference in tau it says how many prompts would resolve."""
+    ids = [i for i in first if i in second]
+    comparison = stats.paired_comparison(
+        [first[i][0] for i in ids],
+        [first[i][1] for i in ids],
+        [second[i][0] for i in ids],
+        [second[i][1] for i in ids],
+        detectable=detectable,
+    )
+    return {"names": list(names), **comparison}
 
 
 def ratio(numerator: float | None, denominator: float | None) -> float | None:
@@ -191,13 +225,15 @@ def build_report(
     diagnostics: Sequence[Mapping[str, Any]] = (),
     comparison: Mapping[str, Any] | None = None,
     name: str = "drafter",
+    detectable: float = stats.DETECTABLE_DIFFERENCE,
 ) -> dict[str, Any]:
     """One drafter's report (its section of report.json, and its own directory's report.json).
 
     drafter / reference: {"block_size": int, "sequences": [{"id": str, "accept_lengths": [int]}]};
     online: {id: {"tau", "verify_ct", "completion_tokens"}} from SGLang's meta_info;
     diagnostics: [{"name", "status", "message", "details"}];
-    comparison: `online_comparison`'s result, shown with the online figures.
+    comparison: `online_comparison`'s result, shown with the online figures;
+    detectable: the difference in tau the comparison with the reference sizes a run for.
     """
     for diagnostic in diagnostics:
         if diagnostic["status"] not in STATUSES:
@@ -206,8 +242,16 @@ def build_report(
                 f"is not one of {', '.join(STATUSES)}"
             )
     online = online or {}
-    overall = summarize(drafter["sequences"], drafter["block_size"])
-    reference_overall = summarize(reference["sequences"], reference["block_size"]) if reference else None
+    counts = prompt_counts(drafter["sequences"])
+    overall = {**summarize(drafter["sequences"], drafter["block_size"]), "interval": tau_interval(counts)}
+    reference_overall, vs_reference = None, None
+    if reference:
+        reference_counts = prompt_counts(reference["sequences"])
+        reference_overall = {
+            **summarize(reference["sequences"], reference["block_size"]),
+            "interval": tau_interval(reference_counts),
+        }
+        vs_reference = paired(counts, reference_counts, (name, "reference"), detectable)
     reference_by_id = {seq["id"]: seq for seq in reference["sequences"]} if reference else {}
     per_prompt = []
     for seq in drafter["sequences"]:
@@ -218,6 +262,7 @@ def build_report(
             "steps": len(seq["accept_lengths"]),
             "tokens": sum(seq["accept_lengths"]),
             "reference_tau": tau(ref["accept_lengths"]) if ref else None,
+            "reference_steps": len(ref["accept_lengths"]) if ref else None,
             "online_tau": online.get(seq["id"], {}).get("tau"),
         }
         row["ratio"] = ratio(row["tau"], row["reference_tau"])
@@ -229,6 +274,7 @@ def build_report(
         "overall": overall,
         "reference": reference_overall,
         "ratio": ratio(overall["tau"], reference_overall["tau"] if reference_overall else None),
+        "vs_reference": vs_reference,
         "online": online_summary(online),
         "online_comparison": dict(comparison) if comparison else None,
         "per_prompt": per_prompt,
@@ -243,11 +289,24 @@ def _fmt(value: float | None, digits: int = 2) -> str:
     return f"{value:.{digits}f}"
 
 
+def _interval(value: Sequence[float] | None, digits: int = 2) -> str:
+    """The interval written after its figure, as " [low, high]"; nothing where a run had too few
+    prompts for one (specops.stats.MIN_PROMPTS)."""
+    return f" [{_fmt(value[0], digits)}, {_fmt(value[1], digits)}]" if value else ""
+
+
+def _tau(figures: Mapping[str, Any]) -> str:
+    return _fmt(figures["tau"]) + _interval(figures.get("interval"))
+
+
 def verdict(report: Mapping[str, Any]) -> str:
-    """One line: the drafter's tau, against the reference and SGLang's online figure when known."""
-    line = f"drafter tau {_fmt(report['overall']['tau'])}"
+    """One line: the drafter's tau and its interval, against the reference (with the paired verdict:
+    better, worse, or no difference shown at this size) and SGLang's online figure when known."""
+    line = f"drafter tau {_tau(report['overall'])}"
     if report.get("reference"):
-        line += f" vs reference {_fmt(report['reference']['tau'])} ({_fmt(report['ratio'])}x)"
+        line += f" vs reference {_tau(report['reference'])} ({_fmt(report['ratio'])}x)"
+        if report.get("vs_reference"):
+            line += f": {report['vs_reference']['verdict']}"
     else:
         line += " (no reference drafter given)"
     if report.get("online"):
@@ -275,7 +334,10 @@ def comparison_rows(reports: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]
             {
                 "name": report["name"],
                 "tau": report["overall"]["tau"],
+                "interval": report["overall"].get("interval"),
                 "ratio": report.get("ratio"),
+                "ratio_interval": (report.get("vs_reference") or {}).get("ratio_interval"),
+                "vs_reference": (report.get("vs_reference") or {}).get("verdict"),
                 "position_1": by_pos[0] if by_pos else None,
                 "expected_speedup": speedup.get("expected"),
                 "warnings": [d["name"] for d in report["diagnostics"] if d["status"] == "warning"],
@@ -289,14 +351,49 @@ def summary_verdict(summary: Mapping[str, Any]) -> str:
     drafters = summary["drafters"]
     if len(drafters) == 1:
         return verdict(drafters[0])
-    best = max(drafters, key=lambda d: d["overall"]["tau"] or 0)
-    line = f"{len(drafters)} drafters; best {best['name']} tau {_fmt(best['overall']['tau'])}"
+    ranked = sorted(drafters, key=lambda d: d["overall"]["tau"] or 0, reverse=True)
+    best, runner_up = ranked[0], ranked[1]
+    line = f"{len(drafters)} drafters; best {best['name']} tau {_tau(best['overall'])}"
     if summary.get("reference"):
-        line += f" vs reference {_fmt(summary['reference']['tau'])} ({_fmt(best.get('ratio'))}x)"
+        line += f" vs reference {_tau(summary['reference'])} ({_fmt(best.get('ratio'))}x)"
+        if best.get("vs_reference"):
+            line += f": {best['vs_reference']['verdict']}"
+    against = next(
+        (p for p in summary.get("pairs") or [] if set(p["names"]) == {best["name"], runner_up["name"]}), None
+    )
+    if against:
+        # The pair may be stored either way round: its verdict read from the best drafter's side.
+        word = against["verdict"] if against["names"][0] == best["name"] else _flipped(against["verdict"])
+        line += f"; vs {runner_up['name']}: {word}"
     warned = [d["name"] for d in drafters if any(x["status"] == "warning" for x in d["diagnostics"])]
     if warned:
         line += f"; diagnostics warn for {', '.join(warned)}"
     return line
+
+
+def _flipped(word: str) -> str:
+    return {stats.BETTER: stats.WORSE, stats.WORSE: stats.BETTER}.get(word, word)
+
+
+def reference_pairs(reports: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """Each drafter's paired comparison with the reference, under the drafter's name."""
+    return [
+        {**report["vs_reference"], "names": [report["name"], "reference"]}
+        for report in reports
+        if report.get("vs_reference")
+    ]
+
+
+def drafter_pairs(
+    reports: Sequence[Mapping[str, Any]], detectable: float = stats.DETECTABLE_DIFFERENCE
+) -> list[dict[str, Any]]:
+    """Every two drafters of the run compared on the same prompts, in the order they were given."""
+    counts = [{str(r["id"]): (r["tokens"], r["steps"]) for r in report["per_prompt"]} for report in reports]
+    return [
+        paired(counts[i], counts[j], (reports[i]["name"], reports[j]["name"]), detectable)
+        for i in range(len(reports))
+        for j in range(i + 1, len(reports))
+    ]
 
 
 def build_summary(
@@ -304,11 +401,12 @@ def build_summary(
     reports: Sequence[Mapping[str, Any]],
     speedup_model: Mapping[str, Any] | None = None,
     history: Mapping[str, Any] | None = None,
+    detectable: float = stats.DETECTABLE_DIFFERENCE,
 ) -> dict[str, Any]:
     """report.json of the run: every drafter's report, the comparison, the speedup model, the history.
 
-    The first drafter's figures also stand at the top level (overall, ratio, per_prompt,
-    diagnostics, warnings), where a single-drafter report keeps them.
+    The first drafter's figures also stand at the top level (overall, ratio, vs_reference,
+    per_prompt, diagnostics, warnings), where a single-drafter report keeps them.
     """
     if not reports:
         raise ValueError("a summary needs at least one drafter's report")
@@ -318,6 +416,7 @@ def build_summary(
         "run": dict(run),
         "drafters": [dict(r) for r in reports],
         "comparison": comparison_rows(reports),
+        "pairs": reference_pairs(reports) + drafter_pairs(reports, detectable),
         "reference": first.get("reference"),
         "online": first.get("online"),
         "online_comparison": next(
@@ -327,6 +426,7 @@ def build_summary(
         "history": dict(history) if history else None,
         "overall": first["overall"],
         "ratio": first.get("ratio"),
+        "vs_reference": first.get("vs_reference"),
         "per_prompt": first["per_prompt"],
         "diagnostics": first["diagnostics"],
         "warnings": [f"{r['name']}: {w}" if len(reports) > 1 else w for r in reports for w in r["warnings"]],
@@ -355,10 +455,12 @@ def _environment():
         keep_trailing_newline=True,
         autoescape=False,
     )
-    env.filters.update(fmt=_fmt, cell=_cell)
+    env.filters.update(fmt=_fmt, cell=_cell, interval=_interval)
     env.globals.update(
         verdict=verdict,
         titles=PLOT_TITLES,
+        unresolved=stats.UNRESOLVED,
+        min_prompts=stats.MIN_PROMPTS,
         marks={"ok": "OK", "warning": "WARNING", "inconclusive": "INCONCLUSIVE", "skipped": "skipped"},
     )
     return env

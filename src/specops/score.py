@@ -21,6 +21,8 @@ Request (JSON on stdin, docs/architecture.md):
   diagnostics        any of acceptance, layer_offset, backend, vocabulary              default all
   layer_offset_tolerance  a shifted layer choice warns when its tau exceeds the configured
                      layers' tau by more than this fraction                            default 0.10
+  detectable_difference  the difference in tau the report says how many prompts a
+                     paired comparison needs to resolve (beside the observed one)   default 0.1
   step_costs         {draft_cost, verify_cost} in target decode steps, measured
                      (benchmarks/speedup_h200.py); without it they are estimated       optional
   history            directory of past runs: this run is copied to history/<run_id>/
@@ -48,6 +50,7 @@ from specops import diagnostics as diag
 from specops import history as hist
 from specops import report as rep
 from specops import speedup as spd
+from specops import stats
 from specops import window as win
 from specops.devices import resolve_device
 from specops.dflash_config import DrafterError, target_layer_ids
@@ -62,18 +65,15 @@ from specops.manifest import (
     write_manifest,
 )
 from specops.schema import Option, Schema
+from specops.score_result import REPORT_JSON, REPORT_MD, key_figures
 from specops.stage import StageError, log, serve
 from specops.versions import installed_versions
 
 STAGE = "score"
-REPORT_JSON = "report.json"
-REPORT_MD = "report.md"
 DRAFTERS_DIR = "drafters"
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 # dtype auto keeps float32 on a GPU while the head and drafters take at most this share of free memory.
 FLOAT32_MEMORY_SHARE = 0.25
-# Runs of the history the stage result (and so AWX) carries.
-TREND_RUNS = 20
 DEVICES = ("auto", "cpu", "cuda")
 REQUEST = Schema(
     STAGE,
@@ -135,6 +135,12 @@ REQUEST = Schema(
             default=diag.DEFAULT_LAYER_OFFSET_TOLERANCE,
         ),
         Option(
+            "detectable_difference",
+            "float",
+            "The difference in tau the report says how many prompts a paired comparison needs to resolve.",
+            default=stats.DETECTABLE_DIFFERENCE,
+        ),
+        Option(
             "step_costs",
             "dict",
             "Measured draft_cost and verify_cost in target decode steps; empty to estimate them.",
@@ -167,6 +173,7 @@ class Options:
     dtype: str = REQUEST.option("dtype").default
     diagnostics: tuple[str, ...] = diag.DIAGNOSTICS
     layer_offset_tolerance: float = REQUEST.option("layer_offset_tolerance").default
+    detectable_difference: float = REQUEST.option("detectable_difference").default
     step_costs: tuple[tuple[str, float], ...] = ()
     history: Path | None = None
     force: bool = REQUEST.option("force").default
@@ -282,6 +289,11 @@ def parse_request(request: Mapping[str, Any]) -> Options:
     tolerance = float(request.get("layer_offset_tolerance", diag.DEFAULT_LAYER_OFFSET_TOLERANCE))
     if tolerance < 0:
         raise StageError(f"layer_offset_tolerance {tolerance} is negative: use a fraction such as 0.1")
+    detectable = float(request.get("detectable_difference", stats.DETECTABLE_DIFFERENCE))
+    if detectable <= 0:
+        raise StageError(
+            f"detectable_difference {detectable} must be positive: a difference in tau such as 0.1"
+        )
     return Options(
         hidden_states=hidden_states,
         target=target,
@@ -295,6 +307,7 @@ def parse_request(request: Mapping[str, Any]) -> Options:
         dtype=dtype,
         diagnostics=checks,
         layer_offset_tolerance=tolerance,
+        detectable_difference=detectable,
         step_costs=_step_costs(request.get("step_costs")),
         history=Path(request["history"]).expanduser() if request.get("history") else None,
         force=bool(request.get("force", False)),
@@ -330,47 +343,11 @@ def inputs_of(opts: Options) -> dict[str, Any]:
             "dtype": opts.dtype,
             "diagnostics": sorted(opts.diagnostics),
             "layer_offset_tolerance": opts.layer_offset_tolerance,
+            "detectable_difference": opts.detectable_difference,
             "server_drafter": opts.server_drafter,
             "step_costs": dict(opts.step_costs),
             "history": str(opts.history) if opts.history else None,
         },
-    }
-
-
-def key_figures(report: Mapping[str, Any], out_dir: Path, changed: bool) -> dict[str, Any]:
-    """The stage result: what set_stats publishes, and where the report is."""
-    return {
-        "changed": changed,
-        "tau": report["overall"]["tau"],
-        "reference_tau": (report.get("reference") or {}).get("tau"),
-        "ratio": report.get("ratio"),
-        "online_tau": (report.get("online") or {}).get("tau"),
-        "n_prompts": len(report["per_prompt"]),
-        "steps": report["overall"]["steps"],
-        "verdict": report.get("verdict") or rep.verdict(report),
-        "warnings": report["warnings"],
-        "drafters": [
-            {
-                "name": row["name"],
-                "tau": row["tau"],
-                "ratio": row["ratio"],
-                "expected_speedup": row["expected_speedup"],
-                "warnings": row["warnings"],
-            }
-            for row in report.get("comparison") or []
-        ],
-        "expected_speedup": ((report.get("comparison") or [{}])[0]).get("expected_speedup"),
-        "history_index": (report.get("history") or {}).get("index"),
-        # The trend AWX shows: tau per drafter over the last runs of the index.
-        "trend": [
-            {"run_id": r["run_id"], "tau": r["tau"], "reference_tau": r.get("reference_tau")}
-            for r in ((report.get("history") or {}).get("runs") or [])[-TREND_RUNS:]
-        ],
-        "run_id": (report.get("history") or {}).get("run_id"),
-        "out_dir": str(out_dir),
-        "report_json": str(out_dir / REPORT_JSON),
-        "report_md": str(out_dir / REPORT_MD),
-        "plots": [str(out_dir / name) for name in report.get("plots") or []],
     }
 
 
@@ -698,7 +675,16 @@ def run(request: dict[str, Any]) -> dict[str, Any]:
                 "dtype": dtype,
                 "versions": versions(),
             }
-            report = rep.build_report(run_info, scores, reference_scores, online, [], comparison, name=name)
+            report = rep.build_report(
+                run_info,
+                scores,
+                reference_scores,
+                online,
+                [],
+                comparison,
+                name=name,
+                detectable=opts.detectable_difference,
+            )
             findings += _config_findings(opts, config, hidden_manifest, target_config, report)
             if server_name in (name, "reference"):
                 findings.append(diag.online_agreement_check(comparison, opts.server_drafter, margins=margins))
@@ -710,7 +696,14 @@ def run(request: dict[str, Any]) -> dict[str, Any]:
                     ),
                 )
             report = rep.build_report(
-                run_info, scores, reference_scores, online, findings, comparison, name=name
+                run_info,
+                scores,
+                reference_scores,
+                online,
+                findings,
+                comparison,
+                name=name,
+                detectable=opts.detectable_difference,
             )
             reports.append(report)
             del drafter
@@ -808,7 +801,7 @@ def _write(
     run_info = {
         key: value for key, value in reports[0]["run"].items() if key not in ("drafter", "target_layer_ids")
     }
-    summary = rep.build_summary(run_info, reports, model)
+    summary = rep.build_summary(run_info, reports, model, detectable=opts.detectable_difference)
     summary_plots = [plots.render_comparison(summary, out)]
     run_id = None
     if opts.history:
@@ -816,7 +809,9 @@ def _write(
         hist.append(opts.history, hist.entry(run_id, summary))
         runs = hist.read(opts.history)
         summary["history"] = hist.trend(runs, run_id, opts.history / hist.INDEX)
-        summary_plots.append(plots.render_trend(runs, summary["history"]["drafters"], out))
+        summary_plots.append(
+            plots.render_trend(runs, summary["history"]["drafters"], out, summary["history"]["changes"])
+        )
     summary["plots"] = summary_plots
     summary["window"] = win.read_window(opts.hidden_states)
     atomic_write_text(

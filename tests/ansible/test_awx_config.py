@@ -3,7 +3,11 @@
 
 from __future__ import annotations
 
+import json
+import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -60,3 +64,57 @@ def test_the_production_example_adopts_a_unit_with_privilege_escalation():
     for name in example:
         if owner(name):
             assert name in role_options(owner(name)), f"production example sets unknown {name}"
+
+
+def survey_variables() -> set[str]:
+    return {
+        question["variable"]
+        for template in CONTROLLER.get("controller_templates", [])
+        for question in (template.get("survey_spec") or {}).get("spec", [])
+    }
+
+
+def test_the_awx_hosts_get_every_setting_of_the_production_example():
+    example = yaml.safe_load((ROOT / "inventory/production.example/group_vars/gpu_hosts.yml").read_text())
+    # specops_drafter: the survey asks for the drafters (specops_drafters); the rest is set for the group.
+    given = set(awx_variables()) | survey_variables()
+    missing = sorted(name for name in example if name not in given and name != "specops_drafter")
+    assert not missing, f"awx/controller.yml leaves out what inventory/production.example sets: {missing}"
+
+
+@pytest.mark.parametrize("name", sorted(survey_variables()))
+def test_every_survey_answer_is_read_by_a_playbook_or_the_job_templates_variables(name):
+    used = "".join(p.read_text() for p in (ROOT / "playbooks").glob("*.yml"))
+    used += "".join(p.read_text() for p in (ROOT / "roles").glob("*/defaults/main.yml"))
+    used += json.dumps([t.get("extra_vars") for t in CONTROLLER["controller_templates"]])
+    assert re.search(rf"\b{name}\b", used), f"the survey asks for {name}, which nothing reads"
+
+
+def test_the_surveys_drafters_one_per_line_become_the_list_eval_yml_takes():
+    template = next(t for t in CONTROLLER["controller_templates"] if t["playbook"] == "playbooks/eval.yml")
+    answer = "/models/drafters/step-2000\n  /models/drafters/step-4000 \n\n"
+    extra = {**template["extra_vars"], "specops_drafter_paths": answer}
+    done = subprocess.run(
+        [
+            str(Path(sys.executable).parent / "ansible"),
+            "localhost",
+            "-m",
+            "ansible.builtin.debug",
+            "-a",
+            "var=specops_drafters",
+            "-e",
+            json.dumps(extra),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={
+            **os.environ,
+            "ANSIBLE_LOCALHOST_WARNING": "false",
+            "ANSIBLE_STDOUT_CALLBACK": "ansible.builtin.json",
+            "ANSIBLE_LOAD_CALLBACK_PLUGINS": "1",
+        },
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    result = json.loads(done.stdout)["plays"][0]["tasks"][0]["hosts"]["localhost"]
+    assert result["specops_drafters"] == ["/models/drafters/step-2000", "/models/drafters/step-4000"]

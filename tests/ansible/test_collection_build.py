@@ -1,4 +1,5 @@
-"""The collection as people adopt it: a galaxy tarball that installs offline and whose modules run,
+"""The collection as people adopt it: a galaxy tarball (built by tools/build_collection.py, what
+`make collection` runs) that installs offline and whose modules run,
 an execution environment that ansible-builder turns into a build context, and the AWX objects
 (job template and weekly schedule) that run playbooks/eval.yml."""
 
@@ -36,9 +37,9 @@ def run(cmd, env=None, cwd=None):
 
 @pytest.fixture(scope="module")
 def built(tmp_path_factory):
-    """`ansible-galaxy collection build` into a fresh directory."""
+    """The collection built as `make collection` builds it, into a fresh directory."""
     dist = tmp_path_factory.mktemp("dist")
-    run([BIN / "ansible-galaxy", "collection", "build", COLLECTION, "--output-path", dist])
+    run([sys.executable, ROOT / "tools" / "build_collection.py", "--output-path", dist])
     return dist / TARBALL_NAME
 
 
@@ -241,18 +242,31 @@ def test_the_job_template_targets_the_gpu_hosts_group_of_its_inventory():
 
 
 def test_the_job_template_passes_the_models_to_evaluate():
-    for var in ("specops_target_model", "specops_drafter", "specops_reference_drafter"):
-        assert TEMPLATE["extra_vars"][var], var
+    group = next(g for g in AWX["controller_groups"] if g["name"] == TEMPLATE["extra_vars"]["specops_hosts"])
+    for var in ("specops_target_model", "specops_reference_drafter"):
+        assert group["variables"][var], var
+    asked = {question["variable"]: question for question in TEMPLATE["survey_spec"]["spec"]}
+    assert asked["specops_drafter_paths"]["required"] is True
+    assert "specops_drafter_paths" in TEMPLATE["extra_vars"]["specops_drafters"]
     assert TEMPLATE["extra_vars"]["specops_demo_models"] is False
 
 
 def test_the_job_template_never_runs_two_gpu_windows_at_once():
     assert TEMPLATE["allow_simultaneous"] is False
-    assert TEMPLATE["become_enabled"] is True, "gpu_release needs root to see other users' processes"
 
 
-def test_a_weekly_schedule_launches_the_job_template():
-    schedules = [s for s in AWX["controller_schedules"] if s["unified_job_template"] == TEMPLATE["name"]]
+def test_privilege_is_escalated_only_where_the_roles_ask_for_it():
+    group = next(g for g in AWX["controller_groups"] if g["name"] == TEMPLATE["extra_vars"]["specops_hosts"])
+    assert all(t["become_enabled"] is False for t in AWX["controller_templates"]), "not every task needs root"
+    # systemctl for the unit, and signalling the server's leftovers (other users' processes).
+    assert group["variables"]["sglang_service_become"] is True
+    assert group["variables"]["gpu_release_become"] is True
+
+
+@pytest.mark.parametrize("template", AWX["controller_templates"], ids=lambda t: t["name"])
+def test_a_weekly_schedule_launches_each_job_template(template):
+    assert (ROOT / template["playbook"]).is_file()
+    schedules = [s for s in AWX["controller_schedules"] if s["unified_job_template"] == template["name"]]
     assert len(schedules) == 1
     rrule = schedules[0]["rrule"]
     assert re.match(r"^DTSTART(;TZID=[\w/]+)?:\d{8}T\d{6}Z? RRULE:", rrule), rrule

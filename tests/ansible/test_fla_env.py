@@ -195,6 +195,65 @@ def test_specops_is_reinstalled_only_when_its_sources_change(first_run, session_
     assert status == "CHANGED" and not installed.read_text().endswith(marker)
 
 
+def build_wheel(checkout: Path, dest: Path) -> Path:
+    """The specops wheel of a checkout, as tools/build_collection.py builds the one the collection ships."""
+    subprocess.run(
+        [
+            str(CONTROL_PYTHON),
+            "-m",
+            "pip",
+            "wheel",
+            "--quiet",
+            "--no-deps",
+            "--no-build-isolation",
+            "--wheel-dir",
+            str(dest),
+            str(checkout),
+        ],
+        check=True,
+        timeout=300,
+    )
+    (wheel,) = dest.glob("specops-*.whl")
+    return wheel
+
+
+def test_specops_installs_from_a_wheel_and_again_only_when_the_wheel_changes(
+    first_run, session_venv, source, tmp_path
+):
+    copy = tmp_path / "checkout"
+    shutil.copytree(source, copy)
+    wheel = build_wheel(copy, tmp_path / "first")
+    status, installed = run_module(base_args(session_venv, source, specops_source=str(wheel), verify=False))
+    assert status == "CHANGED" and installed["installed"] == ["specops (source)"], installed
+    dist_info = next((session_venv / "lib").glob("python3*/site-packages/specops-*.dist-info"))
+    assert json.loads((dist_info / "direct_url.json").read_text())["url"] == f"file://{wheel}"
+
+    status, same = run_module(base_args(session_venv, source, specops_source=str(wheel), verify=False))
+    assert status == "SUCCESS" and same["installed"] == [], same
+
+    marker = "# changed by the wheel test\n"
+    with open(copy / "src" / "specops" / "__init__.py", "a") as handle:
+        handle.write(marker)
+    rebuilt = build_wheel(copy, tmp_path / "second")
+    status, replaced = run_module(base_args(session_venv, source, specops_source=str(rebuilt), verify=False))
+    assert status == "CHANGED" and replaced["installed"] == ["specops (source)"], replaced
+    module = next((session_venv / "lib").glob("python3*/site-packages/specops/__init__.py"))
+    assert module.read_text().endswith(marker)
+
+    status, restored = run_module(base_args(session_venv, source, verify=False))
+    assert status == "CHANGED" and not module.read_text().endswith(marker)
+
+
+def test_a_file_that_is_no_distribution_is_refused_naming_what_it_takes(session_venv, source, tmp_path):
+    stray = tmp_path / "specops.zip"
+    stray.write_bytes(b"not a wheel")
+    status, result = run_module(
+        base_args(session_venv, source, specops_source=str(stray), verify=False), check=True
+    )
+    assert status == "FAILED"
+    assert "not a wheel (.whl) or sdist (.tar.gz)" in result["msg"]
+
+
 # -- check mode -----------------------------------------------------------------------------------
 
 

@@ -146,6 +146,26 @@ def write_hidden_states(
     )
 
 
+def layer_ids_of(checkpoint: Path) -> list[int]:
+    return json.loads((checkpoint / "config.json").read_text())["dflash_config"]["target_layer_ids"]
+
+
+def request_for(fixture_models, run_dir: Path, out_dir: Path, **overrides) -> dict:
+    """The score stage's request on a run directory of the fixture models; None drops a key."""
+    request = {
+        "hidden_states": str(run_dir / "hidden_states"),
+        "completions": str(run_dir / "completions"),
+        "target": str(fixture_models.target),
+        "drafter": str(fixture_models.drafter),
+        "reference_drafter": str(fixture_models.reference_drafter),
+        "out_dir": str(out_dir),
+        "device": "cpu",
+        "dtype": "float32",
+    }
+    request.update(overrides)
+    return {k: v for k, v in request.items() if v is not None}
+
+
 def build_run(fixtures_dir: Path, run_dir: Path, offsets: tuple[int, ...] = (-1, 0, 1)) -> None:
     from specops.fixtures import build_fixtures
 

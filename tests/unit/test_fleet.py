@@ -53,10 +53,28 @@ def test_merged_tau_equals_tau_over_every_hosts_steps():
         [{"host": "h1", "report": host_report(a, a)}, {"host": "h2", "report": host_report(b, a)}]
     )
     whole = rep.summarize(a + b, BLOCK)
-    assert fleet["overall"] == whole
+    assert {key: value for key, value in fleet["overall"].items() if key != "interval"} == whole
     assert fleet["overall"]["tau"] == pytest.approx(16 / 9)
     assert [row["id"] for row in fleet["per_prompt"]] == ["p0", "p2", "p1"]
     assert [row["host"] for row in fleet["per_prompt"]] == ["h1", "h1", "h2"]
+
+
+def test_the_merged_interval_and_paired_comparison_resample_the_prompts_of_every_host():
+    a = [{"id": f"p{k}", "accept_lengths": [1, 2, 1 + k % 3]} for k in range(4)]
+    b = [{"id": f"q{k}", "accept_lengths": [1, 1, 2 + k % 2]} for k in range(3)]
+    reference = [{"id": s["id"], "accept_lengths": [4, 4]} for s in a + b]
+    fleet = merge_reports(
+        [
+            {"host": "h1", "report": host_report(a, reference[:4])},
+            {"host": "h2", "report": host_report(b, reference[4:])},
+        ]
+    )
+    whole = rep.build_report(
+        {}, {"block_size": BLOCK, "sequences": a + b}, {"block_size": BLOCK, "sequences": reference}
+    )
+    assert fleet["overall"]["interval"] == whole["overall"]["interval"] is not None
+    assert fleet["vs_reference"]["n_prompts"] == 7 and fleet["vs_reference"]["verdict"] == "worse"
+    assert rep.verdict(fleet).endswith(": worse")
 
 
 def test_merged_report_sums_the_per_host_windows():

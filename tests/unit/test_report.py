@@ -108,7 +108,34 @@ def test_ratio_is_drafter_tau_over_reference_tau(report):
 
 def test_verdict_names_both_taus_and_the_ratio():
     report = rep.build_report(RUN, scores({"a": [3, 3, 3]}, 16), scores({"a": [12, 13, 12]}, 16))
-    assert rep.verdict(report) == "drafter tau 3.00 vs reference 12.33 (0.24x)"
+    # One prompt: no interval, so no difference can be shown.
+    assert rep.verdict(report) == (
+        "drafter tau 3.00 vs reference 12.33 (0.24x): no difference shown at this size"
+    )
+
+
+def five_prompts(lengths: list[int], block_size: int = BLOCK) -> dict:
+    """Five prompts, each walked with `lengths` and one more step of its own."""
+    return scores({f"p{k}": [*lengths, 1 + k % block_size] for k in range(5)}, block_size)
+
+
+def test_verdict_gives_each_tau_its_interval_and_the_paired_verdict():
+    report = rep.build_report(RUN, five_prompts([1, 1, 1], 16), five_prompts([4, 4, 5], 16))
+    assert re.fullmatch(
+        r"drafter tau \d\.\d\d \[\d\.\d\d, \d\.\d\d\] vs reference \d\.\d\d \[\d\.\d\d, \d\.\d\d\] "
+        r"\(0\.\d\dx\): worse",
+        rep.verdict(report),
+    )
+    low, high = report["overall"]["interval"]
+    assert low <= report["overall"]["tau"] <= high
+
+
+def test_the_comparison_with_the_reference_is_paired_on_the_prompts_both_scored():
+    drafter = five_prompts([4, 4])
+    reference = {**five_prompts([4, 4]), "sequences": five_prompts([4, 4])["sequences"][:4]}
+    paired = rep.build_report(RUN, drafter, reference)["vs_reference"]
+    assert paired["n_prompts"] == 4 and paired["wins"] == {"first": 0, "second": 0, "ties": 4}
+    assert paired["difference"] == 0.0
 
 
 def test_verdict_without_reference_says_so():
@@ -190,6 +217,7 @@ def summary(report) -> dict:
 
 def test_summary_keeps_the_first_drafters_figures_at_the_top_level(summary, report):
     assert summary["overall"] == report["overall"] and summary["per_prompt"] == report["per_prompt"]
+    assert summary["vs_reference"] == report["vs_reference"]
     assert [d["name"] for d in summary["drafters"]] == ["step-1", "step-2"]
 
 
@@ -207,7 +235,9 @@ def test_summary_markdown_has_a_comparison_table_and_each_drafters_section(summa
     markdown = rep.render_summary(
         summary, {"step-1": "drafters/step-1/", "step-2": "drafters/step-2/"}, [rep.PLOT_TAU_BY_DRAFTER]
     )
-    assert "| step-1 | 1.80 | 0.47x | 0.400 | 1.50x | layer_offset |" in markdown
+    # Two prompts: too few for an interval, so the reference cell gives no verdict either way.
+    row = "| step-1 | 1.80 | 0.47x: no difference shown at this size | 0.400 | 1.50x | layer_offset |"
+    assert row in markdown
     assert "## Drafter step-1" in markdown and "## Drafter step-2" in markdown
     assert "](drafters/step-2/tau_per_prompt.png)" in markdown
     assert "expected speedup = tau / (draft_cost + verify_cost)" in markdown
@@ -233,8 +263,87 @@ def test_comparison_and_trend_plots_are_png_files(summary, tmp_path):
     assert plots.render_comparison(summary, tmp_path) == rep.PLOT_TAU_BY_DRAFTER
     runs = [
         {"run_id": "1", "tau": {"step-1": 1.5}, "reference_tau": 3.8},
-        {"run_id": "2", "tau": {"step-1": 1.8, "step-2": 1.7}, "reference_tau": 3.8},
+        {
+            "run_id": "2",
+            "tau": {"step-1": 1.8, "step-2": 1.7},
+            "interval": {"step-1": [1.6, 2.0], "step-2": None},
+            "reference_tau": 3.8,
+            "reference_interval": [3.7, 3.9],
+        },
     ]
-    assert plots.render_trend(runs, ["step-1", "step-2"], tmp_path) == rep.PLOT_TAU_TREND
+    change = {"run_id": "2", "drafter": "step-1", "direction": "up", "before": 1.5, "after": 1.8}
+    assert plots.render_trend(runs, ["step-1", "step-2"], tmp_path, [change]) == rep.PLOT_TAU_TREND
     for name in (rep.PLOT_TAU_BY_DRAFTER, rep.PLOT_TAU_TREND):
         assert (tmp_path / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_without_a_reference_the_comparison_table_says_so():
+    summary = rep.build_summary(RUN, [named(rep.build_report(RUN, five_prompts([2, 3])), "solo")])
+    row = next(line for line in rep.render_summary(summary, {"solo": ""}).splitlines() if "| solo |" in line)
+    assert "| no reference |" in row and "n/a" not in row
+
+
+def test_the_summary_table_shows_each_tau_with_its_interval():
+    summary = rep.build_summary(RUN, [named(rep.build_report(RUN, five_prompts([2, 3])), "solo")])
+    low, high = summary["comparison"][0]["interval"]
+    assert f"| solo | {summary['comparison'][0]['tau']:.2f} [{low:.2f}, {high:.2f}] |" in rep.render_summary(
+        summary, {"solo": ""}
+    )
+
+
+def test_identical_drafters_are_paired_with_no_difference_shown():
+    same = rep.build_report(RUN, five_prompts([2, 3]))
+    summary = rep.build_summary(RUN, [named(same, "one"), named(same, "two")])
+    (pair,) = summary["pairs"]
+    assert pair["names"] == ["one", "two"] and pair["verdict"] == "no difference shown at this size"
+    assert summary["verdict"].endswith("; vs two: no difference shown at this size")
+    row = "| one | two | 5 | 0.00 [0.00, 0.00] | 0 (0%) / 0 (0%) / 5 (100%) | no difference shown"
+    assert row in rep.render_summary(summary, {"one": "", "two": ""})
+
+
+def test_a_comparison_too_small_to_decide_says_how_many_prompts_would():
+    drafter = scores({f"p{k}": [2, 3] if k % 2 else [3, 2, 1] for k in range(6)})
+    reference = scores({f"p{k}": [3, 3] if k % 3 else [2, 2, 2] for k in range(6)})
+    report = rep.build_report(RUN, drafter, reference)
+    paired = report["vs_reference"]
+    assert paired["verdict"] == "no difference shown at this size"
+    needed = paired["prompts_needed"]["observed"]
+    assert needed > 6
+    assert f"about {needed} prompts would resolve the observed difference" in rep.render_markdown(report)
+
+
+def test_the_prompts_needed_are_stated_for_the_requested_difference():
+    drafter = scores({f"p{k}": [2, 3] if k % 2 else [3, 2, 1] for k in range(6)})
+    reference = scores({f"p{k}": [3, 3] if k % 3 else [2, 2, 2] for k in range(6)})
+    needed = [
+        rep.build_report(RUN, drafter, reference, detectable=size)["vs_reference"]["prompts_needed"]
+        for size in (0.1, 0.2)
+    ]
+    assert [n["detectable"] for n in needed] == [0.1, 0.2]
+    assert needed[0]["for_detectable"] > 3 * needed[1]["for_detectable"]
+    assert "a difference of 0.20." in rep.render_markdown(
+        rep.build_report(RUN, drafter, reference, detectable=0.2)
+    )
+
+
+def test_the_history_table_shows_intervals_and_names_changes_outside_the_noise(summary):
+    runs = [
+        {"run_id": "r1", "tau": {"step-1": 1.5}, "interval": {"step-1": [1.4, 1.6]}},
+        {"run_id": "r2", "tau": {"step-1": 1.8}, "interval": {"step-1": [1.7, 1.9]}},
+    ]
+    history = {
+        "index": "/h/index.jsonl",
+        "run_id": "r2",
+        "runs": runs,
+        "drafters": ["step-1"],
+        "changes": [
+            {"drafter": "step-1", "direction": "up", "before": 1.5, "after": 1.8, "previous_run_id": "r1"}
+        ],
+    }
+    markdown = rep.render_summary({**summary, "history": history}, {"step-1": "", "step-2": ""})
+    assert "| r2 | 1.80 [1.70, 1.90] |" in markdown
+    assert "- step-1: up, tau 1.50 in `r1` -> 1.80" in markdown
+    quiet = rep.render_summary(
+        {**summary, "history": {**history, "changes": []}}, {"step-1": "", "step-2": ""}
+    )
+    assert "No drafter's tau moved outside the noise" in quiet

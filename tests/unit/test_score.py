@@ -12,57 +12,15 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-from score_data import write_completions, write_hidden_states
+from score_data import layer_ids_of, request_for, write_hidden_states
 
 from specops import report as rep
-from specops import score, window
+from specops import score, stats, window
 from specops.stage import StageError
 
 pytestmark = pytest.mark.slow
 
 REPO = Path(__file__).resolve().parents[2]
-
-
-def layer_ids_of(checkpoint: Path) -> list[int]:
-    return json.loads((checkpoint / "config.json").read_text())["dflash_config"]["target_layer_ids"]
-
-
-@pytest.fixture(scope="module")
-def run_dir(fixture_models, tmp_path_factory) -> Path:
-    """Completions (one with SGLang's online figures) and hidden states at the drafter's layers +-1."""
-    root = tmp_path_factory.mktemp("score_run")
-    online = {"fizzbuzz": {"spec_accept_length": 3.5, "spec_verify_ct": 4, "completion_tokens": 14}}
-    write_completions(
-        fixture_models.target,
-        fixture_models.prompts,
-        root / "completions",
-        n_prompts=2,
-        max_new_tokens=14,
-        online=online,
-    )
-    write_hidden_states(
-        fixture_models.target,
-        root / "completions",
-        root / "hidden_states",
-        layer_ids_of(fixture_models.drafter),
-        offsets=(-1, 0, 1),
-    )
-    return root
-
-
-def request_for(fixture_models, run_dir: Path, out_dir: Path, **overrides) -> dict:
-    request = {
-        "hidden_states": str(run_dir / "hidden_states"),
-        "completions": str(run_dir / "completions"),
-        "target": str(fixture_models.target),
-        "drafter": str(fixture_models.drafter),
-        "reference_drafter": str(fixture_models.reference_drafter),
-        "out_dir": str(out_dir),
-        "device": "cpu",
-        "dtype": "float32",
-    }
-    request.update(overrides)
-    return {k: v for k, v in request.items() if v is not None}
 
 
 @pytest.fixture(scope="module")
@@ -117,6 +75,16 @@ def test_result_carries_the_key_figures_of_report_json(scored):
     assert result["reference_tau"] == report["reference"]["tau"]
     assert result["n_prompts"] == 2 and result["warnings"] == report["warnings"]
     assert 1.0 <= result["tau"] <= report["overall"]["block_size"]
+
+
+def test_the_result_carries_each_taus_interval_and_the_paired_verdict(scored, fixture_models):
+    _, result, out_dir = scored
+    report = json.loads((out_dir / "report.json").read_text())
+    assert result["tau_interval"] == report["overall"]["interval"]
+    assert result["vs_reference"]["names"] == [fixture_models.drafter.name, "reference"]
+    # Two prompts are too few for an interval, so no difference can be shown.
+    assert result["tau_interval"] is None and result["vs_reference"]["verdict"] == stats.UNRESOLVED
+    assert f"({result['ratio']:.2f}x): {stats.UNRESOLVED}" in result["verdict"]
 
 
 def test_every_completion_is_scored_over_all_its_output_tokens(scored, run_dir):
@@ -435,79 +403,6 @@ def test_report_carries_the_window_that_produced_the_hidden_states(fixture_model
     score.run(request)
     assert json.loads((tmp_path / "score/report.json").read_text())["window"]["downtime_s"] == 30.0
     assert "## Service window" in (tmp_path / "score/report.md").read_text()
-
-
-@pytest.fixture(scope="module")
-def many(fixture_models, run_dir, tmp_path_factory) -> SimpleNamespace:
-    """Two drafters (the second a copy sharing the first's directory name) scored twice into one history."""
-    root = tmp_path_factory.mktemp("many")
-    twin = root / "twin" / fixture_models.drafter.name
-    shutil.copytree(fixture_models.drafter, twin)
-    request = request_for(
-        fixture_models,
-        run_dir,
-        root / "score",
-        drafter=[str(fixture_models.drafter), str(twin)],
-        history=str(root / "history"),
-        diagnostics=["acceptance"],
-    )
-    first = score.run(request)
-    second = score.run({**request, "force": True})
-    return SimpleNamespace(
-        root=root,
-        out=root / "score",
-        first=first,
-        second=second,
-        names=[fixture_models.drafter.name, f"{fixture_models.drafter.name}-2"],
-    )
-
-
-def test_each_drafter_gets_its_own_directory_under_a_unique_name(many):
-    assert sorted(p.name for p in (many.out / "drafters").iterdir()) == sorted(many.names)
-    for name in many.names:
-        own = json.loads((many.out / "drafters" / name / "report.json").read_text())
-        assert own["name"] == name and own["overall"]["tau"] >= 1.0
-
-
-def test_the_summary_compares_every_drafter_in_one_table(many):
-    summary = json.loads((many.out / "report.json").read_text())
-    assert [row["name"] for row in summary["comparison"]] == many.names
-    markdown = (many.out / "report.md").read_text()
-    assert all(f"| {name} | " in markdown for name in many.names)
-    assert [d["name"] for d in many.second["drafters"]] == many.names
-
-
-def test_identical_drafters_score_the_same(many):
-    taus = [row["tau"] for row in many.second["drafters"]]
-    assert taus[0] == taus[1]
-
-
-def test_every_scoring_run_is_appended_to_the_history_and_kept(many):
-    lines = (many.root / "history" / "index.jsonl").read_text().splitlines()
-    runs = [json.loads(line) for line in lines]
-    assert [r["run_id"] for r in runs] == [many.first["run_id"], many.second["run_id"]]
-    assert set(runs[0]["tau"]) == set(many.names)
-    for run in runs:
-        assert (many.root / "history" / run["run_id"] / "report.md").is_file()
-
-
-def test_the_report_and_the_result_show_the_trend(many):
-    assert (many.out / rep.PLOT_TAU_TREND).is_file()
-    assert "## History" in (many.out / "report.md").read_text()
-    assert [t["run_id"] for t in many.second["trend"]] == [many.first["run_id"], many.second["run_id"]]
-
-
-def test_an_up_to_date_rerun_appends_nothing(many, fixture_models, run_dir):
-    request = request_for(
-        fixture_models,
-        run_dir,
-        many.out,
-        drafter=[str(fixture_models.drafter), str(many.root / "twin" / fixture_models.drafter.name)],
-        history=str(many.root / "history"),
-        diagnostics=["acceptance"],
-    )
-    assert score.run(request)["changed"] is False
-    assert len((many.root / "history" / "index.jsonl").read_text().splitlines()) == 2
 
 
 def test_server_drafter_may_name_one_of_several_drafters(fixture_models, run_dir, tmp_path):

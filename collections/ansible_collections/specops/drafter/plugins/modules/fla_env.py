@@ -14,12 +14,12 @@ short_description: Build the ML environment for hidden-state extraction and prov
 version_added: "0.1.0"
 description:
   - Creates or updates a Python virtual environment on the managed host with torch, transformers,
-    fla (C(fla-core) and C(flash-linear-attention)), any extra requirements and the specops package
-    from a checkout.
+    fla (C(fla-core) and C(flash-linear-attention)), any extra requirements and the specops package,
+    from a built distribution (the wheel the collection ships) or from a checkout.
   - Idempotent. pip runs only when a requirement is not satisfied by what is installed in the
     environment (read with C(importlib.metadata) inside it), when fla must be removed, or when the
-    specops sources changed (a fingerprint of C(src/) and C(pyproject.toml) is stored in the
-    environment). Otherwise nothing is run and C(changed) is false.
+    specops package changed (a fingerprint of the wheel or sdist, or of a checkout's C(src/) and
+    C(pyproject.toml), is stored in the environment). Otherwise nothing is run and C(changed) is false.
   - Then runs C(python -m specops.envcheck) inside the environment. It reports the Python, library
     versions, CUDA devices, and the backend extraction will use. C(fla-cuda) is reported only after
     fla's C(chunk_gated_delta_rule) ran on the GPU and matched transformers' torch reference
@@ -91,9 +91,11 @@ options:
     default: []
   specops_source:
     description:
-      - Path on the managed host of a specops checkout (or a staged copy holding C(src/),
-        C(pyproject.toml) and C(README.md)). It is installed as a regular, non-editable package and
-        reinstalled only when the fingerprint of its sources changes.
+      - Path on the managed host of the specops package - a built distribution (a wheel, C(.whl), or an
+        sdist, C(.tar.gz)), such as the wheel shipped inside this collection, or a specops checkout
+        (or a staged copy holding C(src/), C(pyproject.toml) and C(README.md)).
+      - It is installed as a regular, non-editable package and reinstalled only when its fingerprint
+        (the distribution's content, or the checkout's sources) changes.
     type: path
     required: true
   specops_extras:
@@ -126,8 +128,8 @@ options:
   find_links:
     description:
       - Local wheelhouse directories (pip C(--find-links)), for GPU hosts without network access.
-      - Without an index, the wheelhouse must hold every dependency, and C(setuptools>=68) too, because pip
-        builds specops from its sources in an isolated build environment.
+      - Without an index, the wheelhouse must hold every dependency; when O(specops_source) is a checkout
+        or an sdist, C(setuptools>=68) too, because pip builds specops in an isolated build environment.
     type: list
     elements: path
     default: []
@@ -194,7 +196,7 @@ EXAMPLES = r"""
     venv: /opt/specops/venv
     python: python3.11
     torch: torch==2.13.0
-    specops_source: /opt/specops/src
+    specops_source: /opt/specops/wheels/specops-0.1.0-py3-none-any.whl
 
 - name: GPU host without network, from a wheelhouse, reusing the image's CUDA torch
   specops.drafter.fla_env:
@@ -363,6 +365,14 @@ print(json.dumps(out))
 """
 
 
+DISTRIBUTION_SUFFIXES = (".whl", ".tar.gz")
+
+
+def is_distribution(path):
+    """A built specops distribution (wheel or sdist) rather than a checkout."""
+    return os.path.isfile(path) and path.endswith(DISTRIBUTION_SUFFIXES)
+
+
 def source_files(root):
     """The specops files whose content defines the installed package, relative to `root`."""
     files = []
@@ -381,6 +391,10 @@ def source_files(root):
 def fingerprint_sources(root, extras):
     digest = hashlib.sha256()
     digest.update(json.dumps(sorted(extras)).encode("utf-8"))
+    if is_distribution(root):
+        with open(root, "rb") as handle:
+            digest.update(b"distribution\0" + hashlib.sha256(handle.read()).hexdigest().encode("ascii"))
+        return digest.hexdigest()
     for relative in source_files(root):
         with open(os.path.join(root, relative), "rb") as handle:
             content = handle.read()
@@ -454,11 +468,18 @@ class FlaEnv(object):
         return reqs + list(self.params["extra_requirements"])
 
     def _check_source(self):
+        if is_distribution(self.source):
+            return
+        if os.path.isfile(self.source):
+            self.module.fail_json(
+                msg="specops_source %s is a file but not a wheel (.whl) or sdist (.tar.gz) of specops: point it at "
+                "the wheel the collection ships, at an sdist, or at a checkout" % self.source, **self.result)
         for needed in ("pyproject.toml", os.path.join("src", "specops", "__init__.py")):
             if not os.path.isfile(os.path.join(self.source, needed)):
                 self.module.fail_json(
                     msg="specops_source %s is not a specops checkout (%s is missing): point it at the "
-                    "checkout or at a staged copy of its src/, pyproject.toml and README.md" % (self.source, needed),
+                    "checkout, at a staged copy of its src/, pyproject.toml and README.md, or at a built wheel or sdist"
+                    % (self.source, needed),
                     **self.result)
 
     # -- the environment -------------------------------------------------------------------------
@@ -679,8 +700,18 @@ class FlaEnv(object):
     def _install(self, reqs, specops):
         args = ["install"] + self._source_options() + self._constraint_options() + list(reqs)
         staging = None
+        extras = self.params["specops_extras"]
         try:
-            if specops:
+            if specops and is_distribution(self.source):
+                args.append("specops%s @ file://%s" % ("[%s]" % ",".join(extras) if extras else "", self.source))
+                cmd, rc, out, err = self._pip(args)
+                if rc != 0:
+                    self._fail_pip("installing %s" % ", ".join(list(reqs) + ["specops"]), cmd, rc, out, err)
+                # pip takes an installed specops of the same version (a previous build, or one seen through
+                # system_site_packages) as this one: the environment gets this build, its dependencies stay.
+                # A copy outside the environment is left alone (pip never uninstalls outside it).
+                args = ["install", "--no-deps", "--force-reinstall"] + self._source_options() + [self.source]
+            elif specops:
                 # Build from a private copy: pip writes build/ and *.egg-info next to the sources.
                 staging = tempfile.mkdtemp(prefix="specops-src-", dir=self.module.tmpdir)
                 for relative in source_files(self.source):
@@ -688,7 +719,6 @@ class FlaEnv(object):
                     if not os.path.isdir(os.path.dirname(target)):
                         os.makedirs(os.path.dirname(target))
                     shutil.copy2(os.path.join(self.source, relative), target)
-                extras = self.params["specops_extras"]
                 args.append(staging + ("[%s]" % ",".join(extras) if extras else ""))
             cmd, rc, out, err = self._pip(args)
             if rc != 0:
@@ -779,6 +809,9 @@ class FlaEnv(object):
                 if still:
                     self.module.fail_json(msg="after pip install, still not satisfied: %s; check the requirement "
                                           "strings against what the index provides" % ", ".join(still), **self.result)
+                if specops_stale and not state["dists"]["specops"]["in_env"]:
+                    self.module.fail_json(msg="after pip install, specops in %s is still the one at %s, not %s" % (
+                        self.venv, state["dists"]["specops"]["location"], self.source), **self.result)
 
         self.result["versions"] = dict((name, d["version"]) for name, d in state["dists"].items())
         complete = not (check and (installing or self.result["created"]))

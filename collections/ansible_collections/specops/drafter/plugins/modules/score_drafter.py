@@ -127,8 +127,16 @@ options:
     description:
       - Directory of past runs. A run that scores copies its report to C(<history>/<run_id>/) and
         appends a line to C(<history>/index.jsonl) (under a lock, safe for concurrent runs); the report
-        then plots tau per drafter over the runs.
+        then plots tau per drafter and its interval over the runs and names the changes outside the
+        noise. A run with unchanged inputs scores nothing and adds no line; O(force) scores again.
     type: path
+  detectable_difference:
+    description:
+      - The difference in tau for which the report says how many prompts a paired comparison (a
+        drafter against the reference, or two drafters) would need to resolve it, from the run's
+        per-prompt spread (95% interval, 80% power); the observed difference gets the same statement.
+    type: float
+    default: 0.1
   layer_offset_tolerance:
     description:
       - The layer-offset check warns when the drafter's tau with its target layers shifted by -1
@@ -199,16 +207,45 @@ tau:
   returned: always
   type: float
   sample: 3.02
+tau_interval:
+  description: The 95% interval of RV(tau), from a seeded bootstrap over prompts (tau is pooled over verify
+    steps, so prompts are resampled, not steps); null with fewer than 5 prompts.
+  returned: always
+  type: list
+  elements: float
+  sample: [2.91, 3.13]
 reference_tau:
   description: The reference drafter's tau, null without O(reference_drafter).
   returned: always
   type: float
   sample: 12.41
+reference_tau_interval:
+  description: The 95% interval of RV(reference_tau), null without a reference or with fewer than 5 prompts.
+  returned: always
+  type: list
+  elements: float
+  sample: [11.9, 12.8]
 ratio:
   description: tau / reference_tau, null without a reference.
   returned: always
   type: float
   sample: 0.24
+vs_reference:
+  description: The first drafter against the reference on the same prompts, null without a reference.
+    C(difference) in tau with its C(interval), the tau ratio's C(ratio_interval), C(wins) (prompts where
+    each has the higher tau, and ties), C(verdict) (better, worse, or no difference shown at this size)
+    and C(prompts_needed), about how many prompts would resolve the observed difference.
+  returned: always
+  type: dict
+  sample: {"names": ["step-2000", "reference"], "n_prompts": 200, "difference": -9.39, "interval": [-9.7, -9.1],
+           "ratio_interval": [0.23, 0.25], "wins": {"first": 0, "second": 200, "ties": 0}, "verdict": "worse",
+           "prompts_needed": 3}
+pairs:
+  description: Every two drafters, and each drafter against the reference, compared the same way as
+    RV(vs_reference).
+  returned: always
+  type: list
+  elements: dict
 online_tau:
   description: SGLang's online tau (completion tokens / verify steps) over the completions that carry it, else null.
   returned: always
@@ -223,11 +260,13 @@ steps:
   returned: always
   type: int
 drafters:
-  description: Per drafter, its name, tau, ratio to the reference, expected speedup and the diagnostics that warned.
+  description: Per drafter, its name, tau and its 95% interval, ratio to the reference and the paired
+    verdict against it, expected speedup and the diagnostics that warned.
   returned: always
   type: list
   elements: dict
-  sample: [{"name": "step-2000", "tau": 3.02, "ratio": 0.24, "expected_speedup": 2.71, "warnings": []}]
+  sample: [{"name": "step-2000", "tau": 3.02, "tau_interval": [2.91, 3.13], "ratio": 0.24, "vs_reference": "worse",
+            "expected_speedup": 2.71, "warnings": []}]
 expected_speedup:
   description: The first drafter's expected speedup over decoding without a drafter (the report states the model).
   returned: always
@@ -242,16 +281,25 @@ history_index:
   returned: always
   type: str
 trend:
-  description: tau per drafter (and the reference's) over the last 20 runs of O(history), oldest first.
+  description: tau per drafter and its 95% interval (and the reference's) over the last 20 runs of
+    O(history), oldest first.
   returned: always
   type: list
   elements: dict
-  sample: [{"run_id": "20261201T101500Z-3f2a9c1e", "tau": {"step-2000": 3.02}, "reference_tau": 12.41}]
+  sample: [{"run_id": "20261201T101500Z-3f2a9c1e", "tau": {"step-2000": 3.02}, "tau_interval": {"step-2000": [2.91, 3.13]},
+            "reference_tau": 12.41, "reference_tau_interval": [11.9, 12.8]}]
+changes:
+  description: The drafters whose tau moved since their previous run in O(history) by more than the two
+    runs' intervals allow (C(direction) up or down, C(before), C(after), C(previous_run_id)); a move within
+    the noise is not listed.
+  returned: always
+  type: list
+  elements: dict
 verdict:
   description: The report's first line.
   returned: always
   type: str
-  sample: "drafter tau 3.02 vs reference 12.41 (0.24x)"
+  sample: "drafter tau 3.02 [2.91, 3.13] vs reference 12.41 [11.90, 12.80] (0.24x): worse"
 diagnostic_warnings:
   description: The diagnostics that warned, each as the diagnostic's name, a colon and its finding. Each is
     also shown as an Ansible warning.
@@ -298,6 +346,7 @@ REQUEST_OPTIONS = dict(
                      choices=["acceptance", "layer_offset", "backend", "vocabulary"],
                      default=["acceptance", "layer_offset", "backend", "vocabulary"]),
     layer_offset_tolerance=dict(type="float", default=0.1),
+    detectable_difference=dict(type="float", default=0.1),
     step_costs=dict(type="dict"),
     history=dict(type="path"),
     force=dict(type="bool", default=False),
@@ -305,8 +354,12 @@ REQUEST_OPTIONS = dict(
 
 FIGURES = {
     "tau": None,
+    "tau_interval": None,
     "reference_tau": None,
+    "reference_tau_interval": None,
     "ratio": None,
+    "vs_reference": None,
+    "pairs": [],
     "online_tau": None,
     "n_prompts": None,
     "steps": None,
@@ -316,6 +369,7 @@ FIGURES = {
     "run_id": None,
     "history_index": None,
     "trend": [],
+    "changes": [],
     "diagnostic_warnings": [],
     "out_dir": None,
     "report_json": None,

@@ -88,6 +88,18 @@ def test_the_key_figures_come_from_the_package(run_module, fake_python, fake_sta
         assert done.value.result[key] == value
 
 
+def test_the_intervals_and_the_paired_comparison_come_from_the_package(run_module, fake_python, fake_stage, tmp_path):
+    figures = {"changed": True, "tau": 3.02, "tau_interval": [2.91, 3.13], "reference_tau_interval": [11.9, 12.8],
+               "vs_reference": {"difference": -9.39, "interval": [-9.7, -9.1], "verdict": "worse"},
+               "pairs": [{"names": ["a", "b"], "verdict": "no difference shown at this size"}],
+               "changes": [{"drafter": "a", "direction": "up", "before": 2.5, "after": 3.02}]}
+    fake_stage(result=figures)
+    with pytest.raises(AnsibleExitJson) as done:
+        run_module(score_drafter.main, args_for(fake_python, tmp_path))
+    for key, value in figures.items():
+        assert done.value.result[key] == value
+
+
 def test_an_up_to_date_report_is_not_a_change(run_module, fake_python, fake_stage, tmp_path):
     fake_stage(result={"changed": False, "tau": 3.02})
     with pytest.raises(AnsibleExitJson) as done:
