@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 import selectors
+import signal
 import subprocess
 import sys
 import time
@@ -36,6 +37,8 @@ def main() -> int:
         command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL
     )
     assert proc.stdout is not None
+    # Stopped from outside (a timeout, CI's limit): the command stops too, not only its label.
+    signal.signal(signal.SIGTERM, lambda *_: proc.terminate())
     selector = selectors.DefaultSelector()
     selector.register(proc.stdout, selectors.EVENT_READ)
     while True:
