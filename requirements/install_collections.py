@@ -3,7 +3,7 @@
 
 Galaxy may be out of reach where the environment is built, but PyPI is not, and the `ansible`
 community package bundles every collection it ships. Installing that package whole costs ~35,000
-files and ~600 MB for the one collection the tests use; this takes only the named collections out
+files and ~450 MB more for the two collections the tests use; this takes only the named collections out
 of the wheel (downloaded once, hash-checked against the lock) and writes them where ansible-core
 finds them. Each collection's MANIFEST.json must carry the version the requirements file asks for.
 
