@@ -314,8 +314,9 @@ FINGERPRINT_FILE = "specops-source.json"
 # A locked pin: name==version, then an optional marker (hashes follow on continuation lines).
 LOCK_PIN = re.compile(r"^([A-Za-z0-9][A-Za-z0-9._-]*==[^\s;\\]+)\s*(?:;([^\\]*))?")
 
-# Runs inside the environment after specops is installed from a temporary copy of its sources: without
-# the direct-URL record pip freeze names the version (specops==0.1.0), not that vanished path.
+# Runs inside the environment after specops is installed from a temporary copy of a checkout: without
+# the direct-URL record pip freeze names the version (specops==0.1.0), not that vanished path. A wheel
+# or sdist keeps its record: its path names the file it was installed from.
 FORGET_SOURCE_PATH_SCRIPT = r"""
 import os
 from importlib import metadata
@@ -724,7 +725,7 @@ class FlaEnv(object):
             if rc != 0:
                 self._fail_pip("installing %s" % ", ".join(list(reqs) + (["specops"] if specops else [])),
                                cmd, rc, out, err)
-            if specops:
+            if staging:
                 rc, out, err = self.module.run_command([self.venv_python, "-c", FORGET_SOURCE_PATH_SCRIPT])
                 if rc != 0:
                     self.module.warn("pip freeze in %s names a temporary path for specops: %s" % (
