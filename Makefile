@@ -114,7 +114,7 @@ demo: $(VENV)/.stamp $(ML_VENV)/.stamp
 	@echo "Report: $(CURDIR)/.work/demo/run/score/report.md"
 
 demo-stop: $(VENV)/.stamp
-	$(ANSIBLE_PLAYBOOK) playbooks/service.yml -e sglang_service_state=stopped -e sglang_service_deadman=false
+	$(ANSIBLE_PLAYBOOK) playbooks/service.yml -e sglang_service_state=stopped -e sglang_service_guard=false
 
 system-deps:
 	@command -v debootstrap >/dev/null && command -v systemd-nspawn >/dev/null || \

@@ -34,16 +34,18 @@ PLAYBOOK = """\
     - name: Take the server down
       ansible.builtin.include_role:
         name: sglang_service
-        tasks_from: "{{ sglang_bench_down }}"
+      vars:
+        sglang_service_state: "{{ sglang_bench_down }}"
       when: sglang_bench_down | length > 0
     - name: Bring the server back
       ansible.builtin.include_role:
         name: sglang_service
-        tasks_from: "{{ sglang_bench_up }}"
+      vars:
+        sglang_service_state: "{{ sglang_bench_up }}"
       when: sglang_bench_up | length > 0
 """
 # The GPU window itself is empty: what is measured is the cost of leaving and coming back.
-MODES = {"stop/start": ("stop", "start"), "memory saver release/resume": ("release", "resume")}
+MODES = {"stop/start": ("stopped", "started"), "memory saver release/resume": ("released", "resumed")}
 
 
 def role_vars(port: int, fixtures: Path, startup_delay: float) -> dict:
@@ -58,8 +60,6 @@ def role_vars(port: int, fixtures: Path, startup_delay: float) -> dict:
         "sglang_service_environment": {"PYTHONPATH": str(ROOT / "src")},
         "sglang_service_run_dir": str(WORK / "run"),
         "sglang_service_ready_delay": 0.2,
-        "sglang_service_ready_retries": 600,
-        "sglang_service_flush_delay": 0.2,
         "sglang_service_max_downtime": 600,
     }
 
@@ -156,7 +156,7 @@ def main() -> int:
     url = f"http://127.0.0.1:{args.port}/health_generate"
 
     results: dict[str, dict] = {}
-    playbook("", "start", extra)
+    playbook("", "started", extra)
     try:
         for mode, (down, up) in MODES.items():
             downtimes, walls = [], []
@@ -171,7 +171,7 @@ def main() -> int:
                 "median_downtime_s": statistics.median(downtimes),
             }
     finally:
-        playbook("stop", "", dict(extra, sglang_service_deadman=False))
+        playbook("stopped", "", dict(extra, sglang_service_guard=False))
 
     report = {
         "machine": f"{platform.node()} ({os.cpu_count()} CPUs), no GPU",

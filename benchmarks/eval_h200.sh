@@ -5,12 +5,22 @@
 # wheelhouse (fla_env_no_index), the development server standing in for SGLang on CUDA.
 #
 # For each target (TARGETS: "fixture" = the demo's models built by the play; "big" = a 2.5 B-parameter
-# target built from config by build_target_2b.py and saved to disk): a run in stop mode, a run in
-# memory-saver mode, and a second stop run on the same host (fresh run directory, same host cache),
-# which must pay no kernel tuning. Every play gets a fresh run directory, so each one takes the window.
+# target, 5.1 GB; "14b" = a 14.7 B-parameter target, 29.4 GB, with Qwen3.6-27B's layer shapes and
+# vocabulary and half its layers; both built from config by build_target.py and saved to disk once):
+# a run in stop mode, a run in memory-saver mode, and a second stop run on the same host (fresh run
+# directory, same host cache), which must pay no kernel tuning. Every play gets a fresh run directory,
+# so each one takes the window. The summary's `scaling` shows how downtime, the release (or stop), the
+# resume (or start), pinning and the copy to the device grow with the weights, and projects them to
+# Qwen3.6-27B's 54 GB.
+#
+# The 14b target takes 29.4 GB of disk (with big's 5.1 GB and the ML environment, ~40 GB of the host's
+# 64), is built once (random init on the GPU, save_pretrained; about a minute or two), and in
+# memory-saver mode asks the host for its pinned weights and the server's CPU backup, ~65 GB (the
+# plan's host_memory says whether they were pinned). A command runs at most 10 minutes: split the
+# plays over calls with PLAYS and TARGETS, keeping $WORK.
 #
 # Run from the checkout on the GPU host, with the wheels in .whl/ (benchmarks/README.md):
-#   TARGETS="fixture big" benchmarks/eval_h200.sh
+#   TARGETS="fixture big 14b" benchmarks/eval_h200.sh
 # On a host that keeps $WORK between calls, a later call adds its plays to the same results:
 #   PLAYS=memory_saver TARGETS=fixture ...; then PLAYS=stop-again TARGETS="fixture big" ...
 # Results: $OUT/eval_h200.json (rewritten after every play), the plays' logs in $OUT/eval_h200.log.
@@ -19,7 +29,7 @@ ROOT=$PWD
 OUT=${OUT:-$(mktemp -d)}
 WORK=${WORK:-/tmp/specops-h200}
 WHEELS=${WHEELS:-$ROOT/.whl}
-TARGETS=${TARGETS:-fixture big}
+TARGETS=${TARGETS:-fixture big 14b}
 PORT=${PORT:-31000}
 # The plays per target, in order: a mode (stop, memory_saver), or a mode with -again for a second run.
 PLAYS=${PLAYS:-stop memory_saver stop-again}
@@ -49,10 +59,10 @@ v = {
     "extract_hidden_states_require_backend": "fla",
     "specops_gpu_window_mode": mode, "sglang_service_memory_saver": mode == "memory_saver",
 }
-if target == "big":
-    v.update({"specops_demo_models": False, "specops_target_model": f"{work}/big/target",
-              "specops_drafter": f"{work}/big/drafter", "specops_reference_drafter": f"{work}/big/drafter",
-              "sglang_service_draft_model_path": f"{work}/big/drafter"})
+if target != "fixture":  # built by build_target.py into $WORK/<target>
+    v.update({"specops_demo_models": False, "specops_target_model": f"{work}/{target}/target",
+              "specops_drafter": f"{work}/{target}/drafter", "specops_reference_drafter": f"{work}/{target}/drafter",
+              "sglang_service_draft_model_path": f"{work}/{target}/drafter"})
 print(json.dumps(v))
 PY
 }
@@ -77,10 +87,12 @@ stop_server() {  # the next play starts the server with other options (model, me
 }
 
 summarize() {
-  python3 - "$WORK" "$OUT" <<'PY'
+  python3 - "$WORK" "$OUT" "$ROOT" <<'PY'
 import json, subprocess, sys, time
 from pathlib import Path
 work, out = Path(sys.argv[1]), Path(sys.argv[2])
+sys.path.insert(0, str(Path(sys.argv[3]) / "benchmarks"))
+from window_scaling import scaling
 plays = [json.loads(line) for line in (work / "plays.jsonl").read_text().splitlines() if line.strip()]
 for play in plays:
     report = work / "runs" / play["play"] / "score" / "report.json"
@@ -91,9 +103,14 @@ for play in plays:
         play["hidden_state_backend"] = (data.get("run") or {}).get("hidden_state_backend")
 smi = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version", "--format=csv,noheader"],
                      capture_output=True, text=True).stdout.strip()
-built = work / "big" / "built.json"
+built = {t: json.loads((work / t / "built.json").read_text()) for t in ("big", "14b") if (work / t / "built.json").is_file()}
+weights = {t: b["weights_bytes"] for t, b in built.items()}
+fixture = sum(f.stat().st_size for f in (work / "models" / "target").glob("*.safetensors"))
+if fixture:
+    weights["fixture"] = fixture
 result = {"date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "device": smi,
-          "big_target": json.loads(built.read_text()) if built.is_file() else None, "plays": plays}
+          "big_target": built.get("big"), "targets": built, "plays": plays,
+          "scaling": scaling(plays, weights)}
 (out / "eval_h200.json").write_text(json.dumps(result, indent=1))
 with open(out / "eval_h200.log", "w") as log:
     for path in sorted((work / "logs").glob("*.log"), key=lambda p: p.stat().st_mtime):
@@ -103,13 +120,14 @@ PY
 
 for target in $TARGETS; do
   vars "$target-stop" "$target" stop
-  if [ "$target" = big ] && [ ! -f "$WORK/big/built.json" ]; then
+  if [ "$target" != fixture ] && [ ! -f "$WORK/$target/built.json" ]; then
     # The ML environment and the fixture tokenizer, when no fixture run came first on this host.
-    [ -x "$WORK/ml/bin/python" ] || play big-ml-env ml_env.yml "$WORK/vars/big-stop.json" || exit 1
+    [ -x "$WORK/ml/bin/python" ] || play "$target-ml-env" ml_env.yml "$WORK/vars/$target-stop.json" || exit 1
     [ -d "$WORK/models/target" ] || "$WORK/ml/bin/python" -m specops.fixtures --out "$WORK/models" \
       --no-reference-training --prompts "$ROOT/prompts/coding.jsonl" > "$WORK/logs/build-fixtures.log" 2>&1 || { summarize; exit 1; }
-    "$WORK/ml/bin/python" "$ROOT/benchmarks/build_target_2b.py" --tokenizer "$WORK/models/target" \
-      --out "$WORK/big" > "$WORK/logs/build-big.log" 2>&1 || { summarize; exit 1; }
+    size=$([ "$target" = big ] && echo 2b || echo "$target")
+    "$WORK/ml/bin/python" "$ROOT/benchmarks/build_target.py" --size "$size" --tokenizer "$WORK/models/target" \
+      --out "$WORK/$target" > "$WORK/logs/build-$target.log" 2>&1 || { summarize; exit 1; }
   fi
   for name in $PLAYS; do
     mode=${name%-again}

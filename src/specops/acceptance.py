@@ -49,6 +49,8 @@ import torch
 import torch.nn.functional as F
 
 from specops.drafter import DFlashAttention, DFlashDrafter, apply_rope
+from specops.leading_matches import leading_matches
+from specops.step_timer import NoTimer, StepTimer
 from specops.target_head import TargetHead
 
 MODES = ("frontier", "all-anchors")
@@ -210,21 +212,32 @@ def default_memory_budget(device: torch.device) -> int:
 class _Group:
     """Sequences drafted together: padded ids, lengths and the context K/V of every layer."""
 
-    def __init__(self, drafter: DFlashDrafter, head: TargetHead, items: list[SequenceInput]):
+    def __init__(
+        self,
+        drafter: DFlashDrafter,
+        head: TargetHead,
+        items: list[SequenceInput],
+        timer: StepTimer | NoTimer | None = None,
+    ):
         self.drafter, self.head = drafter, head
+        self.timer = timer or NoTimer()
         device, dtype = head.device, drafter.fc.weight.dtype
         bs = drafter.block_size
         self.lengths = torch.tensor([it.input_ids.shape[0] for it in items], device=device)
         self.prompts = torch.tensor([it.prompt_len for it in items], device=device)
         longest = int(self.lengths.max())
-        # -1 past the end never equals a draft, so a block reaching past the completion stops matching.
-        self.ids = torch.full((len(items), longest + bs), -1, dtype=torch.long, device=device)
-        features = torch.zeros(len(items), longest, *items[0].features.shape[1:], dtype=dtype, device=device)
-        for b, it in enumerate(items):
-            self.ids[b, : it.input_ids.shape[0]] = it.input_ids.to(device)
-            features[b, : it.features.shape[0]] = it.features.to(device=device, dtype=dtype)
-        self.context = drafter.context_kv(features)
-        del features
+        with self.timer.span("inputs"):
+            # -1 past the end never equals a draft, so a block reaching past the completion stops matching.
+            self.ids = torch.full((len(items), longest + bs), -1, dtype=torch.long, device=device)
+            features = torch.zeros(
+                len(items), longest, *items[0].features.shape[1:], dtype=dtype, device=device
+            )
+            for b, it in enumerate(items):
+                # From pinned host memory these copies overlap; from pageable memory they are plain copies.
+                self.ids[b, : it.input_ids.shape[0]] = it.input_ids.to(device, non_blocking=True)
+                features[b, : it.features.shape[0]] = it.features.to(device=device, non_blocking=True)
+            self.context = drafter.context_kv(features)
+            del features
         self.offsets = torch.arange(1, bs, device=device)
 
     def select(self, index: torch.Tensor) -> None:
@@ -236,11 +249,19 @@ class _Group:
         drafter, head = self.drafter, self.head
         B, m = starts.shape
         anchors = self.ids.gather(1, starts)
-        embeds = drafter.block_embeddings(head.embed, anchors.clamp_min(0))
-        hidden = drafter(embeds, starts, self.context)[:, :, 1:]
-        drafts = head.argmax(hidden, drafter.output_multiplier, drafter.logit_softcap)
-        targets = self.ids.gather(1, (starts[..., None] + self.offsets).view(B, -1)).view(B, m, -1)
-        return (drafts == targets).long().cumprod(dim=-1).sum(dim=-1)
+        with self.timer.span("drafter"):
+            embeds = drafter.block_embeddings(head.embed, anchors.clamp_min(0))
+            hidden = drafter(embeds, starts, self.context)[:, :, 1:]
+        targets = self.ids.gather(1, (starts[..., None] + self.offsets).view(B, -1))
+        with self.timer.span("head"):
+            runs = leading_matches(
+                head,
+                hidden.reshape(B * m, *hidden.shape[2:]),
+                targets.view(B * m, -1),
+                drafter.output_multiplier,
+                drafter.logit_softcap,
+            )
+        return runs.view(B, m)
 
 
 def _groups(drafter: DFlashDrafter, items: list[SequenceInput], budget: int) -> list[list[int]]:
@@ -271,8 +292,9 @@ def _frontier(group: _Group, ids_of: list[int], results: dict[int, SequenceAccep
         n_active = int(active.sum())
         if n_active == 0:
             break
-        # Finished sequences leave the batch once they are half of it: less work, few gathers.
-        if n_active <= starts.shape[0] // 2:
+        # Finished sequences leave the batch once they are an eighth of it: a gather of the context K/V
+        # costs a fraction of one step, while every finished row in the batch costs a full block.
+        if n_active <= starts.shape[0] * 7 // 8:
             keep = active.nonzero().squeeze(1)
             group.select(keep)
             owner, starts, active = owner[keep], starts[keep], active[keep]
@@ -324,13 +346,15 @@ def offline_acceptance(
     mode: str = DEFAULT_MODE,
     memory_budget_bytes: int | None = None,
     progress: Callable[[int, int], None] | None = None,
+    timer: StepTimer | None = None,
 ) -> list[SequenceAcceptance]:
     """Acceptance lengths of the drafter along every sequence (the walk in the module docstring).
 
     sequences: SequenceInput, or mappings / objects with id, input_ids [L], features [L, n, hidden],
     prompt_len. Runs on head.device (the drafter must be there too). memory_budget_bytes bounds what
     a group of sequences and its working set take (default: 70% of free GPU memory, or 2 GiB on
-    CPU). progress(done, total) is called after each group. Results come back in input order.
+    CPU). progress(done, total) is called after each group; timer (a StepTimer) records where the
+    time goes. Results come back in input order.
     """
     if mode not in MODES:
         raise ValueError(f"mode {mode!r} is not one of {list(MODES)}")
@@ -341,11 +365,12 @@ def offline_acceptance(
     results = {i: SequenceAcceptance(it.id, drafter.block_size) for i, it in enumerate(items)}
     done = 0
     for indices in _groups(drafter, items, budget):
-        group = _Group(drafter, head, [items[i] for i in indices])
-        if mode == "frontier":
-            _frontier(group, indices, results)
-        else:
-            _all_anchors(group, indices, results, budget)
+        group = _Group(drafter, head, [items[i] for i in indices], timer)
+        with group.timer.span("steps"):
+            if mode == "frontier":
+                _frontier(group, indices, results)
+            else:
+                _all_anchors(group, indices, results, budget)
         del group
         done += len(indices)
         if progress is not None:

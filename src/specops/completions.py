@@ -100,7 +100,9 @@ REQUEST = Schema(
         ),
         # SGLang started with --api-key answers 401 without it (entrypoints/http_server.py, 0.5.23:
         # add_api_key_middleware); never written to the manifest or the output.
-        Option("api_key", "str", "Sent as Authorization: Bearer on every request; empty sends none.", default=""),
+        Option(
+            "api_key", "str", "Sent as Authorization: Bearer on every request; empty sends none.", default=""
+        ),
     ),
 )
 DEFAULTS: dict[str, Any] = REQUEST.defaults

@@ -122,6 +122,11 @@ def build_window(
         "measured_by": "service" if moments else "play",
         # The stop window's server start, launch to first 200 (process backend; None otherwise).
         "server_start_s": _seconds((service or {}).get("start_s")),
+        # How the memory-saver window held its requests (retract, or drain then abort) and the
+        # server's SGLang version and memory backend, as the server said them.
+        "pause_mode": (service or {}).get("pause_mode") or None,
+        "server_version": (service or {}).get("version") or None,
+        "memory_saver_backend": (service or {}).get("memory_saver_backend") or None,
         "play_span_s": round(play_span, 3),
         "stages": stages,
         "extraction": extraction,

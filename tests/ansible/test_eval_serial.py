@@ -29,8 +29,16 @@ def plan(tmp_path: Path, hosts: int, serial, router: str = "") -> subprocess.Com
     )
     extra = {"specops_serial": serial, "sglang_router_url": router, "specops_run_dir": str(tmp_path / "none")}
     return subprocess.run(
-        [str(PLAYBOOK), "-i", str(inventory), str(ROOT / "playbooks" / "eval.yml"), "-e", json.dumps(extra),
-         "--tags", "never-a-stage"],
+        [
+            str(PLAYBOOK),
+            "-i",
+            str(inventory),
+            str(ROOT / "playbooks" / "eval.yml"),
+            "-e",
+            json.dumps(extra),
+            "--tags",
+            "never-a-stage",
+        ],
         cwd=ROOT,
         capture_output=True,
         text=True,

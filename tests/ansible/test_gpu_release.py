@@ -40,6 +40,7 @@ def _load_utils():
 
 
 gr = _load_utils()
+from ansible_collections.specops.drafter.plugins.module_utils.service_process import ProcessServer  # noqa: E402
 
 # argv: mode marker [files...]; mode is term (default SIGTERM), stubborn (ignores SIGTERM),
 # launcher (holds nothing; double-forks an orphan holder: argv after the marker is
@@ -621,7 +622,6 @@ def test_in_cgroup_refuses_a_sibling_whose_name_shares_a_suffix():
 
 # --- two SGLang trees on one host: ours and another tenant's ----------------------------------------
 
-HELPER = ROOT / "roles/sglang_service/files/sglang_process.py"
 # A stand-in for `python -m sglang.launch_server --port P`: holds a device and forks a worker that
 # leaves the process group (as a leaked sglang::scheduler can), so stopping the group misses it.
 FAKE_SGLANG = r"""
@@ -639,31 +639,17 @@ while True:
 """
 
 
-def _helper(*argv):
-    done = subprocess.run([sys.executable, str(HELPER), *argv], capture_output=True, text=True, timeout=60)
-    return json.loads(done.stdout.strip().splitlines()[-1])
-
-
 @pytest.fixture
 def two_tenants(procs, devices, tmp_path):
-    """Ours started and stopped through the role's helper (its worker survives the stop); another
+    """Ours started and stopped by the sglang_service process backend (its worker survives the stop); another
     tenant's server with the same command line in its own session, on another port."""
     run = tmp_path / "run"
     log = run / "server.log"
-    spec = run / "server.json"
+    tree_file = run / "server.tree.json"
     run.mkdir()
     argv = [sys.executable, "-c", FAKE_SGLANG, "sglang.launch_server --port 31001", str(devices["paths"][0])]
-    spec.write_text(
-        json.dumps(
-            {
-                "argv": argv,
-                "pid_file": str(run / "server.pid"),
-                "log_file": str(log),
-                "tree_file": str(run / "server.tree.json"),
-            }
-        )
-    )
-    assert _helper("start", "--spec", str(spec))["changed"] is True
+    server = ProcessServer({"argv": argv, "pid_file": str(run / "server.pid"), "log_file": str(log)})
+    server.launch()
     deadline = time.monotonic() + 20
     # The launcher logs before its worker has started: wait for the worker's own line.
     while not (found := re.search(r"worker (\d+)", log.read_text())):
@@ -679,10 +665,10 @@ def two_tenants(procs, devices, tmp_path):
     procs.popens.append(tenant)
     tenant_pids = [int(tenant.stdout.readline().split()[1]) for _ in range(2)]
     procs.extra.extend(pinned(pid) for pid in tenant_pids)
-    stopped = _helper("stop", "--spec", str(spec), "--timeout", "5")
+    stopped = server.stop(5, str(tree_file))
     assert stopped["changed"] is True and alive(*pinned(worker)), "the worker must outlive the stop"
     tenants = [pinned(p) for p in tenant_pids]
-    return {"tree_file": stopped["tree_file"], "ours": pinned(worker), "tenant": tenants}
+    return {"tree_file": str(tree_file), "ours": pinned(worker), "tenant": tenants}
 
 
 def test_only_our_recorded_leftover_dies_and_the_other_tenants_sglang_lives(two_tenants, devices, tmp_path):

@@ -81,11 +81,11 @@ def eval_job(tmp_path_factory):
         yield {"job": job, "artifacts": base / "private" / "artifacts" / "eval", "work": work}
     finally:
         # eval.yml leaves the service running, as production wants; stop this test's server.
-        # No dead-man timer: nothing should bring it back.
+        # No guard: nothing should bring it back.
         runner(
             base / "private",
             "playbooks/service.yml",
-            dict(extravars, sglang_service_state="stopped", sglang_service_deadman=False),
+            dict(extravars, sglang_service_state="stopped", sglang_service_guard=False),
             "stop",
         )
 

@@ -226,15 +226,15 @@ def test_the_role_passes_every_option_to_the_module(stage):
 
 
 def test_the_window_prewarm_request_follows_the_prewarm_schema():
-    # eval.yml's window preparation calls `python -m specops.prewarm` with a request built in YAML.
-    path = "playbooks/tasks/window_prepare.yml"
+    # The extraction role's prepare step calls `python -m specops.prewarm` with a request built in YAML.
+    path = "roles/extract_hidden_states/tasks/prepare.yml"
     schema = importlib.import_module("specops.prewarm").REQUEST
     requests = [
-        task["vars"]["specops_prewarm_request"]
+        task["vars"]["extract_hidden_states_prewarm_request"]
         for task in load_yaml(ROOT / path)
-        if "specops_prewarm_request" in (task.get("vars") or {})
+        if "extract_hidden_states_prewarm_request" in (task.get("vars") or {})
     ]
-    assert requests, f"{path} builds no specops_prewarm_request"
+    assert requests, f"{path} builds no extract_hidden_states_prewarm_request"
     for request in requests:
         unknown, missing = schema.unknown(request), [n for n in schema.required if n not in request]
         assert not unknown and not missing, f"{path}: unknown prewarm options {unknown}, missing {missing}"
@@ -242,6 +242,6 @@ def test_the_window_prewarm_request_follows_the_prewarm_schema():
             # A fallback such as `| default(16384)` must be the option's default.
             for fallback in re.findall(r"default\(([^)]*)\)", str(value)):
                 assert yaml.safe_load(fallback) == schema.option(name).default, (
-                    f"{path}: specops_prewarm_request.{name} falls back to {fallback}, "
+                    f"{path}: extract_hidden_states_prewarm_request.{name} falls back to {fallback}, "
                     f"specops.prewarm REQUEST says {schema.option(name).default!r}"
                 )

@@ -124,7 +124,7 @@ def local_default(tmp_path_factory):
     site = LocalDefault(work_dir=tmp_path_factory.mktemp("eval"), port=free_port())
     yield site
     # The play leaves the service running, as production would: stop what the test started.
-    site.play("service.yml", sglang_service_state="stopped", sglang_service_deadman=False, timeout=120)
+    site.play("service.yml", sglang_service_state="stopped", sglang_service_guard=False, timeout=120)
 
 
 @pytest.fixture(scope="session")
@@ -153,4 +153,4 @@ def own_local_default(tmp_path_factory):
     """A site with a server of its own, for tests that change how the server runs."""
     site = LocalDefault(work_dir=tmp_path_factory.mktemp("own"), port=free_port())
     yield site
-    site.play("service.yml", sglang_service_state="stopped", sglang_service_deadman=False, timeout=120)
+    site.play("service.yml", sglang_service_state="stopped", sglang_service_guard=False, timeout=120)

@@ -77,7 +77,7 @@ class LocalFleet:
             "specops_models_dir": str(self.models_dir),
             "specops_fleet_ports": self.replica_ports,
             "sglang_router_url": self.router_url,
-            "sglang_service_deadman": False,
+            "sglang_service_guard": False,
             **overrides,
         }
 

@@ -3,10 +3,17 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
+import subprocess
+import sys
+from datetime import datetime
+from pathlib import Path
 
 import pytest
+
+REPO = Path(__file__).resolve().parents[2]
 
 
 def test_eval_writes_a_report_with_tau_per_prompt_and_overall(first_run, local_default):
@@ -139,17 +146,40 @@ def test_mistyped_target_model_is_refused_before_the_healthy_server_is_restarted
     assert local_default.health_generate_status() == 200
 
 
-def test_memory_saver_window_keeps_the_server_process(own_local_default, served):
+def test_memory_saver_window_keeps_the_server_process_and_loses_no_request_in_flight(
+    own_local_default, served, tmp_path
+):
+    """Short, long and streaming requests in flight while eval.yml pauses, releases and resumes the
+    server: SGLang 0.5.23's {"mode": "retract"} sends running requests back to the queue, so every one
+    completes after the resume (an abort-mode pause would have answered them cut short)."""
     site = own_local_default
     site.seed_run_dir(served.run_dir, site.run_dir)  # the same models' completions: only the window is new
     window = {"sglang_service_memory_saver": True, "specops_gpu_window_mode": "memory_saver"}
     started = site.play("service.yml", sglang_service_state="started", **window)
     assert started.rc == 0, started.output[-4000:]
     pid_before = site.server_pid()
-    result = site.play("eval.yml", **window)
+    stop, rows = tmp_path / "stop", tmp_path / "requests.jsonl"
+    client = subprocess.Popen(
+        [sys.executable.replace("/.venv/", "/.venv-ml/"), "-m", "specops.loadgen",
+         "--url", f"http://127.0.0.1:{site.port}", "--out", str(rows), "--stop-file", str(stop),
+         "--kinds", "short,long,stream", "--concurrency", "3", "--max-seconds", "1500",
+         "--long-max-new-tokens", "48", "--timeout", "900"],
+        cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO / "src")},
+        stdout=subprocess.PIPE, text=True,
+    )
+    try:
+        result = site.play("eval.yml", **window)
+    finally:
+        stop.touch()
+        summary = json.loads(client.communicate(timeout=900)[0].splitlines()[-1])
     assert result.rc == 0, result.output[-6000:]
-    assert "Pause, drain and release the GPU memory" in result.output
-    assert "Resume the GPU memory" in result.output
     assert site.server_pid() == pid_before
     assert site.health_generate_status() == 200
-    assert (site.run_dir / "score" / "report.json").is_file()
+    record = json.loads((site.run_dir / "score" / "report.json").read_text())["window"]
+    assert record["pause_mode"] == "retract" and record["server_version"] == "0.5.23"
+    # Requests were in flight when the service was paused, of every kind, and none was lost or cut short.
+    down_at = datetime.fromisoformat(record["down_at"].replace("Z", "+00:00")).timestamp()
+    answered = [json.loads(line) for line in rows.read_text().splitlines()]
+    across = {r["kind"] for r in answered if r["start"] <= down_at <= r["start"] + r["latency_s"]}
+    assert across, ("no request was in flight at the pause", summary)
+    assert summary["failed"] == 0 and summary["incomplete"] == 0, summary

@@ -78,8 +78,7 @@ def _journal() -> str:
         "--no-pager",
         "--lines=60",
         "--unit=sglang-qwen.service",
-        "--unit=sglang-qwen-deadman.timer",
-        "--unit=sglang-qwen-deadman.service",
+        "--unit=sglang-qwen-guard.service",
     )
 
 
@@ -121,7 +120,7 @@ def _lines_until(stream, marker: str, seen: list[str]) -> None:
             return
 
 
-def test_deadman_timer_brings_the_server_back_when_the_play_dies(converged_host):
+def test_the_guard_brings_the_server_back_when_the_play_dies(converged_host):
     play = _window("stop", 600, start_new_session=True)
     seen: list[str] = []
     reader = threading.Thread(
@@ -140,18 +139,18 @@ def test_deadman_timer_brings_the_server_back_when_the_play_dies(converged_host)
         if play.poll() is None:
             os.killpg(play.pid, signal.SIGKILL)
             play.wait(timeout=30)
-    assert in_container("systemctl", "is-active", "sglang-qwen-deadman.timer") == "active", _journal()
+    assert in_container("systemctl", "is-active", "sglang-qwen-guard.service") == "active", _journal()
 
     patience = MAX_DOWNTIME + STARTUP_ALLOWANCE + 30
     back = _wait(lambda: _health() == 200, timeout=patience, step=0.5)
     assert back is not None, f"the server was not back {patience:.0f} s after the play died\n{_journal()}"
     downtime = time.monotonic() - down_at
-    print(f"dead-man: server down for {downtime:.1f} s (max_downtime {MAX_DOWNTIME} s)")
+    print(f"guard: server down for {downtime:.1f} s (max_downtime {MAX_DOWNTIME} s)")
     assert downtime <= MAX_DOWNTIME + STARTUP_ALLOWANCE
-    # Not earlier than the timer: it was the dead-man switch that started it, nothing else.
+    # Not earlier than the timer: it was the guard that started it, nothing else.
     assert downtime >= MAX_DOWNTIME - 10
     assert in_container("systemctl", "is-active", "sglang-qwen.service") == "active"
-    assert in_container("systemctl", "is-active", "sglang-qwen-deadman.timer") != "active"
+    assert in_container("systemctl", "is-active", "sglang-qwen-guard.service") != "active"
 
 
 def test_memory_saver_keeps_the_server_process_across_the_gpu_window(converged_host):
@@ -165,7 +164,7 @@ def test_memory_saver_keeps_the_server_process_across_the_gpu_window(converged_h
     assert _generate()["meta_info"]["completion_tokens"] >= 1
     # No GPU here: the role says so instead of claiming the memory dropped.
     assert "GPU memory could not be checked: nvidia-smi is not available" in output
-    assert in_container("systemctl", "is-active", "sglang-qwen-deadman.timer") != "active"
+    assert in_container("systemctl", "is-active", "sglang-qwen-guard.service") != "active"
 
 
 def _gpu_release_in_container(**args: object) -> tuple[int, dict]:

@@ -133,7 +133,13 @@ def test_a_held_extraction_writes_nothing_until_go_then_the_same_shards(
     assert outcome["result"]["changed"] is True
     held, reference = load_manifest(out_dir), load_manifest(tmp_path / "plain")
     assert held["files"] == reference["files"] and plain["shards"] == outcome["result"]["shards"]
-    assert set(held["progress"]["prestart"]) == {"before_load_s", "host_load_s", "waited_s", "to_device_s"}
+    assert set(held["progress"]["prestart"]) == {
+        "before_load_s",
+        "host_memory",
+        "host_load_s",
+        "waited_s",
+        "to_device_s",
+    }
 
 
 def test_an_aborted_extraction_leaves_no_output(fixture_models, completions, tmp_path):  # noqa: F811

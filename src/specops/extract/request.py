@@ -87,6 +87,39 @@ REQUEST = Schema(
         ),
         # The play writes "go" into it once the GPUs are free: prepare now, extract then.
         Option("start_signal", "path", "A file to wait on for go before extracting; unset starts at once."),
+        # The host memory plan (host_memory.py): what the window makes the host hold beside the weights.
+        Option(
+            "window_mode",
+            "str",
+            "The window the extraction runs in: stop, or memory_saver (the server keeps a CPU backup).",
+            default="stop",
+            choices=("stop", "memory_saver"),
+        ),
+        Option(
+            "host_weights",
+            "str",
+            "Weights held ahead of the window: pinned, pageable, or auto (pinned where the host has room).",
+            default="auto",
+            choices=("auto", "pinned", "pageable"),
+        ),
+        Option(
+            "server_weights_bytes",
+            "int",
+            "Bytes of the served model's weights (its CPU backup); 0 is the target's weights.",
+            default=0,
+        ),
+        Option(
+            "host_memory_reserve_bytes",
+            "int",
+            "Host memory left to everything else; 0 is the larger of 4 GiB and 5% of the host's.",
+            default=0,
+        ),
+        Option(
+            "meminfo",
+            "path",
+            "The host's memory figures, in /proc/meminfo's format.",
+            default="/proc/meminfo",
+        ),
     ),
 )
 DEFAULTS: dict[str, Any] = REQUEST.defaults
@@ -108,6 +141,9 @@ def parse_request(request: dict[str, Any]) -> dict[str, Any]:
         raise StageError(f"dtype {req['dtype']!r} is not one of auto, {', '.join(DTYPES)}")
     if req["require_backend"] not in BACKENDS:
         raise StageError(f"require_backend {req['require_backend']!r} is not one of {', '.join(BACKENDS)}")
+    for key in ("server_weights_bytes", "host_memory_reserve_bytes"):
+        if not isinstance(req[key], int) or req[key] < 0:
+            raise StageError(f"{key} must be 0 or a positive integer, got {req[key]!r}")
     for key in ("batch_tokens", "shard_tokens", "writer_threads"):
         if not isinstance(req[key], int) or req[key] < 1:
             raise StageError(f"{key} must be a positive integer, got {req[key]!r}")

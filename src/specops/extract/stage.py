@@ -23,6 +23,7 @@ from specops.extract.backend_guard import backend_plan, check_backend
 from specops.extract.capture import LayerCapture, decoder_body
 from specops.extract.devices import DevicePlan, describe_device, plan_for, resolve_device_dtype
 from specops.extract.extraction import ExtractionSettings, extract_shards
+from specops.extract.host_memory import plan_host_memory, read_meminfo
 from specops.extract.outputs import stage_result, write_extraction_manifest
 from specops.extract.parity import checked_parity
 from specops.extract.prepared import Prepared, prepare
@@ -70,6 +71,8 @@ def plan(request: dict[str, Any]) -> dict[str, Any]:
     backend_plan(prep, modeling_module_for(AutoConfig.from_pretrained(str(prep.target.path))))
     todo = [s for s in prep.shards if s.name not in resumable]
     needed = disk_check(prep, todo)
+    memory = host_memory(prep)  # refuses here, before the service is touched, when the host is too small
+    log(memory["msg"])
     return {
         "changed": True,
         "reason": reason,
@@ -85,12 +88,12 @@ def plan(request: dict[str, Any]) -> dict[str, Any]:
         "parallel": plan_for(prep, free=False).describe(),  # at run time the choice uses free memory
         "estimated_bytes": needed,
         "estimated_seconds": round(estimated_seconds(prep, todo, needed), 1),
+        "host_memory": memory,
     }
 
 
-def estimated_seconds(prep: Prepared, todo: Sequence[ShardPlan], write_bytes: int) -> float:
-    """A pessimistic duration of the run (preflight.estimate_seconds), for the window's guard."""
-    weights = sum(w["size"] for w in prep.target.identity["weights"])
+def stored_itemsize(prep: Prepared) -> int:
+    """Bytes per weight in the target's files, from its config (bf16 unless it says float32)."""
     text = prep.target.config.get("text_config") or prep.target.config
     stored = str(
         text.get("dtype")
@@ -99,7 +102,29 @@ def estimated_seconds(prep: Prepared, todo: Sequence[ShardPlan], write_bytes: in
         or prep.target.config.get("torch_dtype")
         or "bfloat16"
     )
-    itemsize = 4 if stored == "float32" else 2
+    return 4 if stored == "float32" else 2
+
+
+def host_memory(prep: Prepared) -> dict[str, Any]:
+    """The host memory plan (host_memory.py) from the host's figures now; StageError when refused."""
+    stored = sum(w["size"] for w in prep.target.identity["weights"])
+    held = stored * prep.dtype.itemsize // stored_itemsize(prep)  # held in the run's dtype
+    req = prep.req
+    return plan_host_memory(
+        held,
+        req["window_mode"],
+        bool(req["start_signal"]),
+        req["host_weights"],
+        read_meminfo(req["meminfo"]),
+        req["server_weights_bytes"],
+        req["host_memory_reserve_bytes"],
+    )
+
+
+def estimated_seconds(prep: Prepared, todo: Sequence[ShardPlan], write_bytes: int) -> float:
+    """A pessimistic duration of the run (preflight.estimate_seconds), for the window's guard."""
+    weights = sum(w["size"] for w in prep.target.identity["weights"])
+    itemsize = stored_itemsize(prep)
     samples = prep.records[:: max(1, len(prep.records) // max(prep.req["parity_samples"], 1))]
     parity_tokens = sum(r.num_tokens for r in samples[: prep.req["parity_samples"]])
     return preflight.estimate_seconds(
@@ -123,7 +148,9 @@ def run(request: dict[str, Any]) -> dict[str, Any]:
         return stage_result(load_manifest(prep.out_dir) or {}, prep.out_dir, changed=False)
     modeling = target_modeling(prep)
     force_torch = backend_plan(prep, modeling)
-    held = start_signal.hold(prep, load_model)  # None unless started ahead of its window
+    # Started ahead of its window: the host is checked again now, and the weights held as it allows.
+    memory = host_memory(prep) if prep.req["start_signal"] else None
+    held = start_signal.hold(prep, load_model, memory)  # None unless started ahead of its window
     state = open_resume_state(prep, fp)
     progress_log = Path(prep.req["progress_log"] or prep.out_dir / "progress.log")
     devices = plan_for(prep)  # from the devices' free memory

@@ -99,16 +99,21 @@ def write_state(path: Path, state: str, **figures: Any) -> None:
 
 @dataclass
 class Held:
-    """The target on the host, and what holding it cost before the window."""
+    """The target on the host (or, where the host has no room for it, how to load it), and what
+    holding it cost before the window."""
 
     model: Any
     figures: dict[str, Any]
+    load_on: Callable[[Any], Any] | None = None  # device -> model, for weights not held ahead
 
     def on_device(self, device: Any) -> Any:
         """Move the weights host -> device: the only load left inside the window."""
         started = time.perf_counter()
-        # From pinned host memory the copy runs at the link's speed, several times pageable's.
-        model = self.model.to(device, non_blocking=bool(self.figures.get("pinned")))
+        if self.model is None and self.load_on is not None:
+            model = self.load_on(device)  # from the files, through the page cache
+        else:
+            # From pinned host memory the copy runs at the link's speed, several times pageable's.
+            model = self.model.to(device, non_blocking=bool(self.figures.get("pinned")))
         if getattr(device, "type", "cpu") == "cuda":
             import torch
 
@@ -131,10 +136,12 @@ def pin_weights(model: Any) -> bool:
     return True
 
 
-def hold(prep: Any, load: Callable[[Any], Any]) -> Held | None:
+def hold(prep: Any, load: Callable[[Any], Any], host_memory: dict[str, Any] | None = None) -> Held | None:
     """With a start signal: the target in host memory, then wait for go (None without one).
 
     `prep` is the extraction's prepared request; `load(prep)` loads the target on prep.device.
+    host_memory: the host memory plan; where it says pageable, the weights are not held ahead (the
+    host has no room for them beside what the window needs) and load inside the window instead.
     """
     if not prep.req.get("start_signal"):
         return None
@@ -143,26 +150,33 @@ def hold(prep: Any, load: Callable[[Any], Any]) -> Held | None:
     path = Path(prep.req["start_signal"])
     before_load = process_age_s()
     write_state(path, "preparing", before_load_s=before_load)
+    figures: dict[str, Any] = {"before_load_s": None if before_load is None else round(before_load, 3)}
+    if host_memory is not None:
+        figures["host_memory"] = host_memory
+    if host_memory is not None and host_memory.get("weights") == "pageable":
+        log(host_memory["msg"])
+        return _wait(path, figures, lambda device: load(dataclasses.replace(prep, device=device)))
     started = time.perf_counter()
     model = load(dataclasses.replace(prep, device=torch.device("cpu")))
-    host_load = round(time.perf_counter() - started, 3)
-    figures: dict[str, Any] = {
-        "before_load_s": None if before_load is None else round(before_load, 3),
-        "host_load_s": host_load,
-    }
+    figures["host_load_s"] = host_load = round(time.perf_counter() - started, 3)
     if getattr(prep.device, "type", "cpu") == "cuda":
         started = time.perf_counter()
         figures["pinned"] = pin_weights(model)
         figures["pin_s"] = round(time.perf_counter() - started, 3)
+    log(f"prepared in {before_load or 0:.1f}s + {host_load:.1f}s (weights in host memory)")
+    return _wait(path, figures, model=model)
+
+
+def _wait(
+    path: Path, figures: dict[str, Any], load_on: Callable[[Any], Any] | None = None, model: Any = None
+) -> Held:
+    """Say "waiting", wait for go, say "started" (or "stopped", raising NotStarted)."""
     write_state(path, "waiting", **figures)
-    log(
-        f"prepared in {before_load or 0:.1f}s + {host_load:.1f}s (weights in host memory); waiting for go "
-        f"in {path}"
-    )
+    log(f"waiting for go in {path}")
     try:
         figures["waited_s"] = round(wait_for_go(path), 3)
     except NotStarted as stopped:
         write_state(path, "stopped", reason=str(stopped), **figures)
         raise
     write_state(path, "started", **figures)
-    return Held(model, figures)
+    return Held(model, figures, load_on)

@@ -18,16 +18,20 @@ from __future__ import absolute_import, division, print_function
 
 __metaclass__ = type
 
-import fnmatch
 import json
 import os
-import pwd
 import re
 import signal
 import time
 import traceback
 
-from ansible_collections.specops.drafter.plugins.module_utils.procfs import read_stat
+from ansible_collections.specops.drafter.plugins.module_utils.procfs import (  # noqa: F401 (re-exported for tests)
+    _read,
+    list_pids,
+    read_proc,
+    read_stat,
+    scan_fd_holders,
+)
 
 try:
     import pynvml
@@ -79,101 +83,6 @@ class GpuReleaseError(Exception):
         super(GpuReleaseError, self).__init__(msg)
         self.msg = msg
         self.result = result or {}
-
-
-class Proc(object):
-    """What /proc says about one process, read once."""
-
-    __slots__ = ("pid", "ppid", "pgid", "sid", "state", "starttime", "uid", "comm", "cmdline", "cgroups")
-
-    def __init__(self, pid, ppid, pgid, sid, state, starttime, uid, comm, cmdline, cgroups):
-        self.pid = pid
-        self.ppid = ppid
-        self.pgid = pgid
-        self.sid = sid
-        self.state = state
-        self.starttime = starttime
-        self.uid = uid
-        self.comm = comm
-        self.cmdline = cmdline
-        self.cgroups = cgroups
-
-    @property
-    def user(self):
-        try:
-            return pwd.getpwuid(self.uid).pw_name
-        except (KeyError, TypeError):
-            return str(self.uid)
-
-    @property
-    def names(self):
-        """Names a protected entry can match: the kernel's comm and argv[0]'s basename."""
-        names = set([self.comm])
-        if self.cmdline:
-            names.add(os.path.basename(self.cmdline.split(" ", 1)[0]))
-        return names
-
-    def describe(self):
-        return {"pid": self.pid, "ppid": self.ppid, "user": self.user, "cmdline": self.cmdline}
-
-
-def _read(path, mode="r"):
-    with open(path, mode) as handle:
-        return handle.read()
-
-
-def read_proc(pid, proc_root="/proc"):
-    """A Proc for pid, or None when it has exited (or is unreadable)."""
-    stat = read_stat(pid, proc_root)
-    if stat is None:
-        return None
-    state, ppid, pgid, sid, starttime = stat
-    base = "%s/%d" % (proc_root, pid)
-    try:
-        raw_cmd = _read(base + "/cmdline", "rb")
-        comm = _read(base + "/comm").rstrip("\n")
-        status = _read(base + "/status")
-    except (IOError, OSError):
-        return None
-    # setproctitle pads the argument area with NULs or spaces.
-    cmdline = " ".join(part for part in raw_cmd.decode("utf-8", "replace").split("\0") if part).strip()
-    uid = None
-    for line in status.splitlines():
-        if line.startswith("Uid:"):
-            uid = int(line.split()[1])
-            break
-    try:
-        cgroups = [line.split(":", 2)[2] for line in _read(base + "/cgroup").splitlines() if line.count(":") >= 2]
-    except (IOError, OSError):
-        cgroups = []
-    return Proc(pid, ppid, pgid, sid, state, starttime, uid, comm, cmdline, cgroups)
-
-
-def list_pids(proc_root="/proc"):
-    return sorted(int(name) for name in os.listdir(proc_root) if name.isdigit())
-
-
-def scan_fd_holders(device_pattern, proc_root="/proc"):
-    """Processes with an open file matching the glob: ({pid: set(paths)}, [pids we could not read])."""
-    holders = {}
-    unreadable = []
-    for pid in list_pids(proc_root):
-        fd_dir = "%s/%d/fd" % (proc_root, pid)
-        try:
-            fds = os.listdir(fd_dir)
-        except OSError as exc:
-            # Gone since listing (ENOENT) is normal; EACCES means we lack the rights to see it.
-            if getattr(exc, "errno", None) not in (2, 3):
-                unreadable.append(pid)
-            continue
-        for fd in fds:
-            try:
-                target = os.readlink("%s/%s" % (fd_dir, fd))
-            except OSError:
-                continue
-            if fnmatch.fnmatchcase(target, device_pattern):
-                holders.setdefault(pid, set()).add(target)
-    return holders, unreadable
 
 
 # --- NVML ---------------------------------------------------------------------------------------

@@ -136,6 +136,34 @@ options:
         this file; on abort, an expired lease or a missing file it exits having written nothing.
     type: path
     version_added: "0.2.0"
+  window_mode:
+    description:
+      - The window the extraction runs in, for the host memory plan. V(memory_saver) counts the server's
+        pinned CPU backup of its weights beside the extraction's; V(stop) counts the page cache the
+        server's restart reads its weights from.
+    type: str
+    choices: [stop, memory_saver]
+    default: stop
+  host_weights:
+    description:
+      - Weights held ahead of the window (with O(start_signal)). V(pinned) refuses, before the service is
+        touched, a host without room for them beside what the window needs; V(pageable) never holds them
+        ahead (they load inside the window through the page cache); V(auto) pins where the host has room.
+    type: str
+    choices: [auto, pinned, pageable]
+    default: auto
+  server_weights_bytes:
+    description: Bytes of the served model's weights (its CPU backup in memory-saver mode); V(0) is the target's.
+    type: int
+    default: 0
+  host_memory_reserve_bytes:
+    description: Host memory left to everything else; V(0) is the larger of 4 GiB and 5% of the host's.
+    type: int
+    default: 0
+  meminfo:
+    description: The host's memory figures, in C(/proc/meminfo)'s format (MemTotal, MemAvailable).
+    type: path
+    default: /proc/meminfo
 attributes:
   check_mode:
     support: full
@@ -234,6 +262,16 @@ estimated_bytes:
   description: Bytes the shards still to write will take on disk.
   returned: in check mode, when an extraction is needed
   type: int
+host_memory:
+  description:
+    - The host memory plan, made before the window. Keys (bytes unless named otherwise)
+      C(weights) (V(pinned) or V(pageable)), C(reason), C(msg) (one line for the play to show),
+      C(available_bytes), C(total_bytes), C(meminfo), C(window_mode), C(prestart), C(host_weights),
+      C(extraction_weights_bytes), C(server_cpu_backup_bytes), C(restart_page_cache_bytes),
+      C(reserve_bytes), C(pinned_needs_bytes), C(pageable_needs_bytes).
+    - A host without room for what the window needs fails the plan instead, its message naming the figures.
+  returned: in check mode, when an extraction is needed
+  type: dict
 estimated_seconds:
   description:
     - A pessimistic duration of the extraction (start, model load, forwards, writes), to size the
@@ -266,6 +304,11 @@ REQUEST_OPTIONS = dict(
     progress_log=dict(type="path"),
     disk_reserve_bytes=dict(type="int", default=0),
     start_signal=dict(type="path"),
+    window_mode=dict(type="str", default="stop", choices=["stop", "memory_saver"]),
+    host_weights=dict(type="str", default="auto", choices=["auto", "pinned", "pageable"]),
+    server_weights_bytes=dict(type="int", default=0),
+    host_memory_reserve_bytes=dict(type="int", default=0),
+    meminfo=dict(type="path", default="/proc/meminfo"),
 )
 
 

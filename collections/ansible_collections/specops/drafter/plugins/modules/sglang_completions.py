@@ -44,8 +44,8 @@ options:
     default: http://127.0.0.1:30000
   api_key:
     description:
-      - The server's API key (SGLang started with C(--api-key)), sent as C(Authorization: Bearer) on
-        every request. Empty sends none. Never returned or written.
+      - "The server's API key (SGLang started with C(--api-key)), sent as C(Authorization: Bearer) on
+        every request. Empty sends none. Never returned or written."
     type: str
     default: ""
   prompts:

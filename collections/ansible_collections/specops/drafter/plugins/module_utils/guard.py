@@ -1,0 +1,151 @@
+# -*- coding: utf-8 -*-
+# GNU General Public License v3.0+ (see https://www.gnu.org/licenses/gpl-3.0.txt)
+"""The guard: a small program on the host that brings the server back when the play does not.
+
+    python -m ansible_collections.specops.drafter.plugins.module_utils.guard <state_dir>/guard.json
+
+The module extracts this file and the stdlib-only files it imports into <state_dir>/guard_lib and
+starts it detached (systemd-run on systemd hosts). It fires after min(guard_after, max_downtime)
+seconds, or guard_grace seconds after the window's work (processes carrying
+SPECOPS_WINDOW_TOKEN=<token> under a live process that is not part of it) is gone, unless
+disarmed (<state_dir>/guard.armed removed or holding another arm id). Firing stops the window's
+work, brings the server back (start, or resume; a resume with nothing to resume starts a server
+that is gone), continues generation and gives the window lock back.
+"""
+
+from __future__ import absolute_import, annotations, division, print_function
+
+__metaclass__ = type
+
+# The guard runs this outside Ansible, where there is no AnsibleModule.run_command or exit_json.
+# pylint: disable=ansible-bad-function
+
+import json
+import os
+import sys
+import time
+
+from ansible_collections.specops.drafter.plugins.module_utils import procfs
+from ansible_collections.specops.drafter.plugins.module_utils.memory_window import ReleasedMarker, resume_claimed
+from ansible_collections.specops.drafter.plugins.module_utils.service_errors import ServiceError
+from ansible_collections.specops.drafter.plugins.module_utils.service_process import ProcessServer, stop_processes
+from ansible_collections.specops.drafter.plugins.module_utils.service_systemd import SystemdUnit
+from ansible_collections.specops.drafter.plugins.module_utils.sglang_api import SglangApi
+from ansible_collections.specops.drafter.plugins.module_utils.state_files import read_json, remove
+from ansible_collections.specops.drafter.plugins.module_utils.window_lock import WindowLock
+
+
+def armed_path(state_dir: str) -> str:
+    return os.path.join(state_dir, "guard.armed")
+
+
+def is_armed(state_dir: str, arm_id: str) -> bool:
+    try:
+        with open(armed_path(state_dir)) as handle:
+            return handle.read().strip() == arm_id
+    except (IOError, OSError):
+        return False
+
+
+def backend_of(config: dict):
+    if config["backend"] == "systemd":
+        return SystemdUnit(config["unit"])
+    return ProcessServer(config["spec"])
+
+
+def attended(token: str) -> bool:
+    """The play still drives the window: some work carrying the token hangs below a live process outside
+    it (an Ansible worker, an ssh session). Detached work (an async job, a task orphaned by Ctrl-C)
+    hangs below PID 1 or a systemd subreaper instead."""
+    table = procfs.parents()
+    carriers = set(procfs.token_processes(token))
+    for pid in carriers:
+        top = pid
+        while table.get(top) in carriers:
+            top = table[top]
+        parent = table.get(top, 1)
+        if parent > 1 and procfs.comm(parent) not in ("systemd", "init"):
+            return True
+    return False
+
+
+def log(message: str) -> None:
+    sys.stderr.write("--- %s guard: %s\n" % (time.strftime("%Y-%m-%dT%H:%M:%S"), message))
+    sys.stderr.flush()
+
+
+def wait_for_reason(config: dict) -> str | None:
+    """Why the guard fires, or None once it was disarmed."""
+    started = time.monotonic()
+    fire_after = float(config["fire_after"])
+    last_work = started
+    while True:
+        if not is_armed(config["state_dir"], config["arm_id"]):
+            return None
+        now = time.monotonic()
+        if now - started >= fire_after:
+            return "the window's time of %.0f s is up (min of guard_after and max_downtime)" % fire_after
+        if config.get("watch_work"):
+            if attended(config["token"]):
+                last_work = now
+            elif now - last_work >= float(config["grace"]):
+                return "the window's work is gone and the play did not disarm within %.0f s" % float(config["grace"])
+        time.sleep(min(1.0, max(0.05, fire_after - (now - started))))
+
+
+def bring_back(config: dict) -> dict:
+    """Start or resume the server; a resume with no server to resume starts one."""
+    server = backend_of(config)
+    api = SglangApi(config["url"], config.get("api_key") or "", float(config.get("health_timeout", 30)))
+    result: dict = {"action": config["action"]}
+    if config["action"] == "resume":
+        claimed = ReleasedMarker(config["state_dir"]).claim()
+        if claimed is not None and server.running_pid():
+            result.update(resume_claimed(api, claimed.get("tags") or [], api.timeout))
+            result["resumed"] = True
+            return result
+        if server.running_pid():
+            # Nothing to resume (the play did it): only make sure the server is not left paused.
+            result["continue_status"] = api.continue_generation().status
+            return result
+    # The play's stop may still be under way when the guard fires early: let it finish, then start.
+    deadline = time.monotonic() + float(config.get("stop_timeout", 120)) + 10
+    while server.running_pid() is not None and time.monotonic() < deadline:
+        time.sleep(0.5)
+    if server.running_pid() is None:
+        result["started_pid"] = server.launch()
+    return result
+
+
+def fire(config: dict, reason: str) -> dict:
+    remove(armed_path(config["state_dir"]))
+    # The configuration may hold the api key: it is not left on disk longer than the guard needs it.
+    remove(os.path.join(config["state_dir"], "guard.json"))
+    stopped = stop_processes(procfs.token_processes(config["token"])) if config.get("watch_work") else []
+    log("fired (%s): stopped the window's work %s, then %s" % (reason, stopped, config["action"]))
+    try:
+        result = bring_back(config)
+    except ServiceError as error:
+        result = {"failed": True, "msg": error.msg}
+    WindowLock(config["state_dir"], config.get("server", "")).release(config["token"])
+    result.update({"reason": reason, "stopped_work": stopped})
+    log(json.dumps(result))
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    config = read_json(args[0])
+    if not isinstance(config, dict):
+        log("cannot read the guard's configuration %s" % args[0])
+        return 2
+    reason = wait_for_reason(config)
+    if reason is None:
+        log("disarmed")
+        return 0
+    result = fire(config, reason)
+    return 1 if result.get("failed") else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,159 @@
+# -*- coding: utf-8 -*-
+# GNU General Public License v3.0+ (see https://www.gnu.org/licenses/gpl-3.0.txt)
+"""Release and resume a server's GPU memory without losing a request and without a second resume.
+
+- Release asserts an idle scheduler and a request in between crashes it (sglang 0.5.23
+  srt/managers/scheduler_update_weights_mixin.py release_memory_occupation): pause first, then
+  poll /flush_cache until 200. Pause with `retract` where the version has modes (requests go back
+  to the waiting queue and survive); 0.5.4's pause aborts every request, so drain first.
+- Resume of a tag that is not released raises in the scheduler, which SIGQUITs the server (same
+  file, `offload_tags.remove`): the released marker is claimed under a lock, so the play and the
+  guard never both resume.
+Standard library only: the guard resumes with it outside Ansible.
+"""
+
+from __future__ import absolute_import, annotations, division, print_function
+
+__metaclass__ = type
+
+# The guard runs this outside Ansible, where there is no AnsibleModule.run_command or exit_json.
+# pylint: disable=ansible-bad-function
+
+import fcntl
+import os
+import subprocess
+import time
+
+from ansible_collections.specops.drafter.plugins.module_utils.service_errors import ServiceError
+from ansible_collections.specops.drafter.plugins.module_utils.sglang_api import has_pause_modes
+from ansible_collections.specops.drafter.plugins.module_utils.state_files import (
+    ensure_dir,
+    read_json,
+    remove,
+    write_json,
+)
+
+
+def marker_path(state_dir: str) -> str:
+    return os.path.join(state_dir, "released.json")
+
+
+def is_released(state_dir: str) -> bool:
+    return os.path.exists(marker_path(state_dir))
+
+
+def gpu_memory_used(gpu_ids: list) -> list[dict] | None:
+    """[{index, used_mib}] from nvidia-smi, or None where it is absent or fails."""
+    argv = ["nvidia-smi", "--query-gpu=index,memory.used", "--format=csv,noheader,nounits"]
+    if gpu_ids:
+        argv.append("--id=" + ",".join(str(gpu) for gpu in gpu_ids))
+    try:
+        done = subprocess.run(argv, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, check=False, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    if done.returncode != 0:
+        return None
+    rows = []
+    for line in done.stdout.decode("utf-8", "replace").splitlines():
+        parts = [part.strip() for part in line.split(",")]
+        if len(parts) == 2 and parts[1].isdigit():
+            rows.append({"index": parts[0], "used_mib": int(parts[1])})
+    return rows
+
+
+def wait_memory_dropped(before, gpu_ids: list, max_used_mib: int, timeout: float) -> dict:
+    """The release can answer before the memory is free: poll nvidia-smi until every GPU is below the bound."""
+    if before is None:
+        return {"checked": False, "note": "GPU memory could not be checked: nvidia-smi is not available on this host"}
+    deadline = time.monotonic() + timeout
+    after = before
+    while True:
+        after = gpu_memory_used(gpu_ids) or []
+        if after and max(row["used_mib"] for row in after) <= max_used_mib:
+            return {"checked": True, "released": True, "threshold_mib": max_used_mib, "before": before, "after": after}
+        if time.monotonic() >= deadline:
+            raise ServiceError(
+                "GPU memory is still in use after /release_memory_occupation: %s above "
+                "sglang_service_release_max_used_mib=%d. Another process may hold the GPU (check nvidia-smi), "
+                "or raise the threshold" % (after, max_used_mib),
+                gpu_memory={"checked": True, "released": False, "before": before, "after": after})
+        time.sleep(1.0)
+
+
+def pause_without_losing_requests(api, version, drain_timeout: float, delay: float) -> str:
+    """Hold new work; the pause mode used ("retract", or "drain then abort" where the version has no modes)."""
+    if has_pause_modes(version):
+        answer = api.pause("retract")
+        if not answer.ok:
+            raise ServiceError("POST %s/pause_generation {\"mode\": \"retract\"} gave %s" % (api.url, answer.describe()))
+        return "retract"
+    # No modes: the pause aborts whatever runs, so wait until nothing does.
+    deadline = time.monotonic() + drain_timeout
+    while True:
+        running = api.running_requests()
+        if running == 0:
+            break
+        if time.monotonic() >= deadline:
+            raise ServiceError(
+                "%s still has %s request(s) running after %.0f s (sglang_service_drain_timeout): SGLang %s has no "
+                "retract pause, and its pause would abort them; nothing was paused"
+                % (api.url, "an unknown number of" if running is None else running, drain_timeout, version or "?"),
+                paused=False)
+        time.sleep(delay)
+    answer = api.pause(None)
+    if not answer.ok:
+        raise ServiceError("POST %s/pause_generation gave %s" % (api.url, answer.describe()))
+    return "drain then abort"
+
+
+def flush_until_idle(api, timeout: float, delay: float) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        answer = api.flush_cache()
+        if answer.ok:
+            return
+        if time.monotonic() >= deadline:
+            raise ServiceError("POST %s/flush_cache still gives %s after %.0f s (sglang_service_drain_timeout): "
+                               "requests are still running" % (api.url, answer.describe(), timeout))
+        time.sleep(delay)
+
+
+class ReleasedMarker(object):
+    """"Released, not yet resumed": written before the release, claimed (flock + rename) by exactly one resume."""
+
+    def __init__(self, state_dir: str) -> None:
+        self.state_dir = state_dir
+        self.path = marker_path(state_dir)
+        self.claimed = self.path + ".claimed"
+
+    def write(self, tags: list, down_at: float) -> None:
+        ensure_dir(self.state_dir)
+        write_json(self.path, {"tags": list(tags), "at": down_at})
+
+    def drop(self) -> None:
+        remove(self.path)
+
+    def claim(self) -> dict | None:
+        """The marker's content for the one caller that gets it; None for everyone else."""
+        if not os.path.isdir(self.state_dir):
+            return None
+        with open(os.path.join(self.state_dir, "released.flock"), "a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            if not os.path.exists(self.path):
+                return None
+            os.rename(self.path, self.claimed)
+            content = read_json(self.claimed, {}) or {}
+            remove(self.claimed)
+            return content
+
+
+def resume_claimed(api, tags: list, health_timeout: float) -> dict:
+    """Resume once (never retried), then continue whatever the resume answered: only continue ends the pause."""
+    resumed = api.resume(tags)
+    continued = api.continue_generation()
+    result = {"resume_status": resumed.status, "continue_status": continued.status}
+    if not resumed.ok:
+        raise ServiceError(
+            "POST %s/resume_memory_occupation gave %s (not retried: a second resume crashes SGLang's scheduler; "
+            "restart the server if it does not answer)" % (api.url, resumed.describe()), **result)
+    return result

@@ -1,0 +1,284 @@
+#!/usr/bin/python
+# -*- coding: utf-8 -*-
+# GNU General Public License v3.0+ (see https://www.gnu.org/licenses/gpl-3.0.txt)
+
+from __future__ import absolute_import, division, print_function
+
+__metaclass__ = type
+
+DOCUMENTATION = r"""
+---
+module: sglang_service
+short_description: Run an SGLang server and take it down and back for a GPU window, guarded
+description:
+  - Starts, stops, restarts an SGLang server (a systemd unit or a detached process), or releases and
+    resumes its GPU memory (memory-saver mode), without losing the service. docs/window.md is the interface.
+  - One window per server, whoever asks; a lock in O(state_dir) names the holder to any other run.
+  - Before the server goes down (stop, release, a restart of a serving server) a host-side B(guard) is
+    armed that brings it back after C(min(window.guard_after, window.max_downtime)) seconds, or
+    C(window.guard_grace) seconds after the window's work is gone without a disarm.
+  - Readiness is C(/health_generate) 200 from B(our) process; an answer from another process on the port is
+    refused and that process named.
+version_added: "0.2.0"
+author:
+  - specops maintainers (@specops)
+options:
+  state:
+    description:
+      - V(started), V(stopped), V(restarted) act on the server process; V(released) frees its GPU memory
+        (pause, flush, release) and V(resumed) brings it back exactly once.
+    type: str
+    choices: [started, stopped, restarted, released, resumed]
+    required: true
+  backend:
+    description: V(systemd) drives a unit with systemctl; V(process) a detached process described by O(spec).
+    type: str
+    choices: [systemd, process]
+    required: true
+  unit:
+    description: The systemd unit (without C(.service)); also names the server in messages and in the guard's unit.
+    type: str
+    default: sglang
+  adopt:
+    description:
+      - systemd only. The unit is the user's and is never written; port, host, C(--enable-memory-saver),
+        C(--enable-weights-cpu-backup) and whether C(--api-key) is set are read from its C(ExecStart).
+    type: bool
+    default: false
+  spec:
+    description:
+      - The server's launch, as the role builds it. Required for the process backend; for a managed unit it
+        is the launch that is validated before a serving server is replaced.
+      - Keys C(argv) (list), C(environment) (dict), C(working_dir), C(pid_file), C(log_file).
+    type: dict
+  url:
+    description: The server's base URL. An adopted unit's is read from its command line when left out.
+    type: str
+  api_key:
+    description: Sent as C(Authorization Bearer) on every call; kept only in the guard's 0600 configuration.
+    type: str
+  state_dir:
+    description:
+      - Per server, not per run - the window lock, the released marker, the recorded process tree and the
+        guard's files. Default C(/run/specops/<unit>) (systemd) or C(<pid_file>.d) (process).
+    type: path
+  window:
+    description:
+      - The GPU window this call belongs to (eval.yml gives it). Without it, calls share one owner.
+    type: dict
+    suboptions:
+      token:
+        description: The window's C(SPECOPS_WINDOW_TOKEN); processes carrying it are the window's work.
+        type: str
+      owner:
+        description: Who holds the window, shown to any other run that asks.
+        type: raw
+      guard_after:
+        description: Planned seconds until the guard brings the server back.
+        type: float
+      max_downtime:
+        description: The operator's upper bound on the downtime; the guard fires after the smaller of the two.
+        type: float
+      guard_grace:
+        description: Seconds the window's work may be gone, without a disarm, before the guard fires.
+        type: float
+      wait:
+        description: Seconds to wait for another run's window; 0 fails at once naming the holder.
+        type: float
+  guard:
+    description: Arm the guard before the server goes down.
+    type: bool
+    default: true
+  tags:
+    description:
+      - Memory tags to release (empty - every tag). Weights are never released from a server without
+        C(enable_weights_cpu_backup).
+    type: list
+    elements: str
+    default: []
+  ready_timeout:
+    description: Seconds to wait for C(/health_generate) 200 from our server.
+    type: float
+    default: 900
+  ready_delay:
+    description: Seconds between readiness, drain and flush polls.
+    type: float
+    default: 0.5
+  health_timeout:
+    description: Seconds one HTTP call may take.
+    type: float
+    default: 30
+  stop_timeout:
+    description: Seconds from SIGTERM to SIGKILL (process backend), and for the port to close.
+    type: float
+    default: 120
+  drain_timeout:
+    description: Seconds to wait until nothing runs (versions without a retract pause) and until C(/flush_cache) is 200.
+    type: float
+    default: 120
+  release_max_used_mib:
+    description: Released means every GPU (or O(gpu_ids)) uses at most this many MiB, per nvidia-smi where present.
+    type: int
+    default: 4096
+  gpu_ids:
+    description: GPUs the memory check looks at (empty - all).
+    type: list
+    elements: str
+    default: []
+attributes:
+  check_mode:
+    support: full
+    description: Reads the server's state and info; writes nothing on the host (no lock, guard, marker) and says what would change.
+  diff_mode:
+    support: none
+    description: Nothing to diff.
+"""
+
+EXAMPLES = r"""
+- name: Release the GPU memory for the window
+  specops.drafter.sglang_service:
+    state: released
+    backend: systemd
+    unit: sglang-qwen
+    adopt: true
+    api_key: "{{ sglang_api_key }}"
+    window:
+      token: "{{ specops_window_token }}"
+      owner: "eval.yml on {{ inventory_hostname }}"
+      guard_after: 1800
+      max_downtime: 3600
+  register: released
+
+- name: Bring it back
+  specops.drafter.sglang_service:
+    state: resumed
+    backend: systemd
+    unit: sglang-qwen
+    adopt: true
+    api_key: "{{ sglang_api_key }}"
+    window:
+      token: "{{ specops_window_token }}"
+"""
+
+RETURN = r"""
+state:
+  description: The state asked for.
+  returned: always
+  type: str
+pid:
+  description: The server's pid after the call (stopped - the pid that was stopped).
+  returned: when known
+  type: int
+version:
+  description: The server's SGLang version, as its server info says.
+  returned: released
+  type: str
+down_at:
+  description: When the service stopped answering (stop, or the pause), on the host's clock.
+  returned: when the server went down
+  type: float
+ready_at:
+  description: When our server first answered /health_generate 200, on the host's clock.
+  returned: when the server was waited for
+  type: float
+server_start_s:
+  description: Seconds from the launch to the first 200.
+  returned: when the server was started
+  type: float
+memory_saver_backend:
+  description: What frees the memory on the server, as its server info says (the development server's
+    C(torch_memory_saver <version>) on CUDA); absent where the server does not say.
+  returned: released
+  type: str
+pause_mode:
+  description: C(retract), or C(drain then abort) on versions without pause modes.
+  returned: released
+  type: str
+released_tags:
+  description: The tags released (empty - every tag).
+  returned: released
+  type: list
+gpu_memory:
+  description: The GPU memory check after the release (C(checked) false where nvidia-smi is absent).
+  returned: released
+  type: dict
+serving_tree:
+  description: The serving server's processes (pid + start time), for a check of the GPU holders that
+    are not ours before a window (gpu_release's tree_file in check mode).
+  returned: when the server was waited for
+  type: str
+recorded_tree:
+  description: The server's processes (pid + start time) recorded before the stop, for gpu_release's tree_file.
+  returned: when the server was stopped
+  type: str
+guard:
+  description: The guard - armed, pid, fires_in, action, unit, log; or disarmed.
+  returned: when armed or disarmed
+  type: dict
+started_instead:
+  description: resumed found no server process (killed inside the window) and started it.
+  returned: resumed, when it happened
+  type: bool
+window_holder:
+  description: The run holding this server's window when this call was refused.
+  returned: on refusal
+  type: dict
+port_holder:
+  description: The pid that holds the server's port when our server could not serve there.
+  returned: on that failure
+  type: int
+"""
+
+from ansible.module_utils.basic import AnsibleModule
+from ansible_collections.specops.drafter.plugins.module_utils.service_errors import ServiceError
+from ansible_collections.specops.drafter.plugins.module_utils.sglang_service import ServiceWindow
+
+WINDOW_OPTIONS = dict(
+    token=dict(type="str", no_log=False),
+    owner=dict(type="raw"),
+    guard_after=dict(type="float"),
+    max_downtime=dict(type="float"),
+    guard_grace=dict(type="float"),
+    wait=dict(type="float"),
+)
+
+ARGUMENT_SPEC = dict(
+    state=dict(type="str", required=True, choices=["started", "stopped", "restarted", "released", "resumed"]),
+    backend=dict(type="str", required=True, choices=["systemd", "process"]),
+    unit=dict(type="str", default="sglang"),
+    adopt=dict(type="bool", default=False),
+    spec=dict(type="dict"),
+    url=dict(type="str"),
+    api_key=dict(type="str", no_log=True),
+    state_dir=dict(type="path"),
+    window=dict(type="dict", options=WINDOW_OPTIONS),
+    guard=dict(type="bool", default=True),
+    tags=dict(type="list", elements="str", default=[]),
+    ready_timeout=dict(type="float", default=900),
+    ready_delay=dict(type="float", default=0.5),
+    health_timeout=dict(type="float", default=30),
+    stop_timeout=dict(type="float", default=120),
+    drain_timeout=dict(type="float", default=120),
+    release_max_used_mib=dict(type="int", default=4096),
+    gpu_ids=dict(type="list", elements="str", default=[]),
+)
+
+
+def main():
+    module = AnsibleModule(
+        argument_spec=ARGUMENT_SPEC,
+        required_if=[("backend", "process", ("spec",))],
+        supports_check_mode=True,
+    )
+    try:
+        result = ServiceWindow(module.params, module.check_mode).run()
+    except ServiceError as error:
+        fields = dict(error.fields)
+        fields.pop("msg", None)
+        fields["failed"] = True
+        module.fail_json(msg=error.msg, **fields)
+    module.exit_json(**result)
+
+
+if __name__ == "__main__":
+    main()

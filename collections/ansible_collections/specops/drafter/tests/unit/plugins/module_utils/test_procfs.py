@@ -1,0 +1,41 @@
+# -*- coding: utf-8 -*-
+# GNU General Public License v3.0+ (see https://www.gnu.org/licenses/gpl-3.0.txt)
+"""procfs: identity by pid + start time, trees, listeners and the window token, read from the real /proc."""
+
+from __future__ import absolute_import, division, print_function
+
+__metaclass__ = type
+
+import os
+import socket
+import subprocess
+import sys
+
+from ansible_collections.specops.drafter.plugins.module_utils import procfs
+
+
+def test_a_process_is_known_by_pid_and_start_time():
+    me = os.getpid()
+    started = procfs.start_time(me)
+    assert procfs.is_same_process(me, started) and not procfs.is_same_process(me, started + 1)
+
+
+def test_the_tree_holds_the_children_and_the_token_marks_the_windows_work():
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"],
+                             env=dict(os.environ, SPECOPS_WINDOW_TOKEN="tok-procfs"))
+    try:
+        assert child.pid in procfs.process_tree(os.getpid())
+        assert procfs.token_processes("tok-procfs") == [child.pid]
+    finally:
+        child.kill()
+        child.wait()
+
+
+def test_the_listener_of_a_port_is_named():
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(1)
+    try:
+        assert procfs.port_listeners(listener.getsockname()[1]) == {os.getpid()}
+    finally:
+        listener.close()

@@ -1,1 +1,0 @@
-../../../collections/ansible_collections/specops/drafter/plugins/module_utils/procfs.py

@@ -1,0 +1,36 @@
+"""The head over a few positions at a time gives the leading matches of the head over all of them."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specops.leading_matches import leading_matches
+from specops.target_head import TargetHead
+
+
+@pytest.mark.parametrize("per_pass", [1, 2, 3, 4, 15])
+def test_leading_matches_equal_the_full_heads(per_pass):
+    generator = torch.Generator().manual_seed(0)
+    head = TargetHead(torch.randn(64, 16, generator=generator), torch.randn(64, 16, generator=generator))
+    hidden = torch.randn(40, 15, 16, generator=generator)
+    drafts = head.argmax(hidden)
+    # Targets that follow the drafts for a random number of positions, then differ.
+    runs = torch.randint(0, 16, (40,), generator=generator)
+    targets = torch.where(torch.arange(15) < runs[:, None], drafts, (drafts + 1) % 64)
+    expected = (head.argmax(hidden) == targets).long().cumprod(dim=-1).sum(dim=-1)
+    assert torch.equal(expected, runs.clamp_max(15))
+    assert torch.equal(leading_matches(head, hidden, targets, positions_per_pass=per_pass), expected)
+
+
+def test_blocks_past_their_first_mismatch_never_reach_the_head(monkeypatch):
+    head = TargetHead(torch.eye(4), torch.eye(4))
+    hidden = torch.eye(4)[torch.tensor([[0, 1, 2, 3], [0, 1, 2, 3]])]  # drafts 0, 1, 2, 3 in both blocks
+    targets = torch.tensor([[0, 1, 2, 3], [9, 1, 2, 3]])
+    rows = []
+    argmax = TargetHead.argmax
+    monkeypatch.setattr(
+        TargetHead, "argmax", lambda self, h, *a: rows.append(h.shape[0]) or argmax(self, h, *a)
+    )
+    assert leading_matches(head, hidden, targets, positions_per_pass=2).tolist() == [4, 0]
+    assert rows == [2, 1]
