@@ -10,6 +10,8 @@ find_python = $(shell for p in $$HOME/.pyenv/versions/$(1)*/bin/python$(1) $$(co
 PYTHON_CONTROL ?= $(call find_python,3.12)
 PYTHON_ML ?= $(call find_python,3.11)
 VENV := .venv
+# Labels a long step's output and says it is still working when it is quiet (see .ci/heartbeat.py).
+HEARTBEAT = $(PYTHON_CONTROL) $(CURDIR)/.ci/heartbeat.py
 ML_VENV := .venv-ml
 ANSIBLE_PLAYBOOK := $(VENV)/bin/ansible-playbook
 export ANSIBLE_CONFIG := $(CURDIR)/ansible.cfg
@@ -18,30 +20,97 @@ export PYTHONDONTWRITEBYTECODE := 1
 test test-%: export PYTHONPATH := $(CURDIR)/src
 
 .PHONY: help demo demo-stop test test-in-order test-python test-ansible test-lint test-sanity test-units \
-        test-integration test-systemd system-deps ml-env venv clean
+        test-integration test-systemd test-fixtures test-models test-in-order-lane test-integration-lane \
+        system-deps ml-env venv lock lock-check clean
 
 help:
 	@echo "make demo   - set up, then run playbooks/eval.yml on the local default and print the report path"
 	@echo "make test   - run every test suite (lint, sanity, units, package, playbooks, systemd)"
 
-$(VENV)/.stamp: requirements/control.txt
+# uv fills the environments from the locks (seconds where pip takes minutes) and compiles them; it
+# lives in a small environment of its own, installed by pip from a hash-pinned lock.
+UV_ENV := .work/uv
+UV := $(UV_ENV)/bin/uv
+# Exactly what a lock says: every dependency is in it, each file is checked against its hashes.
+# --compile-bytecode: make exports PYTHONDONTWRITEBYTECODE, so without it every ansible-playbook run
+# would compile ansible-core again.
+UV_INSTALL_LOCK = $(UV) pip install --require-hashes --no-deps --compile-bytecode --python
+# torch is not in ml.lock: the host's pip configuration (index, wheelhouse) provides it, here a local
+# CPU wheel. The version is the one the local inventory asks the fla_env role for.
+ML_TORCH = $(shell sed -n 's/^fla_env_torch: *//p' inventory/local/group_vars/gpu_hosts.yml)
+PURELIB = $$($(1)/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+
+$(UV_ENV)/.stamp: requirements/bootstrap.lock
 	@test -n "$(PYTHON_CONTROL)" || { echo "Python 3.12 is required for ansible-core 2.21 (set PYTHON_CONTROL)"; exit 1; }
-	$(PYTHON_CONTROL) -m venv $(VENV)
-	$(VENV)/bin/pip install -q -r requirements/control.txt
+	@echo "== $(UV_ENV): uv, from requirements/bootstrap.lock"
+	$(PYTHON_CONTROL) -m venv --clear $(UV_ENV)
+	$(UV_ENV)/bin/pip install --progress-bar on --require-hashes --no-deps -r requirements/bootstrap.lock
+	touch $@
+
+# --clear: a rebuilt environment holds what the lock says and nothing left over from an older one.
+$(VENV)/.stamp: $(UV_ENV)/.stamp requirements/test.lock requirements/collections.yml \
+                requirements/collection-sources.lock requirements/install_collections.py
+	@echo "== $(VENV): Python $(PYTHON_CONTROL), the control node's runtime and the test tools (requirements/test.lock)"
+	$(PYTHON_CONTROL) -m venv --clear $(VENV)
+	$(HEARTBEAT) venv $(UV_INSTALL_LOCK) $(VENV)/bin/python -r requirements/test.lock
+	@echo "== $(VENV): collections of requirements/collections.yml"
+	$(HEARTBEAT) venv $(VENV)/bin/python requirements/install_collections.py requirements/collections.yml \
+	  --source-lock requirements/collection-sources.lock --dest "$(call PURELIB,$(VENV))"
 	touch $@
 
 venv: $(VENV)/.stamp
 
-# The ML environment is built by the fla_env role, the same code that builds it on GPU hosts.
-$(ML_VENV)/.stamp: $(VENV)/.stamp pyproject.toml requirements/ml-dev.txt
-	$(ANSIBLE_PLAYBOOK) playbooks/ml_env.yml -e fla_env_python=$(PYTHON_ML)
-	$(ML_VENV)/bin/pip install -q -r requirements/ml-dev.txt
+# The ML environment is built by the fla_env role, the same code that builds it on GPU hosts, from the
+# same lock (the role's default). The first steps fill it with what the role would install, with
+# progress shown (inside a module pip runs silently for minutes), and run again only when a lock
+# changes; the role then installs specops, finds the rest satisfied and verifies the backend.
+$(ML_VENV)/.locked: $(UV_ENV)/.stamp requirements/ml.lock requirements/ml-dev.lock
+	@test -n "$(PYTHON_ML)" || { echo "Python 3.11 is required for the ML environment (set PYTHON_ML)"; exit 1; }
+	@echo "== $(ML_VENV): Python $(PYTHON_ML), requirements/ml.lock and ml-dev.lock"
+	$(PYTHON_ML) -m venv --clear $(ML_VENV)
+	$(HEARTBEAT) ml-env $(UV_INSTALL_LOCK) $(ML_VENV)/bin/python -r requirements/ml.lock -r requirements/ml-dev.lock
+	@echo "== $(ML_VENV): $(ML_TORCH) from pip's configured index or wheelhouse"
+	$(HEARTBEAT) ml-env $(ML_VENV)/bin/pip install --progress-bar on --no-deps "$(ML_TORCH)"
+	touch $@
+
+$(ML_VENV)/.stamp: $(VENV)/.stamp $(ML_VENV)/.locked pyproject.toml
+	@echo "== $(ML_VENV): specops and the backend check (fla_env role)"
+	$(HEARTBEAT) ml-env $(ANSIBLE_PLAYBOOK) playbooks/ml_env.yml -e fla_env_python=$(PYTHON_ML) -e fla_env_venv=$(CURDIR)/$(ML_VENV)
 	touch $@
 
 ml-env: $(ML_VENV)/.stamp
 
-demo: $(VENV)/.stamp
-	$(ANSIBLE_PLAYBOOK) playbooks/eval.yml -e fla_env_python=$(PYTHON_ML)
+# The locks, from the .in files next to them (and pyproject.toml for ml.lock). Hashes of every file
+# of each pinned version, so a host of another platform can check what it installs.
+# control and test: any platform, Python 3.12 (ansible-core 2.21). ml: the Python and platform the
+# ML environment is tested on (its torch wheel decides the rest); GPU hosts take the same pins.
+# torch's CPU wheel is found where pip's configuration looks (find-links); uv does not read pip's files.
+PIP_WHEELHOUSES = $(or $(PIP_FIND_LINKS),$(shell $(PYTHON_CONTROL) -m pip config get global.find-links 2>/dev/null))
+# A lock whose content did not change keeps its date, so the environments built from it stay current.
+# uv keeps the versions an existing output file pins (upgrade with: make lock LOCK_FLAGS=--upgrade).
+LOCK = compile_lock() { out="$$1"; shift; cp "$$out" "$$out.new" 2>/dev/null; \
+         $(UV) pip compile $(LOCK_FLAGS) --quiet --generate-hashes --custom-compile-command "make lock" "$$@" -o "$$out.new" && \
+         { cmp -s "$$out.new" "$$out" && rm "$$out.new" || { mv "$$out.new" "$$out"; echo "updated $$out"; }; }; }; compile_lock
+lock: $(UV_ENV)/.stamp
+	$(LOCK) requirements/bootstrap.lock --universal --python-version 3.12 requirements/bootstrap.in
+	$(LOCK) requirements/control.lock --universal --python-version 3.12 requirements/control.in
+	$(LOCK) requirements/test.lock --universal --python-version 3.12 requirements/test.in
+	$(LOCK) requirements/collection-sources.lock --python-version 3.12 --no-deps requirements/collection-sources.in
+	$(LOCK) requirements/ml.lock --python-version 3.11 --python-platform x86_64-manylinux_2_28 --no-emit-package torch \
+	  $(foreach dir,$(PIP_WHEELHOUSES),--find-links $(dir)) pyproject.toml --extra ml requirements/ml.in
+	$(LOCK) requirements/ml-dev.lock --python-version 3.11 --python-platform x86_64-manylinux_2_28 requirements/ml-dev.in
+
+# Environments rebuilt from the locks hold exactly the locked versions: builds both again under other
+# names and compares their `pip freeze` with the locks.
+LOCK_CHECK_VENV := .venv-lock-check
+lock-check:
+	$(MAKE) VENV=$(LOCK_CHECK_VENV) ML_VENV=$(LOCK_CHECK_VENV)-ml $(LOCK_CHECK_VENV)-ml/.stamp
+	$(LOCK_CHECK_VENV)/bin/python requirements/check_lock.py requirements/test.lock
+	$(LOCK_CHECK_VENV)-ml/bin/python requirements/check_lock.py requirements/ml.lock \
+	  requirements/ml-dev.lock --also "$(ML_TORCH)" --also specops==$$(sed -n 's/^version = "\(.*\)"/\1/p' pyproject.toml)
+
+demo: $(VENV)/.stamp $(ML_VENV)/.stamp
+	$(HEARTBEAT) demo $(ANSIBLE_PLAYBOOK) playbooks/eval.yml -e fla_env_python=$(PYTHON_ML)
 	@echo "Report: $(CURDIR)/.work/demo/run/score/report.md"
 
 demo-stop: $(VENV)/.stamp
@@ -51,12 +120,47 @@ system-deps:
 	@command -v debootstrap >/dev/null && command -v systemd-nspawn >/dev/null || \
 	  { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq debootstrap systemd-container; }
 
+# Fixture models, each built once per run and shared, each build saying its steps: TEST_MODELS has
+# the trained reference drafter (the playbooks of the integration and fleet tests read it, and so do
+# the unit tests that need a drafter trained on the target); TEST_FIXTURES holds the same target and
+# drafter with an untrained reference (the unit and module tests read it). A suite run on its own
+# builds what it needs itself.
+TEST_MODELS := $(CURDIR)/.work/test-models
+TEST_FIXTURES := $(CURDIR)/.work/test-fixtures
+test test-%: export SPECOPS_TEST_MODELS := $(TEST_MODELS)
+test test-%: export SPECOPS_FIXTURES := $(TEST_FIXTURES)
+
+# Per-test durations of every suite land here (JUnit XML, and the slowest in each log), so lanes
+# can be balanced on measured numbers.
+TEST_REPORTS := $(CURDIR)/.work/test-reports
+# -v: one line per test, so a lane shows where it is; --durations: slow tests are named in every run.
+PYTEST_FLAGS = -v -p no:cacheprovider --durations=25 --durations-min=1 --junitxml=$(TEST_REPORTS)/$@.xml
+# Spread over both cores, a file per worker: module-scoped fixtures (servers, engines) stay built once.
+XDIST = -n 2 --dist loadfile
+
+test-models: $(ML_VENV)/.stamp
+	$(HEARTBEAT) models $(ML_VENV)/bin/python -m specops.fixtures --out $(TEST_MODELS) --prompts prompts/coding.jsonl
+
+test-fixtures: $(ML_VENV)/.stamp
+	$(HEARTBEAT) fixtures $(ML_VENV)/bin/python -m specops.fixtures --out $(TEST_FIXTURES) --no-reference-training
+
 # Three lanes side by side: the integration suite (plays against development servers of its own, on
-# free ports, in its own directories), the systemd suite (mostly waiting: debootstrap, a container
-# booting systemd), and the other suites one after another. Each pytest run of a lane keeps its own
-# temporary root, so no run's clean-up of old temporary directories removes another's.
+# free ports, in its own directories: the critical path), the systemd suite (mostly waiting:
+# debootstrap, a container booting systemd; it starts at once), and the other suites one after
+# another, each spread over both cores. The fixture models are built by this make, once, while the
+# systemd lane starts; the lanes that read them wait for them. Every line a lane prints carries its
+# name and shows as soon as it is written; a lane quiet for 25 s says so. Each pytest run keeps its
+# own temporary root, so no run's clean-up of old temporary directories removes another's.
 test: system-deps $(VENV)/.stamp $(ML_VENV)/.stamp
-	$(MAKE) -j3 --output-sync=target test-in-order test-integration test-systemd
+	mkdir -p $(TEST_REPORTS)
+	$(MAKE) -j3 --output-sync=none test-in-order-lane test-integration-lane test-systemd
+	$(PYTHON_CONTROL) .ci/durations.py --top 5 $(TEST_REPORTS)/*.xml
+
+test-in-order-lane: test-models test-fixtures
+	$(MAKE) test-in-order
+
+test-integration-lane: test-models
+	$(MAKE) test-integration
 
 test-in-order: $(VENV)/.stamp $(ML_VENV)/.stamp
 	$(MAKE) -j1 test-python test-ansible test-lint test-sanity test-units
@@ -64,29 +168,29 @@ test-in-order: $(VENV)/.stamp $(ML_VENV)/.stamp
 test-python: $(ML_VENV)/.stamp
 	$(ML_VENV)/bin/ruff check src tests benchmarks roles
 	$(ML_VENV)/bin/ruff format --check src tests benchmarks roles
-	$(ML_VENV)/bin/mypy
-	$(ML_VENV)/bin/pytest -q tests/unit
+	$(HEARTBEAT) mypy $(ML_VENV)/bin/mypy
+	$(HEARTBEAT) unit $(ML_VENV)/bin/pytest $(PYTEST_FLAGS) $(XDIST) tests/unit
 
 test-ansible: $(VENV)/.stamp $(ML_VENV)/.stamp
-	$(VENV)/bin/pytest -q tests/ansible
+	$(HEARTBEAT) ansible $(VENV)/bin/pytest $(PYTEST_FLAGS) $(XDIST) tests/ansible
 
 test-lint: $(VENV)/.stamp
-	$(VENV)/bin/ansible-lint --profile production
+	$(HEARTBEAT) lint $(VENV)/bin/ansible-lint --profile production
 
 test-sanity: $(VENV)/.stamp
-	./tests/run-ansible-test.sh sanity
+	$(HEARTBEAT) sanity ./tests/run-ansible-test.sh sanity
 
 test-units: $(VENV)/.stamp
-	./tests/run-ansible-test.sh units
+	$(HEARTBEAT) units ./tests/run-ansible-test.sh units
 
-# --durations: the slowest tests are named in every run, so a new slow one is seen.
 test-integration: $(VENV)/.stamp $(ML_VENV)/.stamp
 	mkdir -p /tmp/specops-pytest-integration
-	PYTEST_DEBUG_TEMPROOT=/tmp/specops-pytest-integration $(VENV)/bin/pytest -q --durations=10 tests/integration
+	PYTEST_DEBUG_TEMPROOT=/tmp/specops-pytest-integration \
+	  $(HEARTBEAT) integration $(VENV)/bin/pytest $(PYTEST_FLAGS) tests/integration
 
 test-systemd: system-deps $(VENV)/.stamp $(ML_VENV)/.stamp
 	mkdir -p /tmp/specops-pytest-systemd
-	PYTEST_DEBUG_TEMPROOT=/tmp/specops-pytest-systemd $(VENV)/bin/pytest -q tests/systemd
+	PYTEST_DEBUG_TEMPROOT=/tmp/specops-pytest-systemd $(HEARTBEAT) systemd $(VENV)/bin/pytest $(PYTEST_FLAGS) tests/systemd
 
 # The collection as users install it (dist/specops-drafter-<version>.tar.gz): modules, roles,
 # playbooks and the specops wheel that the fla_env role installs by default.

@@ -17,7 +17,7 @@ command="${1:-}"
 shift || true
 
 if [[ ! -x "$VENV/bin/ansible-test" ]]; then
-  echo "ansible-test not found in $VENV: run 'make venv' (installs requirements/control.txt)" >&2
+  echo "ansible-test not found in $VENV: run 'make venv' (installs requirements/test.lock)" >&2
   exit 1
 fi
 export PATH="$VENV/bin:$PATH"

@@ -164,7 +164,10 @@ def test_the_execution_environment_is_ansible_builder_v3_with_the_collection_tar
     assert [c["name"] for c in collections] == [f"collections/{TARBALL_NAME}"], (
         "the EE must install the tarball that galaxy.yml's version builds"
     )
-    assert [f["src"] for f in EE["additional_build_files"]] == [f"../dist/{TARBALL_NAME}"]
+    assert [f["src"] for f in EE["additional_build_files"]] == [
+        f"../dist/{TARBALL_NAME}",
+        "../requirements/control.lock",
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -172,6 +175,8 @@ def ee_context(built, tmp_path_factory):
     """`ansible-builder create` on a copy of awx/ beside a dist/ holding the built tarball."""
     work = tmp_path_factory.mktemp("ee")
     shutil.copytree(ROOT / "awx", work / "awx")
+    (work / "requirements").mkdir()
+    shutil.copy(ROOT / "requirements" / "control.lock", work / "requirements")
     (work / "dist").mkdir()
     shutil.copy(built, work / "dist" / TARBALL_NAME)
     context = work / "context"
@@ -204,6 +209,7 @@ def test_the_build_context_holds_the_collection_and_the_requirements(ee_context)
     assert galaxy["collections"] == [{"name": f"collections/{TARBALL_NAME}", "type": "file"}]
     assert (build / "requirements.txt").read_text().split() == EE["dependencies"]["python"]
     assert "openssh-clients [platform:rpm]" in (build / "bindep.txt").read_text()
+    assert (build / "locks" / "control.lock").is_file()
 
 
 def test_introspection_finds_the_collections_own_python_and_system_dependencies(installed):

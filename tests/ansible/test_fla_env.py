@@ -471,3 +471,38 @@ def test_comparison_harness_accepts_an_equivalent_kernel_and_rejects_a_wrong_one
     checks = json.loads(proc.stdout.strip().splitlines()[-1])
     assert checks["recurrent"]["ok"] is True and checks["recurrent"]["output_rel_error"] < 1e-4
     assert checks["wrong"]["ok"] is False and checks["wrong"]["output_rel_error"] > 0.1
+
+
+# -- locked environments --------------------------------------------------------------------------
+
+
+def test_a_lock_pins_every_package_and_freeze_names_specops_by_version(first_run, session_venv, source):
+    lock = ROOT / "requirements" / "ml.lock"
+    status, locked = run_module(base_args(session_venv, source, requirements_lock=str(lock), verify=False))
+    assert status in ("CHANGED", "SUCCESS"), locked
+    freeze = subprocess.run(
+        [str(session_venv / "bin" / "python"), "-m", "pip", "freeze"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.splitlines()
+    assert "specops==0.1.0" in freeze, "pip freeze names the temporary copy specops was built from"
+    done = subprocess.run(
+        [
+            str(session_venv / "bin" / "python"),
+            str(ROOT / "requirements" / "check_lock.py"),
+            str(lock),
+            "--also",
+            TORCH,
+            "--also",
+            "specops==0.1.0",
+        ],
+        capture_output=True,
+        text=True,
+    )
+    # Packages other tests added are allowed; every locked one must be at its locked version.
+    mismatched = [line for line in done.stdout.splitlines() if ": locked " in line]
+    assert mismatched == [], done.stdout
+
+    status, again = run_module(base_args(session_venv, source, requirements_lock=str(lock), verify=False))
+    assert status == "SUCCESS" and again["installed"] == [], again

@@ -16,7 +16,7 @@ from specops.acceptance import (  # noqa: E402
     walk,
 )
 from specops.drafter import load_drafter  # noqa: E402
-from specops.fixtures.train_drafter import greedy_completions, train_reference_drafter  # noqa: E402
+from specops.fixtures.train_drafter import greedy_completions  # noqa: E402
 from specops.target_head import load_target_head  # noqa: E402
 
 MODES = ("frontier", "all-anchors")
@@ -41,13 +41,9 @@ def greedy_sequences(fixture_models):
 
 
 @pytest.fixture(scope="session")
-def trained_drafter(fixture_models, tmp_path_factory):
-    """The reference drafter trained on those completions, once per session."""
-    out = tmp_path_factory.mktemp("trained") / "reference_drafter"
-    train_reference_drafter(
-        fixture_models.target, fixture_models.drafter, out, fixture_models.prompts, steps=300, seed=2
-    )
-    return out
+def trained_drafter(trained_fixture_models):
+    """The reference drafter trained on those completions (300 steps), built once for every suite."""
+    return trained_fixture_models.reference_drafter
 
 
 @pytest.fixture(scope="session")

@@ -18,7 +18,6 @@ from specops.devserver.engine import Engine  # noqa: E402
 from specops.devserver.launch import SRC_DIR, free_port  # noqa: E402
 from specops.devserver.protocol import parse_generate  # noqa: E402
 from specops.drafter import load_drafter, select_target_features  # noqa: E402
-from specops.fixtures.train_drafter import train_reference_drafter  # noqa: E402
 from specops.target_head import load_target_head  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -36,13 +35,9 @@ def one_thread():
 
 
 @pytest.fixture(scope="module")
-def trained_drafter(fixture_models, tmp_path_factory):
+def trained_drafter(trained_fixture_models):
     """A drafter trained on the target's greedy outputs, so most verify steps accept several drafts."""
-    out = tmp_path_factory.mktemp("speculative") / "trained_drafter"
-    train_reference_drafter(
-        fixture_models.target, fixture_models.drafter, out, fixture_models.prompts, steps=300, seed=2
-    )
-    return out
+    return trained_fixture_models.reference_drafter
 
 
 def make_engine(target, drafter, num_draft_tokens=None) -> Engine:

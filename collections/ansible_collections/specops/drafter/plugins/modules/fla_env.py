@@ -104,6 +104,17 @@ options:
     type: list
     elements: str
     default: [ml]
+  requirements_lock:
+    description:
+      - Path on the managed host of a lock file (pip requirements format, every package pinned with
+        C(==) and C(--hash), as C(uv pip compile --generate-hashes) or C(pip-compile --generate-hashes)
+        write it), for example the checkout's C(requirements/ml.lock).
+      - Its packages are installed exactly, hash-checked and without their dependencies, whenever one of
+        them is missing or at another version; every other install (O(torch), O(transformers),
+        O(extra_requirements), specops) then runs with the lock as constraints, so none of them moves a
+        locked package. A package the lock leaves out (torch, whose build the index decides) is not
+        constrained.
+    type: path
   index_url:
     description:
       - Base URL of the package index (pip C(--index-url)), for example C(https://download.pytorch.org/whl/cpu).
@@ -300,6 +311,21 @@ from ansible_collections.specops.drafter.plugins.module_utils.stage_runner impor
 FLA_DISTRIBUTIONS = ("fla-core", "flash-linear-attention")
 REPORTED_DISTRIBUTIONS = ("torch", "transformers", "fla-core", "flash-linear-attention", "triton", "specops")
 FINGERPRINT_FILE = "specops-source.json"
+# A locked pin: name==version, then an optional marker (hashes follow on continuation lines).
+LOCK_PIN = re.compile(r"^([A-Za-z0-9][A-Za-z0-9._-]*==[^\s;\\]+)\s*(?:;([^\\]*))?")
+
+# Runs inside the environment after specops is installed from a temporary copy of a checkout: without
+# the direct-URL record pip freeze names the version (specops==0.1.0), not that vanished path. A wheel
+# or sdist keeps its record: its path names the file it was installed from.
+FORGET_SOURCE_PATH_SCRIPT = r"""
+import os
+from importlib import metadata
+for entry in metadata.distribution("specops").files or []:
+    if entry.name == "direct_url.json" and entry.parent.name.endswith(".dist-info"):
+        target = str(entry.locate())
+        if os.path.exists(target):
+            os.remove(target)
+"""
 # Makes a venv created from another venv's interpreter see that venv's packages (site.addpackage).
 BASE_ENV_PTH = "specops-base-environment.pth"
 
@@ -384,6 +410,8 @@ class FlaEnv(object):
         self.venv = os.path.abspath(self.params["venv"])
         self.venv_python = os.path.join(self.venv, "bin", "python")
         self.source = os.path.abspath(self.params["specops_source"])
+        self.lock = self.params["requirements_lock"]
+        self.lock_constraints = None
         self.result = dict(
             changed=False,
             venv=self.venv,
@@ -634,8 +662,44 @@ class FlaEnv(object):
             msg = "pip failed (exit %d) while %s; the end of its output is in stderr_tail" % (rc, action)
         self.module.fail_json(msg=msg, cmd=cmd, stderr_tail=err[-4000:], stdout_tail=out[-2000:], **self.result)
 
+    def _lock_pins(self):
+        """The lock's pins as requirement strings (with their markers), for the installed-state check."""
+        if not self.lock:
+            return []
+        try:
+            with open(self.lock) as handle:
+                lines = handle.read().splitlines()
+        except (IOError, OSError) as error:
+            self.module.fail_json(msg="cannot read requirements_lock %s: %s" % (self.lock, error), **self.result)
+        pins = []
+        for line in lines:
+            match = LOCK_PIN.match(line)
+            if match:
+                pins.append(match.group(1) + ("; " + match.group(2).strip() if match.group(2) else ""))
+        if not pins:
+            self.module.fail_json(msg="requirements_lock %s pins no package (name==version lines)" % self.lock,
+                                  **self.result)
+        return pins
+
+    def _constraint_options(self):
+        """pip turns on hash checking for everything once a constraint carries a hash, and torch comes
+        without one: the later installs get the lock's pins without their hashes."""
+        if not self.lock:
+            return []
+        if self.lock_constraints is None:
+            self.lock_constraints = os.path.join(self.module.tmpdir, "requirements-lock-constraints.txt")
+            with open(self.lock_constraints, "w") as handle:
+                handle.write("".join(pin + "\n" for pin in self._lock_pins()))
+        return ["--constraint", self.lock_constraints]
+
+    def _install_lock(self):
+        cmd, rc, out, err = self._pip(["install"] + self._source_options()
+                                      + ["--require-hashes", "--no-deps", "-r", self.lock])
+        if rc != 0:
+            self._fail_pip("installing the packages of %s" % self.lock, cmd, rc, out, err)
+
     def _install(self, reqs, specops):
-        args = ["install"] + self._source_options() + list(reqs)
+        args = ["install"] + self._source_options() + self._constraint_options() + list(reqs)
         staging = None
         extras = self.params["specops_extras"]
         try:
@@ -661,6 +725,11 @@ class FlaEnv(object):
             if rc != 0:
                 self._fail_pip("installing %s" % ", ".join(list(reqs) + (["specops"] if specops else [])),
                                cmd, rc, out, err)
+            if staging:
+                rc, out, err = self.module.run_command([self.venv_python, "-c", FORGET_SOURCE_PATH_SCRIPT])
+                if rc != 0:
+                    self.module.warn("pip freeze in %s names a temporary path for specops: %s" % (
+                        self.venv, err.strip()[-500:]))
         finally:
             if staging:
                 shutil.rmtree(staging, ignore_errors=True)
@@ -695,7 +764,10 @@ class FlaEnv(object):
         if self._sync_base_environment(base, check):
             self.result["changed"] = True
 
-        state = self._state(reqs)
+        lock_pins = self._lock_pins()
+        state = self._state(reqs + lock_pins)
+        lock_missing = [r["requirement"] for r in state["requirements"][len(reqs):] if not r["satisfied"]]
+        state["requirements"] = state["requirements"][:len(reqs)]
         missing = [r["requirement"] for r in state["requirements"] if not r["satisfied"]]
         specops_stale = (state["dists"]["specops"]["version"] is None
                          or self._stored_fingerprint() != fingerprint)
@@ -709,7 +781,8 @@ class FlaEnv(object):
                     "%s installed outside %s (%s) and visible through system_site_packages; fla=%s cannot "
                     "remove it: on a host without a GPU transformers would pick fla's kernels and crash" % (
                         ", ".join(outside), self.venv, state["dists"][outside[0]]["location"], self.params["fla"]))
-        installing = missing + (["specops (source)"] if specops_stale else [])
+        installing = (missing + ["%s (%s)" % (pin.split(";")[0].strip(), self.lock) for pin in lock_missing]
+                      + (["specops (source)"] if specops_stale else []))
         self.result.update(installed=installing, removed=remove)
         if installing or remove:
             self.result["changed"] = True
@@ -719,17 +792,21 @@ class FlaEnv(object):
                 cmd, rc, out, err = self._pip(["uninstall", "--yes"] + remove)
                 if rc != 0:
                     self._fail_pip("removing %s" % ", ".join(remove), cmd, rc, out, err)
-            # The requirements first: their errors are the ones to see, not those of building specops.
-            # Every requirement goes to pip each time, so the resolver keeps the satisfied ones.
+            # The lock first, exactly as it is; then the requirements, constrained by it: their errors are
+            # the ones to see, not those of building specops. Every requirement goes to pip each time,
+            # so the resolver keeps the satisfied ones.
+            if lock_missing:
+                self._install_lock()
             if missing:
                 self._install(reqs, specops=False)
             if specops_stale:
                 self._install(reqs, specops=True)
                 self._store_fingerprint(fingerprint)
-            if missing or specops_stale or remove:
-                state = self._state(reqs)
+            if missing or lock_missing or specops_stale or remove:
+                state = self._state(reqs + lock_pins)
                 still = ["%s (installed %s)" % (r["requirement"], r["installed"])
                          for r in state["requirements"] if not r["satisfied"]]
+                state["requirements"] = state["requirements"][:len(reqs)]
                 if still:
                     self.module.fail_json(msg="after pip install, still not satisfied: %s; check the requirement "
                                           "strings against what the index provides" % ", ".join(still), **self.result)
@@ -806,6 +883,7 @@ def main():
             extra_requirements=dict(type="list", elements="str", default=[]),
             specops_source=dict(type="path", required=True),
             specops_extras=dict(type="list", elements="str", default=["ml"]),
+            requirements_lock=dict(type="path"),
             index_url=dict(type="str"),
             extra_index_url=dict(type="list", elements="str", default=[]),
             find_links=dict(type="list", elements="path", default=[]),
