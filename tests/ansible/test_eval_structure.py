@@ -49,7 +49,13 @@ def reached(path: Path, depth: int = 0, seen: dict | None = None) -> dict[Path, 
             if key in task:
                 spec = task[key]
                 for option in candidates(spec.get("tasks_from", "main")):
-                    found = ROOT / "roles" / spec["name"].split(".")[-1] / "tasks" / (option.removesuffix(".yml") + ".yml")
+                    found = (
+                        ROOT
+                        / "roles"
+                        / spec["name"].split(".")[-1]
+                        / "tasks"
+                        / (option.removesuffix(".yml") + ".yml")
+                    )
                     if found.is_file() and seen.get(found, -1) < depth + 1:
                         seen[found] = depth + 1
                         reached(found, depth + 1, seen)

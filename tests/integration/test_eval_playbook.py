@@ -161,12 +161,31 @@ def test_memory_saver_window_keeps_the_server_process_and_loses_no_request_in_fl
     pid_before = site.server_pid()
     stop, rows = tmp_path / "stop", tmp_path / "requests.jsonl"
     client = subprocess.Popen(
-        [sys.executable.replace("/.venv/", "/.venv-ml/"), "-m", "specops.loadgen",
-         "--url", f"http://127.0.0.1:{site.port}", "--out", str(rows), "--stop-file", str(stop),
-         "--kinds", "short,long,stream", "--concurrency", "3", "--max-seconds", "1500",
-         "--long-max-new-tokens", "48", "--timeout", "900"],
-        cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO / "src")},
-        stdout=subprocess.PIPE, text=True,
+        [
+            sys.executable.replace("/.venv/", "/.venv-ml/"),
+            "-m",
+            "specops.loadgen",
+            "--url",
+            f"http://127.0.0.1:{site.port}",
+            "--out",
+            str(rows),
+            "--stop-file",
+            str(stop),
+            "--kinds",
+            "short,long,stream",
+            "--concurrency",
+            "3",
+            "--max-seconds",
+            "1500",
+            "--long-max-new-tokens",
+            "48",
+            "--timeout",
+            "900",
+        ],
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": str(REPO / "src")},
+        stdout=subprocess.PIPE,
+        text=True,
     )
     try:
         result = site.play("eval.yml", **window)

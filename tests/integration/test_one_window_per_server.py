@@ -32,12 +32,18 @@ def test_a_second_evaluation_of_a_server_in_its_window_is_refused_naming_the_hol
     lock = Path(str(site.work_dir / "sglang.pid") + ".d") / "window.lock"
     outcome: dict = {}
     first = threading.Thread(
-        target=lambda: outcome.update(first=site.play("eval.yml", specops_run_dir=str(first_dir))), daemon=True
+        target=lambda: outcome.update(first=site.play("eval.yml", specops_run_dir=str(first_dir))),
+        daemon=True,
     )
     first.start()
     # Hold the first run inside its window: its extraction waits for the GPUs, stopped where it stands.
-    state = wait_for(lambda: read_state(first_dir / "extract.start").get("state") == "waiting"
-                     and read_state(first_dir / "extract.start"), "the first run's extraction waiting")
+    state = wait_for(
+        lambda: (
+            read_state(first_dir / "extract.start").get("state") == "waiting"
+            and read_state(first_dir / "extract.start")
+        ),
+        "the first run's extraction waiting",
+    )
     extraction = state["pid"]
     os.kill(extraction, signal.SIGSTOP)
     try:
