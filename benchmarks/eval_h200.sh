@@ -56,6 +56,7 @@ v = {
     "fla_env_torch": "torch", "fla_env_fla": "always", "fla_env_find_links": [wheels],
     "fla_env_no_index": True, "fla_env_require_backend": "fla-cuda",
     "sglang_service_port": int(port), "sglang_service_extra_args": ["--device", "cuda"],
+    "sglang_service_pid_file": f"{work}/sglang.pid", "sglang_service_log_file": f"{work}/sglang.log",
     "extract_hidden_states_require_backend": "fla",
     "specops_gpu_window_mode": mode, "sglang_service_memory_saver": mode == "memory_saver",
 }
@@ -83,7 +84,7 @@ play() {
 
 stop_server() {  # the next play starts the server with other options (model, memory saver)
   play "$1-stop-server" service.yml "$WORK/vars/$1.json" -e sglang_service_state=stopped \
-    -e sglang_service_deadman=false
+    -e sglang_service_guard=false
 }
 
 summarize() {
@@ -101,6 +102,11 @@ for play in plays:
         play["window"] = data.get("window")
         play["tau"] = data["overall"]["tau"]
         play["hidden_state_backend"] = (data.get("run") or {}).get("hidden_state_backend")
+    # The client that kept requests in flight through a memory-saver window, and the server's pid.
+    for key, name in (("client", "loadgen.json"), ("pids", "pids.json")):
+        path = work / "logs" / f"{play['play']}.{name}"
+        if path.is_file() and path.read_text().strip():
+            play[key] = json.loads(path.read_text().splitlines()[-1])
 smi = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version", "--format=csv,noheader"],
                      capture_output=True, text=True).stdout.strip()
 built = {t: json.loads((work / t / "built.json").read_text()) for t in ("big", "14b") if (work / t / "built.json").is_file()}
@@ -135,7 +141,27 @@ for target in $TARGETS; do
     # A server of another target or other options may be running: the play starts its own.
     [ ! -f "$WORK/served" ] || stop_server "$target-$name"
     touch "$WORK/served"
-    play "$target-$name" eval.yml "$WORK/vars/$target-$name.json" || exit 1
+    if [ "$mode" = memory_saver ]; then
+      # A client keeps short, long and streaming requests in flight through the window: none may be
+      # lost or cut short, and the server's process must be the same after it.
+      play "$target-$name-start-server" service.yml "$WORK/vars/$target-$name.json" -e sglang_service_state=started || exit 1
+      pid_before=$(cat "$WORK/sglang.pid" 2>/dev/null | cut -d' ' -f1)
+      rm -f "$WORK/loadgen.stop"
+      PYTHONPATH=$ROOT/src python3 -m specops.loadgen --url "http://127.0.0.1:$PORT" --kinds short,long,stream \
+        --concurrency 4 --long-max-new-tokens 64 --timeout 600 --max-seconds 900 --stop-file "$WORK/loadgen.stop" \
+        --out "$WORK/logs/$target-$name.requests.jsonl" > "$WORK/logs/$target-$name.loadgen.json" 2>&1 &
+      client=$!
+      play "$target-$name" eval.yml "$WORK/vars/$target-$name.json"
+      rc=$?
+      touch "$WORK/loadgen.stop"
+      wait $client
+      pid_after=$(cat "$WORK/sglang.pid" 2>/dev/null | cut -d' ' -f1)
+      echo "{\"before\": \"$pid_before\", \"after\": \"$pid_after\"}" > "$WORK/logs/$target-$name.pids.json"
+      summarize
+      [ $rc -eq 0 ] || exit 1
+    else
+      play "$target-$name" eval.yml "$WORK/vars/$target-$name.json" || exit 1
+    fi
   done
 done
 summarize
