@@ -56,14 +56,14 @@ options:
     default: 0
   stop_token:
     description:
-      - Stop the job's work before waiting: every process that carries
+      - Stop the job's work before waiting. Every process that carries
         C(SPECOPS_WINDOW_TOKEN=<stop_token>) in its environment, except this module and its
         ancestors, gets SIGTERM, and SIGKILL if it is still there after O(timeout) seconds. The
         action plugin uses it to end a window early.
     type: str
   watch_router:
     description:
-      - Used by the collection's action plugin on the control node (the module ignores it): a dict
+      - Used by the collection's action plugin on the control node (the module ignores it). A dict
         with C(url) (the SGLang router), C(exclude) (this batch's worker urls), C(min_healthy);
         when fewer other replicas are healthy, the job's work is stopped (O(stop_token)) and the
         task fails saying why.
@@ -157,7 +157,7 @@ def stop_work(token, timeout):
     """SIGTERM the processes that carry the window's token (not this module's own line), SIGKILL the rest."""
     mine = set(ancestors(os.getpid()))
     pids = [(pid, start_time(pid)) for pid in token_processes(token) if pid not in mine]
-    for pid, _ in pids:
+    for pid, started in pids:
         try:
             os.kill(pid, signal.SIGTERM)
         except OSError:
@@ -171,7 +171,7 @@ def stop_work(token, timeout):
                 os.kill(pid, signal.SIGKILL)
             except OSError:
                 pass
-    return [pid for pid, _ in pids]
+    return [pid for pid, started in pids]
 
 
 def ancestors(pid):
