@@ -131,6 +131,24 @@ class ServiceWindow(object):
                                % (self.name, self.params["ready_timeout"],
                                   os.path.join(self.state_dir, "guard.log")))
 
+    def _rearm_after_failure(self, error: ServiceError, action: str) -> ServiceError:
+        """This run's window could not bring the server back: arm the guard again, so that the service
+        still comes back (after fire_after, or grace seconds after this play has gone)."""
+        if self.token == NO_WINDOW_TOKEN or not self.params["guard"] or self.check_mode:
+            return error
+        held = self.lock.holder()
+        if held is not None and held.get("token") != self.token:
+            return error
+        try:
+            self._take_window()
+            self._arm(action)
+        except ServiceError as arm_error:
+            return ServiceError("%s; the guard could not be armed again: %s" % (error.msg, arm_error.msg),
+                                **error.fields)
+        fires_in = (self.result.get("guard") or {}).get("fires_in")
+        return ServiceError("%s; the guard is armed again and brings the server back in %s s, or soon after "
+                            "this play has ended" % (error.msg, fires_in), **dict(error.fields, **self.result))
+
     def _fail_ending_window(self, error: ServiceError, what: str) -> ServiceError:
         self._end_window()
         return ServiceError("%s %s: %s" % (self.name, what, error.msg), **dict(error.fields, **self.result))
@@ -203,11 +221,14 @@ class ServiceWindow(object):
             self._take_over_from_guard()
             running = self.server.running_pid()
             launching = force_restart or self._needs_launch(running)
-        if launching:
-            self.result["changed"] = True
-            self._launch()
-        else:
-            self._ready()
+        try:
+            if launching:
+                self.result["changed"] = True
+                self._launch()
+            else:
+                self._ready()
+        except ServiceError as error:
+            raise self._rearm_after_failure(error, "start")
         self._end_window()
         return self.result
 
@@ -321,7 +342,8 @@ class ServiceWindow(object):
                     self.result["msg"] = "not released: nothing to resume"
                 self._ready()
         except ServiceError as error:
-            raise self._fail_ending_window(error, "was not resumed")
+            raise self._rearm_after_failure(
+                ServiceError("%s was not resumed: %s" % (self.name, error.msg), **error.fields), "resume")
         self._end_window()
         return self.result
 
