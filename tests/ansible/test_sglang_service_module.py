@@ -221,6 +221,23 @@ def test_the_guard_fires_soon_after_the_windows_work_is_gone(serving):
     assert "window's work is gone" in serving.guard_log()
 
 
+def test_a_windows_start_that_fails_arms_the_guard_again(serving):
+    stopped = serving.run("stopped", window=window("w-again", max_downtime=600))
+    assert stopped["changed"] and serving.pid() is None
+    crashing = dict(serving.args("started")["spec"], argv=[sys.executable, "-c", "import sys; sys.exit(3)"])
+
+    failed = serving.run("started", window=window("w-again", max_downtime=600), spec=crashing)
+
+    assert failed["failed"] and "the guard is armed again" in failed["msg"], failed.get("msg")
+    guard = failed["guard"]["pid"]
+    assert Path(f"/proc/{guard}").exists() and _state(guard) != "Z"
+    assert json.loads((serving.state_dir / "window.lock").read_text())["token"] == "w-again"
+    # The play's next start (its rerun) takes over from that guard and ends the window.
+    started = serving.run("started", window=window("w-again"))
+    assert not started["failed"] and started["guard"]["disarmed"] is True, started.get("msg")
+    assert not (serving.state_dir / "window.lock").exists()
+
+
 def test_a_disarmed_guard_never_acts(serving):
     stopped = serving.run("stopped", window=window("w-disarm", max_downtime=600))
     assert stopped["changed"] and serving.pid() is None
