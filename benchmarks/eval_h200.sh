@@ -142,6 +142,12 @@ for target in $TARGETS; do
     [ ! -f "$WORK/served" ] || stop_server "$target-$name"
     touch "$WORK/served"
     if [ "$mode" = memory_saver ]; then
+      # The server starts before the play: on a fresh host the play's environment part (the ML
+      # environment, the demo models) runs first, in a run directory of its own.
+      if [ ! -x "$WORK/ml/bin/python" ] || { [ "$target" = fixture ] && [ ! -f "$WORK/models/fixtures.json" ]; }; then
+        vars "$target-env" "$target" "$mode"
+        play "$target-env" eval.yml "$WORK/vars/$target-env.json" --tags environment || exit 1
+      fi
       # A client keeps short, long and streaming requests in flight through the window: none may be
       # lost or cut short, and the server's process must be the same after it.
       play "$target-$name-start-server" service.yml "$WORK/vars/$target-$name.json" -e sglang_service_state=started || exit 1

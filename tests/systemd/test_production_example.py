@@ -294,10 +294,11 @@ def test_the_server_answers_health_generate_after_start(production_run):
 
 
 def test_the_role_learned_the_port_from_the_unit(production_run):
-    said = [
-        result.get("msg", "")
+    # The module read the adopted unit's --port and --host from its ExecStart.
+    urls = [
+        result.get("url", "")
         for name, result in _results(production_run.started)
-        if name == "Say what was adopted"
+        if name.startswith("Bring the server to")
     ]
-    assert said, "the start play did not adopt the unit"
-    assert f"port {production_run.port}, host 127.0.0.1" in said[0], said[0]
+    assert urls, "the start play did not call the sglang_service module"
+    assert urls[0] == f"http://127.0.0.1:{production_run.port}", urls
