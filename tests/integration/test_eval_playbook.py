@@ -32,7 +32,8 @@ def test_eval_writes_a_report_with_tau_per_prompt_and_overall(first_run, local_d
 def test_eval_reports_the_service_window_with_its_stages(first_run, local_default):
     window = json.loads((local_default.run_dir / "score" / "report.json").read_text())["window"]
     # The environment was verified beside the serving server, before the window (the extraction waited).
-    assert [s["stage"] for s in window["stages"]] == ["stop-server", "release-gpus", "extract", "start-server"]
+    stages = [s["stage"] for s in window["stages"]]
+    assert stages == ["stop-server", "release-gpus", "extract", "start-server"]
     # The stages are the play's marks; the downtime is the service's own moments, inside that span.
     assert window["play_span_s"] == pytest.approx(sum(s["s"] for s in window["stages"]), abs=0.01)
     assert window["measured_by"] == "service"
