@@ -104,10 +104,10 @@ def test_too_little_disk_is_refused_before_the_window_with_the_figures(serving, 
     assert re.search(r"the hidden states need \d+\.\d\d [KM]iB", said(result)), result.output[-3000:]
 
 
-def test_a_dead_man_shorter_than_the_extraction_is_refused_before_the_window(serving, refused_run_dir):
+def test_a_max_downtime_shorter_than_the_extraction_is_refused_before_the_window(serving, refused_run_dir):
     pid = serving.server_pid()
     result = serving.play("eval.yml", specops_run_dir=refused_run_dir, sglang_service_max_downtime=5)
-    assert_refused_before_the_window(serving, result, pid, "the dead-man would restart the server after 5 s")
+    assert_refused_before_the_window(serving, result, pid, "guard would restart the server after 5 s")
 
 
 def test_a_second_run_on_a_locked_run_directory_fails_at_once_naming_the_holder(serving, tmp_path):
