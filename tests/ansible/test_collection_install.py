@@ -161,7 +161,7 @@ def evaluated(user):
             "-e",
             "sglang_service_state=stopped",
             "-e",
-            "sglang_service_deadman=false",
+            "sglang_service_guard=false",
         ],
         user["env"],
         home,

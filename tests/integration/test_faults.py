@@ -216,15 +216,15 @@ server.serve_forever()
 
 
 def guard_processes(site) -> list[int]:
-    """The window guards of this site (they carry its spec file on their command line)."""
-    spec = str(site.work_dir / "sglang.pid.spec.json").encode()
+    """The window guards of this site (they carry its config file on their command line)."""
+    spec = str(site.work_dir / "sglang.pid.d" / "guard.json").encode()
     found = []
     for pid in (int(p) for p in os.listdir("/proc") if p.isdigit()):
         try:
             argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
         except OSError:
             continue
-        if b"guard" in argv and spec in argv:
+        if any(arg.endswith(b".guard") for arg in argv) and spec in argv:
             found.append(pid)
     return found
 
@@ -254,7 +254,7 @@ def test_a_port_taken_inside_the_window_fails_start_server_disarms_the_guard_and
         for line in play.stdout:
             output += line
             # Our server stopped and its port was released: another process takes the port.
-            if foreign is None and "TASK [Stage release-gpus]" in line:
+            if foreign is None and "TASK [release-gpus:" in line:
                 foreign = subprocess.Popen(
                     [sys.executable, "-c", FOREIGN_LISTENER, str(site.port)],
                     stdout=subprocess.PIPE,
@@ -268,9 +268,9 @@ def test_a_port_taken_inside_the_window_fails_start_server_disarms_the_guard_and
         assert "specops stage 'start-server' failed" in said(result), output[-4000:]
         assert f"port {site.port} is held by pid {foreign.pid}" in said(result)
         assert "the guard was disarmed" in said(result) and "the play is rerun" in said(result)
-        # Not armed against the foreign process: no cookie, the guard gone (it looks at its cookie every
-        # second), and nothing started after the play.
-        assert not (site.work_dir / "sglang.pid.deadman").exists()
+        # Not armed against the foreign process: no guard config, the guard gone (it looks at its config
+        # every second), and nothing started after the play.
+        assert not (site.work_dir / "sglang.pid.d" / "guard.json").exists()
         log = site.work_dir / "sglang.log"
         launches = log.read_text().count(" starting: ")
         deadline = time.monotonic() + 30

@@ -26,13 +26,14 @@ WINDOW = """
     - name: Take the service down
       ansible.builtin.include_role:
         name: sglang_service
-        tasks_from: stop
+      vars:
+        sglang_service_state: stopped
     - name: The window's work
       ansible.builtin.command:
         argv: [sleep, "600"]
       changed_when: false
   environment:
-    SPECOPS_WINDOW_TOKEN: "{{ sglang_service_work_token }}"
+    SPECOPS_WINDOW_TOKEN: "{{ sglang_service_window_token }}"
 """
 
 
@@ -47,7 +48,7 @@ def test_ctrl_c_inside_the_window_brings_the_service_back(own_local_default, tmp
     # specops_root: the inventory derives it from the playbook's directory, here a temporary one.
     extra = site.extra_vars(
         specops_root=str(REPO),
-        sglang_service_work_token=token,
+        sglang_service_window_token=token,
         sglang_service_guard_grace=5,
         sglang_service_max_downtime=3600,
     )
@@ -80,7 +81,7 @@ def test_ctrl_c_inside_the_window_brings_the_service_back(own_local_default, tmp
         time.sleep(1)
     assert site.health_generate_status() == 200, output[-3000:]
     assert site.server_pid() not in (None, pid_before)
-    log = (site.work_dir / "sglang.log").read_text()
+    log = (site.work_dir / "sglang.pid.d" / "guard.log").read_text()
     assert "window's work is gone" in log
     assert not window_work_left(token), "the guard stops the window's work before the restart"
 
