@@ -252,11 +252,20 @@ def test_a_disarmed_guard_never_acts(serving):
 
 
 # -- check mode ------------------------------------------------------------------------------------
+def _files(directory: Path) -> dict[str, tuple[int, int]]:
+    """Every file under a directory with its size and modification time."""
+    if not directory.exists():
+        return {}
+    return {str(p): (p.stat().st_size, p.stat().st_mtime_ns) for p in directory.rglob("*") if p.is_file()}
+
+
 def test_check_mode_writes_nothing(serving):
+    # The serving server's state (its process tree, from the real start) stays exactly as it was.
+    before = _files(serving.state_dir)
     for state in ("released", "stopped", "restarted"):
         planned = serving.run(state, check=True, window=window("w-check"))
         assert planned["changed"] and not planned["failed"], planned.get("msg")
-    assert not serving.state_dir.exists() or not any(serving.state_dir.iterdir())
+    assert _files(serving.state_dir) == before
     assert http_status(serving.url + "/health_generate") == 200
 
 
