@@ -178,10 +178,11 @@ def test_the_published_figures_match_the_report_on_disk(eval_job):
 
 def test_the_service_answers_again_after_the_gpu_window(eval_job):
     ok = events(eval_job, "runner_on_ok")
+    # The module's start returns ready_at: when our server first answered /health_generate 200.
     ready = [
         e["counter"]
         for e in ok
-        if e["event_data"].get("role") == "sglang_service" and "/health_generate" in e["event_data"]["task"]
+        if e["event_data"].get("role") == "sglang_service" and (e["event_data"].get("res") or {}).get("ready_at")
     ]
     released = [e["counter"] for e in ok if e["event_data"].get("role") == "gpu_release"]
     assert released, "the GPU window never opened"

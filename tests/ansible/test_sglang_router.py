@@ -176,7 +176,7 @@ def test_drain_removes_the_host_and_return_brings_it_back_healthy(tmp_path, rout
         tmp_path,
         ["return"],
         sglang_router_url=router,
-        sglang_router_worker=workers[0],
+        sglang_router_worker_url=workers[0],
         sglang_router_return_retries=60,
     )
     assert rc == 0, output[-3000:]
