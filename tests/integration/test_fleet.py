@@ -89,8 +89,9 @@ def test_an_unreachable_router_fails_before_any_host_is_drained(rolling_run, fle
 
 
 def test_a_host_that_fails_its_window_is_put_back_and_the_rollout_stops(rolling_run, fleet, tmp_path):
-    # Truncated weights pass the plan and fail only when the extraction loads them, inside the window
-    # of the first host; the hosts after it must never be drained.
+    # Truncated weights pass the plan and fail only when the extraction loads them. Started ahead of
+    # the window, the extraction fails while preparing, before the stop (test_refused_before_the_stop);
+    # extracting inside the window, it fails there, on the first host. The hosts after it are never drained.
     good = fleet.models_dir / "target"
     broken = tmp_path / "truncated-target"
     shutil.copytree(good, broken)
@@ -104,6 +105,7 @@ def test_a_host_that_fails_its_window_is_put_back_and_the_rollout_stops(rolling_
         specops_run_dir="{{ specops_work_dir }}/run-broken",
         specops_target_model=str(broken),
         sglang_service_model_path=str(good),
+        specops_prestart_extraction=False,
     )
     load = fleet.stop_load("failing")
     assert result.rc != 0
