@@ -182,7 +182,8 @@ def test_the_service_answers_again_after_the_gpu_window(eval_job):
     ready = [
         e["counter"]
         for e in ok
-        if e["event_data"].get("role") == "sglang_service" and (e["event_data"].get("res") or {}).get("ready_at")
+        if e["event_data"].get("role") == "sglang_service"
+        and (e["event_data"].get("res") or {}).get("ready_at")
     ]
     released = [e["counter"] for e in ok if e["event_data"].get("role") == "gpu_release"]
     assert released, "the GPU window never opened"
