@@ -254,7 +254,7 @@ def test_a_port_taken_inside_the_window_fails_start_server_disarms_the_guard_and
         for line in play.stdout:
             output += line
             # Our server stopped and its port was released: another process takes the port.
-            if foreign is None and "TASK [release-gpus:" in line:
+            if foreign is None and "TASK [Stage release-gpus:" in line:
                 foreign = subprocess.Popen(
                     [sys.executable, "-c", FOREIGN_LISTENER, str(site.port)],
                     stdout=subprocess.PIPE,
