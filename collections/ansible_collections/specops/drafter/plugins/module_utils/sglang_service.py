@@ -136,6 +136,8 @@ class ServiceWindow(object):
         still comes back (after fire_after, or grace seconds after this play has gone)."""
         if self.token == NO_WINDOW_TOKEN or not self.params["guard"] or self.check_mode:
             return error
+        if "port_holder" in error.fields:
+            return error  # another process holds the port: a guard would only start a server into it
         held = self.lock.holder()
         if held is not None and held.get("token") != self.token:
             return error
