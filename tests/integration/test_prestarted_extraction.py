@@ -63,7 +63,7 @@ def test_extraction_waits_before_the_stop_goes_in_the_window_and_is_aborted_by_a
     # A window that fails before go (here: the GPU release) aborts the waiting extraction.
     failed_dir = tmp_path / "failed"
     shutil.copytree(run_dir / "completions", failed_dir / "completions")  # up to date: no second prefetch
-    failed = site.play("eval.yml", specops_run_dir=str(failed_dir), gpu_release_nvml="sometimes")
+    failed = site.play("eval.yml", specops_run_dir=str(failed_dir), gpu_release_grace=-1)
     assert failed.rc != 0
     assert "specops stage 'release-gpus' failed" in failed.output, failed.output[-4000:]
     state = read_state(failed_dir / "extract.start")
