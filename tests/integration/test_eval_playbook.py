@@ -48,7 +48,8 @@ def test_check_mode_on_a_fresh_run_directory_says_what_a_run_would_do_and_touche
     assert result.rc == 0, result.output[-6000:]
     assert "check mode: the completions are not fetched yet" in result.output
     # The window's tasks are listed, and every one of them skipped.
-    window_task = re.search(r"TASK \[Stage window: take the service off the GPUs[^\n]*\n(\w+):", result.output)
+    window = re.compile(r"TASK \[Stage window: take the service off the GPUs[^\n]*\n(\w+):")
+    window_task = window.search(result.output)
     assert window_task and window_task.group(1) == "skipping", result.output[-6000:]
     assert served.server_pid() == pid_before and served.health_generate_status() == 200
     # Check mode writes nothing on the host: no run directory, no server state, no guard.
