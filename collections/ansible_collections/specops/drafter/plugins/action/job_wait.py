@@ -73,6 +73,11 @@ class ActionModule(ActionBase):
                     answer = self._stop(args, watch, count, said, task_vars)
                     done = True
             if done:
+                if interval > 0 and answer.get("progress"):
+                    # The last line too: a job that ended between two reports still shows where it got.
+                    display.display(
+                        "  [{0}] {1:.0f} s: {2}".format(host, time.monotonic() - started, answer["progress"])
+                    )
                 answer["changed"] = changed or answer.get("changed", False)
                 answer["waited"] = round(time.monotonic() - started, 3)
                 result.update(answer)
