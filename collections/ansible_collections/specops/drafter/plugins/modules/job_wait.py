@@ -128,17 +128,12 @@ progress:
 """
 
 import os
-import signal
 import time
 
 from ansible.module_utils.basic import AnsibleModule
 from ansible_collections.specops.drafter.plugins.module_utils.async_job import job_result, write_signal
-from ansible_collections.specops.drafter.plugins.module_utils.procfs import (
-    is_same_process,
-    read_stat,
-    start_time,
-    token_processes,
-)
+from ansible_collections.specops.drafter.plugins.module_utils.procfs import read_stat, token_processes
+from ansible_collections.specops.drafter.plugins.module_utils.service_process import stop_processes
 
 
 def last_line(path):
@@ -154,24 +149,9 @@ def last_line(path):
 
 
 def stop_work(token, timeout):
-    """SIGTERM the processes that carry the window's token (not this module's own line), SIGKILL the rest."""
+    """Stop the processes that carry the window's token, except this module's own line (the guard's way)."""
     mine = set(ancestors(os.getpid()))
-    pids = [(pid, start_time(pid)) for pid in token_processes(token) if pid not in mine]
-    for pid, started in pids:
-        try:
-            os.kill(pid, signal.SIGTERM)
-        except OSError:
-            pass
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline and any(is_same_process(p, s) for p, s in pids):
-        time.sleep(0.1)
-    for pid, started in pids:
-        if is_same_process(pid, started):
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except OSError:
-                pass
-    return [pid for pid, started in pids]
+    return stop_processes([pid for pid in token_processes(token) if pid not in mine], grace=timeout)
 
 
 def ancestors(pid):
