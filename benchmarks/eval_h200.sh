@@ -24,6 +24,12 @@
 # On a host that keeps $WORK between calls, a later call adds its plays to the same results:
 #   PLAYS=memory_saver TARGETS=fixture ...; then PLAYS=stop-again TARGETS="fixture big" ...
 # Results: $OUT/eval_h200.json (rewritten after every play), the plays' logs in $OUT/eval_h200.log.
+#
+# A lease is shorter than all the plays: a play that finished is marked done in $WORK and skipped by a
+# later call, and with DEADLINE (epoch seconds) a play whose estimate (ESTIMATE_<target>, seconds,
+# start-server included) would end past it is left for the next call, so every call can be the same
+# command. PREVIOUS names an earlier record whose plays this run did not repeat: they are kept in the
+# summary, each with its own date. Every play's slowest tasks come from ansible's junit callback.
 set -uo pipefail
 ROOT=$PWD
 OUT=${OUT:-$(mktemp -d)}
@@ -31,9 +37,19 @@ WORK=${WORK:-/tmp/specops-h200}
 WHEELS=${WHEELS:-$ROOT/.whl}
 TARGETS=${TARGETS:-fixture big 14b}
 PORT=${PORT:-31000}
-# The plays per target, in order: a mode (stop, memory_saver), or a mode with -again for a second run.
+# The plays per target, in order: a mode (stop, memory_saver), or a mode with -again for a second run;
+# PLAYS_<target> overrides it for one target.
 PLAYS=${PLAYS:-stop memory_saver stop-again}
-mkdir -p "$WORK/vars" "$WORK/logs"
+DEADLINE=${DEADLINE:-}
+PREVIOUS=${PREVIOUS:-}
+# The served target's drafter is loaded by the server (speculative decoding, as yesterday's record ran)
+# only for these targets: the development server verifies without a KV cache, which at 14 B makes the
+# prefetch take minutes that say nothing about the window.
+SERVE_DRAFTER=${SERVE_DRAFTER:-big}
+# The completions' length for the targets built by build_target.py (the fixture keeps the default).
+MAX_NEW_TOKENS_14b=${MAX_NEW_TOKENS_14b:-128}
+export SERVE_DRAFTER MAX_NEW_TOKENS_14b
+mkdir -p "$WORK/vars" "$WORK/logs" "$WORK/done" "$WORK/junit"
 touch "$WORK/plays.jsonl"
 
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/ansible-site \
@@ -43,11 +59,21 @@ python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/ansibl
 python3 -m pip install -q --no-index --no-deps "$WHEELS"/torch_memory_saver-*.whl || exit 1
 # Only the control node's packages: the ML environment is built by the play itself.
 export PYTHONPATH=/tmp/ansible-site ANSIBLE_CONFIG=$ROOT/ansible.cfg ANSIBLE_NOCOLOR=1 ANSIBLE_FORCE_COLOR=0
+export ANSIBLE_CALLBACKS_ENABLED=ansible.builtin.junit JUNIT_TASK_CLASS=yes
+
+# fits NAME SECONDS: whether a step estimated at SECONDS ends before DEADLINE (always without one)
+fits() {
+  [ -z "$DEADLINE" ] && return 0
+  local left=$((DEADLINE - $(date +%s)))
+  [ "$left" -ge "$2" ] && return 0
+  echo "== $1 (about $2 s) does not fit in the $left s left before the deadline: left for the next call"
+  return 1
+}
 
 # vars NAME TARGET MODE: the extra vars of one play, as a file
 vars() {
   python3 - "$WORK" "$WHEELS" "$PORT" "$1" "$2" "$3" > "$WORK/vars/$1.json" <<'PY'
-import json, sys
+import json, os, sys
 work, wheels, port, name, target, mode = sys.argv[1:]
 v = {
     "specops_work_dir": work, "specops_run_dir": f"{work}/runs/{name}",
@@ -64,8 +90,11 @@ v = {
 }
 if target != "fixture":  # built by build_target.py into $WORK/<target>
     v.update({"specops_demo_models": False, "specops_target_model": f"{work}/{target}/target",
-              "specops_drafter": f"{work}/{target}/drafter", "specops_reference_drafter": f"{work}/{target}/drafter",
-              "sglang_service_draft_model_path": f"{work}/{target}/drafter"})
+              "specops_drafter": f"{work}/{target}/drafter", "specops_reference_drafter": f"{work}/{target}/drafter"})
+    if target in os.environ.get("SERVE_DRAFTER", "").split():
+        v["sglang_service_draft_model_path"] = f"{work}/{target}/drafter"
+    if os.environ.get(f"MAX_NEW_TOKENS_{target}"):
+        v["specops_max_new_tokens"] = int(os.environ[f"MAX_NEW_TOKENS_{target}"])
 print(json.dumps(v))
 PY
 }
@@ -75,12 +104,13 @@ play() {
   local name=$1 book=$2 varsfile=$3 start rc
   shift 3
   start=$(date +%s.%N)
-  python3 /tmp/ansible-site/bin/ansible-playbook "$ROOT/playbooks/$book" -e "@$varsfile" "$@" \
+  JUNIT_OUTPUT_DIR=$WORK/junit/$name python3 /tmp/ansible-site/bin/ansible-playbook "$ROOT/playbooks/$book" -e "@$varsfile" "$@" \
     > "$WORK/logs/$name.log" 2>&1
   rc=$?
   python3 -c "import json,sys,time; print(json.dumps({'play': sys.argv[1], 'playbook': sys.argv[2], 'rc': int(sys.argv[3]),
     'wall_s': round(time.time() - float(sys.argv[4]), 1)}))" "$name" "$book" "$rc" "$start" >> "$WORK/plays.jsonl"
   summarize
+  [ $rc -ne 0 ] || touch "$WORK/done/$name"
   return $rc
 }
 
@@ -90,10 +120,12 @@ stop_server() {  # the next play starts the server with other options (model, me
 }
 
 summarize() {
-  python3 - "$WORK" "$OUT" "$ROOT" <<'PY'
+  python3 - "$WORK" "$OUT" "$ROOT" "$PREVIOUS" <<'PY'
 import json, subprocess, sys, time
+import xml.etree.ElementTree as ET
 from pathlib import Path
 work, out = Path(sys.argv[1]), Path(sys.argv[2])
+previous = json.loads(Path(sys.argv[4]).read_text()) if sys.argv[4] else None
 sys.path.insert(0, str(Path(sys.argv[3]) / "benchmarks"))
 from window_scaling import scaling
 plays = [json.loads(line) for line in (work / "plays.jsonl").read_text().splitlines() if line.strip()]
@@ -109,6 +141,16 @@ for play in plays:
         path = work / "logs" / f"{play['play']}.{name}"
         if path.is_file() and path.read_text().strip():
             play[key] = json.loads(path.read_text().splitlines()[-1])
+    # Where the play's time went: its eight slowest tasks (ansible's junit callback).
+    tasks = [(float(case.get("time") or 0), case.get("name", "")) for xml in (work / "junit" / play["play"]).glob("*.xml")
+             for case in ET.parse(xml).iter("testcase")]
+    if tasks:
+        play["slowest_tasks"] = [{"s": round(t, 1), "task": n} for t, n in sorted(tasks, reverse=True)[:8]]
+    play.setdefault("date", time.strftime("%Y-%m-%d"))
+if previous:
+    names = {p["play"] for p in plays}
+    kept = [dict(p, date=p.get("date") or previous["date"][:10]) for p in previous["plays"] if p["play"] not in names]
+    plays = kept + plays
 smi = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version", "--format=csv,noheader"],
                      capture_output=True, text=True).stdout.strip()
 built = {t: json.loads((work / t / "built.json").read_text()) for t in ("big", "14b") if (work / t / "built.json").is_file()}
@@ -128,7 +170,10 @@ PY
 
 for target in $TARGETS; do
   vars "$target-stop" "$target" stop
+  estimate_var=ESTIMATE_$target
+  estimate=${!estimate_var:-400}
   if [ "$target" != fixture ] && [ ! -f "$WORK/$target/built.json" ]; then
+    fits "build $target" $((estimate / 2)) || break
     # The ML environment and the fixture tokenizer, when no fixture run came first on this host.
     [ -x "$WORK/ml/bin/python" ] || play "$target-ml-env" ml_env.yml "$WORK/vars/$target-stop.json" || exit 1
     [ -d "$WORK/models/target" ] || "$WORK/ml/bin/python" -m specops.fixtures --out "$WORK/models" \
@@ -137,8 +182,11 @@ for target in $TARGETS; do
     "$WORK/ml/bin/python" "$ROOT/benchmarks/build_target.py" --size "$size" --tokenizer "$WORK/models/target" \
       --out "$WORK/$target" > "$WORK/logs/build-$target.log" 2>&1 || { summarize; exit 1; }
   fi
-  for name in $PLAYS; do
+  plays_var=PLAYS_$target
+  for name in ${!plays_var:-$PLAYS}; do
     mode=${name%-again}
+    [ ! -f "$WORK/done/$target-$name" ] || continue
+    fits "$target-$name" "$estimate" || break 2
     vars "$target-$name" "$target" "$mode"
     # A server of another target or other options may be running: the play starts its own.
     [ ! -f "$WORK/served" ] || stop_server "$target-$name"
