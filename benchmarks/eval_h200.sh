@@ -86,13 +86,13 @@ v = {
     "sglang_service_port": int(port), "sglang_service_extra_args": ["--device", "cuda"],
     "sglang_service_pid_file": f"{work}/sglang.pid", "sglang_service_log_file": f"{work}/sglang.log",
     "extract_hidden_states_require_backend": "fla",
-    "specops_gpu_window_mode": mode, "sglang_service_memory_saver": mode == "memory_saver",
+    "score_drafter_device": "cuda", "specops_gpu_window_mode": mode, "sglang_service_memory_saver": mode == "memory_saver",
 }
 if target != "fixture":  # built by build_target.py into $WORK/<target>
     v.update({"specops_demo_models": False, "specops_target_model": f"{work}/{target}/target",
               "specops_drafter": f"{work}/{target}/drafter", "specops_reference_drafter": f"{work}/{target}/drafter"})
-    if target in os.environ.get("SERVE_DRAFTER", "").split():
-        v["sglang_service_draft_model_path"] = f"{work}/{target}/drafter"
+    # The local inventory serves the reference drafter: only where asked.
+    v["sglang_service_draft_model_path"] = f"{work}/{target}/drafter" if target in os.environ.get("SERVE_DRAFTER", "").split() else ""
     if os.environ.get(f"MAX_NEW_TOKENS_{target}"):
         v["specops_max_new_tokens"] = int(os.environ[f"MAX_NEW_TOKENS_{target}"])
 print(json.dumps(v))
