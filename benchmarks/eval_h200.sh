@@ -80,7 +80,7 @@ v = {
     "specops_host_cache_dir": f"{work}/cache",
     "fla_env_venv": f"{work}/ml", "fla_env_python": "python3", "fla_env_system_site_packages": True,
     "fla_env_torch": "torch", "fla_env_fla": "always", "fla_env_find_links": [wheels],
-    "fla_env_no_index": True, "fla_env_require_backend": "fla-cuda",
+    "fla_env_no_index": True, "fla_env_require_backend": "fla",
     # No lock: the wheelhouse holds only what the image's venv lacks (requirements/ml.lock pins 51).
     "fla_env_requirements_lock": "",
     "sglang_service_port": int(port), "sglang_service_extra_args": ["--device", "cuda"],

@@ -10,7 +10,7 @@
 #   pip download --no-deps --only-binary=:all: --python-version 3.12 -d .whl \
 #       fla-core==0.6.0 flash-linear-attention==0.6.0 transformers==5.23.0
 # They are installed into $SITE (not into the host's Python) and put first on PYTHONPATH.
-# The check fails (exit 2, message on stdout) unless the backend is fla-cuda.
+# The check fails (exit 2, message on stdout) unless the backend is fla-cuda (require_backend fla).
 set -euo pipefail
 
 cd "$(dirname "$0")/.."
@@ -32,7 +32,7 @@ nvidia-smi --query-gpu=name,driver_version,memory.used,memory.total --format=csv
 # value heads, head dims 128) at extraction-like sequence lengths, in fp32 and bf16.
 request=$(cat <<'JSON'
 {
-  "require_backend": "fla-cuda",
+  "require_backend": "fla",
   "gdr_sizes": [
     {"batch": 2, "seq_len": 300, "k_heads": 2, "v_heads": 4, "head_k_dim": 64, "head_v_dim": 64, "dtype": "float32"},
     {"batch": 2, "seq_len": 300, "k_heads": 2, "v_heads": 4, "head_k_dim": 64, "head_v_dim": 64, "dtype": "bfloat16"},

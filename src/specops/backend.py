@@ -17,12 +17,36 @@ from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
+from specops.stage import StageError
+
 # Kernel family -> the module globals of a modeling file that dispatch to it.
 KERNEL_FUNCTIONS = {
     "gated_delta_rule": ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule"),
     "causal_conv1d": ("causal_conv1d_fn", "causal_conv1d_update"),
 }
 NOT_USED = "not used"
+
+# What a run requires of the gated delta rule's implementation, one vocabulary for the environment
+# check (specops.envcheck, the fla_env module) and the extraction: fla (fla's kernels on a CUDA GPU,
+# else fail), torch (the PyTorch reference, forced where the extraction runs; fla not needed), any
+# (whatever transformers picks) and auto (fla where the work runs on a CUDA GPU, else any).
+REQUIRE_BACKENDS = ("auto", "fla", "torch", "any")
+
+
+def check_require_backend(require: Any) -> str:
+    """The value itself when it is one of REQUIRE_BACKENDS; otherwise a StageError naming the choices."""
+    if require not in REQUIRE_BACKENDS:
+        # The fla_env module still takes fla-cuda (deprecated) and passes fla; here it is an error.
+        hint = ": fla requires fla's kernels on the GPU" if require == "fla-cuda" else ""
+        raise StageError(f"require_backend {require!r} is not one of {', '.join(REQUIRE_BACKENDS)}{hint}")
+    return require
+
+
+def resolve_require_backend(require: str, cuda: bool) -> str:
+    """auto is fla where the work runs on a CUDA GPU, else any; fla, torch and any stand as they are."""
+    if require == "auto":
+        return "fla" if cuda else "any"
+    return require
 
 
 def implementation_of(function: Callable) -> tuple[str, Callable]:

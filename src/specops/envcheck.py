@@ -6,6 +6,10 @@ only after fla's `chunk_gated_delta_rule` ran on the GPU and matched transformer
 (computed in fp32 on the same inputs) within GDR_TOLERANCE; anything less is `torch-cuda` or
 `torch-cpu`, so a silent fallback can no longer pass for the fast, checked path.
 
+`require_backend` takes the extraction's values (specops.backend.REQUIRE_BACKENDS): `fla`, and `auto`
+where torch sees a CUDA GPU, fail unless the backend is `fla-cuda`; `torch` and `any` report what
+there is (the default is `any`).
+
 torch is imported lazily: `decide()` and the constants are usable without it (the control node
 tests them with injected facts).
 
@@ -19,11 +23,11 @@ from __future__ import annotations
 import sys
 from typing import Any
 
+from specops.backend import REQUIRE_BACKENDS, check_require_backend
 from specops.envcheck_decision import (
     BACKENDS,
     FLA_CRASH_WARNING,
     FLA_NOT_USABLE_NOTE,
-    REQUIRE_CHOICES,
     decide,
 )
 from specops.envcheck_facts import collect_facts, driver_facts, torch_reference, transformers_gdr_choice
@@ -45,7 +49,7 @@ __all__ = [
     "FLA_CRASH_WARNING",
     "FLA_NOT_USABLE_NOTE",
     "GDR_TOLERANCE",
-    "REQUIRE_CHOICES",
+    "REQUIRE_BACKENDS",
     "SIZE_KEYS",
     "StageError",
     "collect_facts",
@@ -66,9 +70,7 @@ __all__ = [
 
 
 def _options(request: dict[str, Any]) -> tuple[str, list[dict[str, Any]], int]:
-    require = request.get("require_backend", "any")
-    if require not in REQUIRE_CHOICES:
-        raise StageError(f"require_backend {require!r} is not one of {', '.join(REQUIRE_CHOICES)}")
+    require = check_require_backend(request.get("require_backend", "any"))
     seed = request.get("gdr_seed", 0)
     if not isinstance(seed, int):
         raise StageError(f"gdr_seed must be an integer, got {seed!r}")
@@ -82,6 +84,7 @@ def report(facts: dict[str, Any], gdr: dict[str, Any] | None, verdict: dict[str,
         **facts,
         "backend": verdict["backend"],
         "backend_expected": verdict["backend_expected"],
+        "require_backend": verdict["require_backend"],
         "gdr_max_abs_error": gdr.get("max_abs_error"),
         "gdr_rel_error": gdr.get("rel_error"),
         "gdr": gdr,

@@ -6,10 +6,11 @@ from __future__ import annotations
 
 from typing import Any
 
+from specops.backend import resolve_require_backend
 from specops.envcheck_kernel import GDR_TOLERANCE
 
+# What the environment gives; require_backend fla (auto where torch sees a CUDA GPU) needs fla-cuda.
 BACKENDS = ("fla-cuda", "torch-cuda", "torch-cpu")
-REQUIRE_CHOICES = ("any", "fla-cuda")
 
 FLA_CRASH_WARNING = (
     "fla and triton import on a host without a GPU: transformers would choose fla's kernels and "
@@ -27,7 +28,9 @@ def decide(
     """Turn facts (and the kernel check, when it ran) into a backend, notes, warnings and an error.
 
     `error` is None or the message a StageError should carry. In planning mode no kernel ran, so
-    the backend is only `backend_expected`.
+    the backend is only `backend_expected`. require_backend is one of specops.backend.REQUIRE_BACKENDS:
+    fla (and auto where torch sees a CUDA GPU) fails unless the backend is fla-cuda; torch and any
+    (and auto elsewhere) accept what there is, since the torch reference runs wherever torch does.
     """
     versions = facts.get("versions", {})
     cuda = bool(facts.get("cuda_available"))
@@ -90,13 +93,18 @@ def decide(
     expected = backend
     if backend is None:
         expected = "fla-cuda"
-    if error is None and require_backend == "fla-cuda" and expected != "fla-cuda":
+    required = resolve_require_backend(require_backend, cuda)
+    if error is None and required == "fla" and expected != "fla-cuda":
         why = (warnings + notes)[0] if (warnings or notes) else f"the backend is {expected}"
-        error = f"require_backend is fla-cuda but this environment's backend is {expected}: {why}"
+        asked = "fla" if require_backend == "fla" else f"{require_backend} (fla where torch sees a CUDA GPU)"
+        error = (
+            f"require_backend is {asked} but this environment's backend is {expected}, not fla-cuda: {why}"
+        )
 
     return {
         "backend": backend,
         "backend_expected": expected,
+        "require_backend": required,
         "notes": notes,
         "warnings": warnings,
         "error": error,

@@ -34,6 +34,11 @@ TORCH = "torch==2.13.0"
 
 def run_module(args: dict, check: bool = False) -> tuple[str, dict]:
     """Run specops.drafter.fla_env on localhost through ansible; return (status, result)."""
+    return module_result(run_ansible(args, check))
+
+
+def run_ansible(args: dict, check: bool = False) -> subprocess.CompletedProcess:
+    """Run specops.drafter.fla_env on localhost through ansible; its warnings are on stderr."""
     cmd = [
         str(ANSIBLE),
         "localhost",
@@ -57,7 +62,10 @@ def run_module(args: dict, check: bool = False) -> tuple[str, dict]:
         ANSIBLE_NOCOLOR="1",
         ANSIBLE_FORCE_COLOR="0",
     )
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1200)
+    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1200)
+
+
+def module_result(proc: subprocess.CompletedProcess) -> tuple[str, dict]:
     match = re.search(r"^localhost \| (\S+) => (\{.*)", proc.stdout, re.MULTILINE | re.DOTALL)
     assert match, f"no result from ansible (exit {proc.returncode}):\n{proc.stdout}\n{proc.stderr}"
     return match.group(1).rstrip("!"), json.loads(match.group(2))
@@ -135,11 +143,31 @@ def test_fla_auto_without_gpu_leaves_fla_out(first_run):
     assert first_run["versions"]["fla-core"] is None
 
 
-def test_require_fla_cuda_on_a_cpu_host_fails_with_the_reason(first_run, session_venv, source):
-    status, result = run_module(base_args(session_venv, source, require_backend="fla-cuda"))
+def test_require_fla_on_a_cpu_host_fails_with_the_reason(first_run, session_venv, source):
+    status, result = run_module(base_args(session_venv, source, require_backend="fla"))
     assert status == "FAILED"
-    assert "require_backend is fla-cuda" in result["msg"]
-    assert "backend is torch-cpu" in result["msg"] and "no CUDA GPU is visible" in result["msg"]
+    assert "require_backend is fla but this environment's backend is torch-cpu" in result["msg"]
+    assert "no CUDA GPU is visible" in result["msg"]
+
+
+@pytest.mark.parametrize(("require", "checked"), [("auto", "any"), ("torch", "torch"), ("any", "any")])
+def test_requirements_that_do_not_need_fla_pass_on_a_cpu_host(
+    first_run, session_venv, source, require, checked
+):
+    status, result = run_module(base_args(session_venv, source, require_backend=require))
+    assert status == "SUCCESS", result
+    assert result["backend"] == "torch-cpu"
+    assert result["verification"]["require_backend"] == checked
+
+
+def test_require_fla_cuda_is_the_deprecated_name_of_fla(first_run, session_venv, source):
+    proc = run_ansible(base_args(session_venv, source, require_backend="fla-cuda"))
+    status, result = module_result(proc)
+    assert status == "FAILED"
+    assert "require_backend is fla but this environment's backend is torch-cpu" in result["msg"]
+    warnings = " ".join(proc.stderr.split())
+    assert "[DEPRECATION WARNING]: require_backend fla-cuda is deprecated: use fla" in warnings
+    assert "removed from collection 'specops.drafter' version 1.0.0" in warnings
 
 
 def test_fla_found_in_the_environment_without_gpu_is_removed(first_run, session_venv, source):
@@ -422,20 +450,76 @@ def test_fla_cuda_only_when_the_kernel_matched_the_reference():
     assert crashed["backend"] == "torch-cuda" and "failed on the GPU" in crashed["warnings"][0]
 
 
-def test_gpu_without_fla_is_torch_cuda_and_fails_a_fla_cuda_requirement():
-    verdict = envcheck.decide(facts(**GPU), None, require_backend="fla-cuda")
+def test_gpu_without_fla_is_torch_cuda_and_fails_a_fla_requirement():
+    verdict = envcheck.decide(facts(**GPU), None, require_backend="fla")
     assert verdict["backend"] == "torch-cuda"
     assert verdict["error"].startswith(
-        "require_backend is fla-cuda but this environment's backend is torch-cuda"
+        "require_backend is fla but this environment's backend is torch-cuda, not fla-cuda"
     )
 
 
 def test_check_mode_on_a_gpu_with_fla_expects_fla_cuda_without_claiming_it():
-    verdict = envcheck.decide(
-        facts(**GPU, fla_importable=True), None, require_backend="fla-cuda", planning=True
-    )
+    verdict = envcheck.decide(facts(**GPU, fla_importable=True), None, require_backend="fla", planning=True)
     assert verdict["backend"] is None and verdict["backend_expected"] == "fla-cuda"
     assert verdict["error"] is None
+
+
+PROVEN = {"ran": True, "ok": True, "error": None, "rel_error": 1e-3}
+MISMATCH = {"ran": True, "ok": False, "error": None, "rel_error": 0.4}
+
+
+# Each value means what it means for the extraction: auto is fla where torch sees a CUDA GPU, else any.
+@pytest.mark.parametrize(
+    ("host", "gdr", "require", "checked", "fails"),
+    [
+        ("cpu", None, "auto", "any", False),
+        ("cpu", None, "fla", "fla", True),
+        ("cpu", None, "torch", "torch", False),
+        ("cpu", None, "any", "any", False),
+        ("gpu with fla proven", PROVEN, "auto", "fla", False),
+        ("gpu with fla proven", PROVEN, "fla", "fla", False),
+        ("gpu with fla proven", PROVEN, "torch", "torch", False),
+        ("gpu with fla proven", PROVEN, "any", "any", False),
+        ("gpu with a wrong fla", MISMATCH, "auto", "fla", True),
+        ("gpu with a wrong fla", MISMATCH, "fla", "fla", True),
+        ("gpu with a wrong fla", MISMATCH, "torch", "torch", False),
+        ("gpu with a wrong fla", MISMATCH, "any", "any", False),
+        ("gpu without fla", None, "auto", "fla", True),
+        ("gpu without fla", None, "fla", "fla", True),
+        ("gpu without fla", None, "torch", "torch", False),
+        ("gpu without fla", None, "any", "any", False),
+    ],
+)
+def test_each_require_backend_value_on_each_kind_of_host(host, gdr, require, checked, fails):
+    host_facts = {
+        "cpu": facts(),
+        "gpu with fla proven": facts(**GPU, fla_importable=True, triton_importable=True),
+        "gpu with a wrong fla": facts(**GPU, fla_importable=True, triton_importable=True),
+        "gpu without fla": facts(**GPU),
+    }[host]
+    verdict = envcheck.decide(host_facts, gdr, require_backend=require)
+    assert verdict["require_backend"] == checked
+    assert (verdict["error"] is not None) is fails, verdict
+    if fails:
+        assert f"require_backend is {require}" in verdict["error"] and "not fla-cuda" in verdict["error"]
+
+
+def test_auto_on_a_gpu_says_it_required_fla_because_of_the_gpu():
+    verdict = envcheck.decide(facts(**GPU), None, require_backend="auto")
+    assert verdict["error"].startswith(
+        "require_backend is auto (fla where torch sees a CUDA GPU) "
+        "but this environment's backend is torch-cuda"
+    )
+
+
+def test_the_envcheck_stage_takes_the_extractions_values_and_names_fla_for_fla_cuda():
+    for require in ("auto", "fla", "torch", "any"):
+        assert envcheck._options({"require_backend": require})[0] == require
+    assert envcheck._options({})[0] == "any"
+    with pytest.raises(
+        envcheck.StageError, match=r"'fla-cuda' is not one of auto, fla, torch, any: fla requires"
+    ):
+        envcheck._options({"require_backend": "fla-cuda"})
 
 
 def test_gdr_sizes_are_validated_with_the_fix_in_the_message():

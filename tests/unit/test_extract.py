@@ -566,6 +566,15 @@ def test_require_fla_fails_when_the_torch_fallback_would_run(fixture_models, com
     )
 
 
+@pytest.mark.parametrize(("require", "checked"), [("auto", "any"), ("torch", "torch"), ("any", "any")])
+def test_require_backend_values_the_cpu_can_satisfy_are_planned_with_auto_resolved(
+    fixture_models, completions, tmp_path, require, checked
+):
+    # The values and meanings of fla_env's require_backend: auto is fla on CUDA only, fla fails here.
+    plan = extract.plan(request(fixture_models, completions, tmp_path, require_backend=require))
+    assert plan["require_backend"] == checked
+
+
 def test_require_fla_fails_when_the_fallback_actually_ran():
     with pytest.raises(StageError, match=r"ran with the torch implementation, but require_backend is fla"):
         extract.check_backend("fla", {"gated_delta_rule": "torch"})

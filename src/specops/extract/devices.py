@@ -51,12 +51,6 @@ def resolve_device_dtype(device: str, dtype: str) -> tuple[Any, Any]:
     return resolved, getattr(torch, dtype)
 
 
-def resolve_require(require: str, device: Any) -> str:
-    if require == "auto":
-        return "fla" if device.type == "cuda" else "any"
-    return require
-
-
 def describe_device(device: Any) -> str:
     if device.type == "cuda":
         import torch

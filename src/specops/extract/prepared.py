@@ -7,7 +7,8 @@ from pathlib import Path
 from typing import Any
 
 from specops import preflight
-from specops.extract.devices import first_device, resolve_device_dtype, resolve_require
+from specops.backend import resolve_require_backend
+from specops.extract.devices import first_device, resolve_device_dtype
 from specops.extract.request import drafter_list, parse_request
 from specops.extract.shards import ShardPlan, plan_shards
 from specops.extract.target import (
@@ -73,7 +74,7 @@ def prepare(request: dict[str, Any]) -> Prepared:
         )
     layer_ids, skipped = captured_layers(target_ids, req["capture_offsets"], target.num_layers)
     device, dtype = resolve_device_dtype(first_device(req), req["dtype"])
-    require = resolve_require(req["require_backend"], device)
+    require = resolve_require_backend(req["require_backend"], cuda=device.type == "cuda")
     for drafter in drafter_list(req["drafter"]):
         preflight.check_drafter(drafter, target.path, target.vocab_size)
     inputs = {

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 from typing import Any
 
+from specops.backend import REQUIRE_BACKENDS, check_require_backend
 from specops.extract.devices import MODES, validate_request
 from specops.schema import Option, Schema
 from specops.stage import StageError
 
 STAGE = "extract_hidden_states"
 DTYPES = ("bfloat16", "float16", "float32")
-BACKENDS = ("auto", "fla", "torch", "any")
 REQUEST = Schema(
     STAGE,
     (
@@ -57,9 +57,9 @@ REQUEST = Schema(
         Option(
             "require_backend",
             "str",
-            "Gated-delta-rule implementation required.",
+            "Gated-delta-rule implementation required; auto is fla on CUDA, else any.",
             default="auto",
-            choices=BACKENDS,
+            choices=REQUIRE_BACKENDS,
         ),
         Option(
             "parity_samples", "int", "Records compared with the fp32 torch reference; 0 is off.", default=0
@@ -139,8 +139,7 @@ def parse_request(request: dict[str, Any]) -> dict[str, Any]:
         req["devices"] = "auto"
     if req["dtype"] not in ("auto", *DTYPES):
         raise StageError(f"dtype {req['dtype']!r} is not one of auto, {', '.join(DTYPES)}")
-    if req["require_backend"] not in BACKENDS:
-        raise StageError(f"require_backend {req['require_backend']!r} is not one of {', '.join(BACKENDS)}")
+    check_require_backend(req["require_backend"])
     for key in ("server_weights_bytes", "host_memory_reserve_bytes"):
         if not isinstance(req[key], int) or req[key] < 0:
             raise StageError(f"{key} must be 0 or a positive integer, got {req[key]!r}")

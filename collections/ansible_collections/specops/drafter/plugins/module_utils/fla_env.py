@@ -32,6 +32,7 @@ class FlaEnv(FlaEnvInstall, FlaEnvVerify):
         self.source = os.path.abspath(self.params["specops_source"])
         self.lock = self.params["requirements_lock"]
         self.lock_constraints = None
+        self.require_backend = self._require_backend()
         self.result = dict(
             changed=False,
             venv=self.venv,

@@ -12,14 +12,31 @@ import os
 
 from ansible_collections.specops.drafter.plugins.module_utils.stage_runner import run_stage
 
+# specops.backend.REQUIRE_BACKENDS, the extraction's vocabulary, and the deprecated aliases (new name),
+# which the module translates before envcheck sees them.
+REQUIRE_BACKENDS = ["auto", "fla", "torch", "any"]
+DEPRECATED_REQUIRE_BACKENDS = {"fla-cuda": "fla"}
+REQUIRE_BACKEND_CHOICES = REQUIRE_BACKENDS + sorted(DEPRECATED_REQUIRE_BACKENDS)
+
 
 class FlaEnvVerify(object):
     """Runs envcheck, or reuses its report for the same environment, options and GPUs; mixed into
     FlaEnv (it writes the cache with FlaEnvInstall._replace)."""
 
+    def _require_backend(self):
+        """The requirement envcheck checks: a deprecated alias becomes its new name, with a deprecation."""
+        require = self.params["require_backend"]
+        if require in DEPRECATED_REQUIRE_BACKENDS:
+            self.module.deprecate(
+                "require_backend %s is deprecated: use %s, the value the extraction's require_backend takes "
+                "for the same requirement" % (require, DEPRECATED_REQUIRE_BACKENDS[require]),
+                version="1.0.0", collection_name="specops.drafter")
+            require = DEPRECATED_REQUIRE_BACKENDS[require]
+        return require
+
     def _verify(self, state, fingerprint, check):
         """Set verification, backend and verification_cached in the result; pass the warnings on."""
-        request = {"require_backend": self.params["require_backend"]}
+        request = {"require_backend": self.require_backend}
         if self.params["gdr_sizes"] is not None:
             request["gdr_sizes"] = self.params["gdr_sizes"]
         cache = self._verify_cache_path(state, fingerprint) if self.params["verify_cache_dir"] else None
@@ -47,7 +64,7 @@ class FlaEnvVerify(object):
 
     def _verify_cache_path(self, state, fingerprint):
         key = {"venv": self.venv, "dists": state["dists"], "specops": fingerprint,
-               "require_backend": self.params["require_backend"], "gdr_sizes": self.params["gdr_sizes"],
+               "require_backend": self.require_backend, "gdr_sizes": self.params["gdr_sizes"],
                "gpus": self._gpu_identity()}
         digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode("utf-8")).hexdigest()
         return os.path.join(self.params["verify_cache_dir"], "envcheck-%s.json" % digest[:32])

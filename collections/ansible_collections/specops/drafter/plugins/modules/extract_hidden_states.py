@@ -88,9 +88,14 @@ options:
     default: auto
   require_backend:
     description:
-      - Gated-delta-rule implementation the run must use. V(auto) is V(fla) when the device is CUDA,
-        else V(any). V(torch) forces the PyTorch reference implementation.
-      - With V(fla) the run fails if transformers falls back to the torch implementation.
+      - Gated-delta-rule implementation the run must use. The values are those of
+        O(specops.drafter.fla_env#module:require_backend) and mean the same.
+      - V(fla) fails the run (its plan, before any weights load) unless fla's kernels run on the GPU; it
+        fails if transformers falls back to the torch implementation.
+      - V(auto) is V(fla) when the device is CUDA, else V(any).
+      - V(torch) forces the PyTorch reference implementation (fla need not be installed, and on the CPU
+        an installed fla is not called).
+      - V(any) accepts whatever transformers runs.
     type: str
     choices: [auto, fla, torch, any]
     default: auto

@@ -152,10 +152,18 @@ options:
     default: true
   require_backend:
     description:
-      - V(fla-cuda) fails the task unless the verification proved fla's kernels on the GPU.
+      - What the verification requires of the gated delta rule's implementation. The values are those of
+        O(specops.drafter.extract_hidden_states#module:require_backend) and mean the same.
+      - V(fla) fails the task unless the verification proved fla's kernels on the GPU (RV(backend) is
+        C(fla-cuda)).
+      - V(auto) is V(fla) where torch in the environment sees a CUDA GPU, else V(any).
+      - V(torch) verifies the environment without requiring fla, for an extraction that forces the
+        PyTorch reference implementation.
       - V(any) accepts whatever backend the host supports and reports it.
+      - V(fla-cuda) is a deprecated alias of V(fla), removed in 1.0.0.
+      - Ignored when O(verify=false).
     type: str
-    choices: [any, fla-cuda]
+    choices: [auto, fla, torch, any, fla-cuda]
     default: any
   verify_cache_dir:
     description:
@@ -208,7 +216,7 @@ EXAMPLES = r"""
     no_index: true
     fla: always
     specops_source: /opt/specops/src
-    require_backend: fla-cuda
+    require_backend: fla
   register: env
 
 - name: Later stages use its interpreter
@@ -279,7 +287,8 @@ verification:
     - The report of C(specops.envcheck), null when it did not run. Keys include C(python),
       C(versions) (torch, torch_cuda, transformers, fla, triton, specops), C(cuda_available),
       C(devices) (name, capability, memory_gib), C(fla_importable), C(triton_importable),
-      C(transformers_gdr_impl), C(backend), C(backend_expected), C(gdr_max_abs_error),
+      C(transformers_gdr_impl), C(backend), C(backend_expected), C(require_backend) (the requirement
+      checked, V(auto) resolved to V(fla) or V(any)), C(gdr_max_abs_error),
       C(gdr_rel_error), C(gdr) (every comparison with its tolerance), C(notes) and C(warnings).
   returned: always
   type: dict
@@ -300,6 +309,7 @@ msg:
 
 from ansible.module_utils.basic import AnsibleModule
 from ansible_collections.specops.drafter.plugins.module_utils.fla_env import FlaEnv
+from ansible_collections.specops.drafter.plugins.module_utils.fla_env_verify import REQUIRE_BACKEND_CHOICES
 
 
 def main():
@@ -322,7 +332,7 @@ def main():
             no_index=dict(type="bool", default=False),
             pip_isolated=dict(type="bool", default=False),
             verify=dict(type="bool", default=True),
-            require_backend=dict(type="str", default="any", choices=["any", "fla-cuda"]),
+            require_backend=dict(type="str", default="any", choices=REQUIRE_BACKEND_CHOICES),
             gdr_sizes=dict(type="list", elements="dict"),
             verify_cache_dir=dict(type="path"),
         ),
