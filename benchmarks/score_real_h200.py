@@ -32,7 +32,8 @@ Timed on all completions, each stage written to the record as it ends:
   - the engine again with a StepTimer: inputs (features to the device, context K/V), drafter layers
     (every block position, up to the last layer's attention), the last layer's rest and the head at
     the needed positions, and the walk's own steps (the rest);
-  - the same with the head and the last layer over all 15 draft positions of every block;
+  - the same with the head and the last layer over all 15 draft positions of every block, and in
+    passes of 2 positions instead of 3;
   - a kernel profile of the engine on every completion cut to its first --profile-tokens tokens.
 Accept lengths must equal the planted ones on every completion and the oracle's on the subset. The
 record counts the arithmetic of the steps the walk took (matrix-product FLOPs per completion: drafter
@@ -430,6 +431,17 @@ def main() -> None:
         full_head, runs["all_positions"] = engine(bs - 1)
         identical["all_positions_vs_where_needed"] = same(full_head, results)
         record.stage("engine, head over all positions")
+    if time_left():
+        # Smaller passes: fewer positions past each first mismatch, one more pass (and host sync) a step.
+        record.begin("engine, 2 positions per pass")
+        fine, runs["two_per_pass"] = engine(2)
+        identical["two_per_pass_vs_three"] = same(fine, results)
+        record.stage(
+            "engine, 2 positions per pass",
+            flops_per_completion_two_per_pass=flops_per_completion(
+                shape, results, lambda a: min(-(-a // 2) * 2, bs - 1)
+            ),
+        )
     matching.DEFAULT_POSITIONS_PER_PASS = POSITIONS_PER_PASS
 
     if args.profile_tokens and time_left():
