@@ -131,7 +131,7 @@ def logit_noise(drafter, head, features, ids, prompt: int, probes: int = 4) -> f
     loops = [SequentialDrafter(drafter, head, features[b]) for b in range(min(B, 4))]
     worst = 0.0
     for step in range(probes):
-        starts = torch.full((B,), prompt + 37 * step, device=ids.device)
+        starts = torch.full((B,), min(prompt + 37 * step, ids.shape[1] - 2), device=ids.device)
         batched = block_logits(drafter, head, context, ids[:B], starts)
         for b, loop in enumerate(loops):  # the first sequences, whose anchors only grow
             single = head.logits(loop.block_hidden(int(ids[b, starts[b]]), int(starts[b]))).float()

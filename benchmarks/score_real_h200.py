@@ -230,6 +230,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on CPU in fp32")
     parser.add_argument("--sequences", type=int)
+    parser.add_argument("--length", type=int, help="tokens per completion, prompt included")
     parser.add_argument("--subset", type=int, help="completions the sequential oracle checks")
     parser.add_argument("--planted-mean", type=int, default=5, help="mean planted run (tau ~ mean + 1)")
     parser.add_argument(
@@ -260,7 +261,7 @@ def main() -> None:
     args = parser.parse_args()
 
     shape = dict(SMOKE if args.smoke else REAL)
-    for key in ("sequences", "subset"):
+    for key in ("sequences", "length", "subset"):
         if getattr(args, key):
             shape[key] = getattr(args, key)
     device = "cpu" if args.smoke or not torch.cuda.is_available() else "cuda"
