@@ -24,8 +24,8 @@ does the same work whatever the tokens are; only the number of steps (~L / tau) 
 Timed: the batched engine on all completions, in each mode; the sequential loop (the oracle in
 specops.acceptance: one completion at a time, one block at a time, the context K/V cached and
 grown as tokens are accepted, one host sync per step, as z-lab's generate loop does) on a subset,
-extrapolated per completion. Accept lengths must be identical on the subset (and between modes on
-all completions). Prints JSON and writes $OUT/score_h200.json (or --out).
+extrapolated per completion. Accept lengths must be identical on the subset, and on all completions
+between modes and to the planted walk's. Prints JSON and writes $OUT/score_h200.json (or --out).
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ import json
 import os
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 try:
@@ -130,7 +131,7 @@ def logit_noise(drafter, head, features, ids, prompt: int, probes: int = 4) -> f
     loops = [SequentialDrafter(drafter, head, features[b]) for b in range(min(B, 4))]
     worst = 0.0
     for step in range(probes):
-        starts = torch.full((B,), prompt + 37 * step, device=ids.device)
+        starts = torch.full((B,), min(prompt + 37 * step, ids.shape[1] - 2), device=ids.device)
         batched = block_logits(drafter, head, context, ids[:B], starts)
         for b, loop in enumerate(loops):  # the first sequences, whose anchors only grow
             single = head.logits(loop.block_hidden(int(ids[b, starts[b]]), int(starts[b]))).float()
@@ -138,35 +139,101 @@ def logit_noise(drafter, head, features, ids, prompt: int, probes: int = 4) -> f
     return worst
 
 
+@dataclass
+class Planted:
+    """What the planting walk set up: per completion, the accept length of every step it planted, and
+    the smallest margins its tokens were chosen with (planted matches: top-2 gap; the mismatch after
+    each run: the top logit over the planted token's)."""
+
+    accept_lengths: list[list[int]]
+    smallest_match_margin: float
+    smallest_mismatch_margin: float
+
+    @property
+    def steps(self) -> int:
+        return sum(len(lengths) for lengths in self.accept_lengths)
+
+
+def _top2_and_lowest(head, hidden, multiplier, softcap, rows_per_chunk):
+    """Per row of hidden [N, H]: top logit and its token, the runner-up's logit, the lowest logit and its
+    token; the float32 logits built a chunk of rows at a time."""
+    out = []
+    for i in range(0, hidden.shape[0], rows_per_chunk):
+        logits = head.logits(hidden[i : i + rows_per_chunk], multiplier, softcap).float()
+        lowest, lowest_token = logits.min(dim=-1)
+        best, best_token = logits.max(dim=-1)
+        second = logits.scatter_(-1, best_token[:, None], float("-inf")).amax(dim=-1)
+        out.append((best, best_token, second, lowest, lowest_token))
+    return [torch.cat(parts) for parts in zip(*out, strict=True)]
+
+
 @torch.inference_mode()
-def plant_tokens(drafter, head, features, ids, prompt: int, planted_mean: int, threshold: float, seed: int):
-    """Fill ids[:, prompt+1:] so the walk accepts planted runs (see the module docstring)."""
+def plant_tokens(
+    drafter,
+    head,
+    features,
+    ids,
+    prompt: int,
+    planted_mean: int,
+    threshold: float,
+    seed: int,
+    logits_budget_bytes: int = 1 << 30,
+) -> Planted:
+    """Fill ids[:, prompt+1:] so the walk accepts planted runs (see the module docstring).
+
+    All completions step at once on the device, with no host sync but the loop's own test; only the
+    draft positions a run and its mismatch can reach (1..2 * planted_mean + 1) go through the head.
+    """
     B, L = ids.shape
     bs = drafter.block_size
-    generator = torch.Generator(device=ids.device).manual_seed(seed)
+    reach = min(bs - 1, 2 * planted_mean + 1)
+    device = ids.device
+    generator = torch.Generator(device=device).manual_seed(seed)
     context = drafter.context_kv(features)
-    starts = torch.full((B,), prompt, device=ids.device)
-    rows = torch.arange(B, device=ids.device)
-    planted = 0
+    rows_per_chunk = max(1, logits_budget_bytes // (4 * head.vocab_size))
+    # Room for a block's positions past the end: what lands there is dropped at the end.
+    work = torch.cat([ids, ids.new_full((B, bs), -1)], dim=1)
+    j = torch.arange(1, reach + 1, device=device)
+    starts = torch.full((B,), prompt, device=device)
+    steps, match_margin, mismatch_margin = [], [], []
     while bool((starts < L - 1).any()):
+        active = starts < L - 1
         s = starts.clamp_max(L - 2)
-        logits = block_logits(drafter, head, context, ids, s)  # [B, bs-1, V]
-        top2 = logits.topk(2, dim=-1)
-        confident = (top2.values[..., 0] - top2.values[..., 1]) > threshold
-        worst = logits.argmin(dim=-1)
-        want = torch.randint(0, 2 * planted_mean + 1, (B,), device=ids.device, generator=generator)
+        embeds = drafter.block_embeddings(head.embed, work.gather(1, s[:, None]))
+        hidden = drafter(embeds, s[:, None], context)[:, 0, 1 : reach + 1]  # [B, reach, H]
+        parts = _top2_and_lowest(
+            head,
+            hidden.reshape(B * reach, -1),
+            drafter.output_multiplier,
+            drafter.logit_softcap,
+            rows_per_chunk,
+        )
+        best, best_token, second, lowest, lowest_token = (t.view(B, reach) for t in parts)
+        confident = (best - second) > threshold
+        want = torch.randint(0, 2 * planted_mean + 1, (B,), device=device, generator=generator)
         want = want.clamp_max(bs - 1)
         # Stop a run early at its first low-margin draft so that no comparison is a near-tie.
         run = torch.minimum(want, confident.long().cumprod(dim=-1).sum(dim=-1))
-        for j in range(1, bs):
-            pos = s + j
-            inside = (starts < L - 1) & (pos < L)
-            token = torch.where(j <= run, top2.indices[:, j - 1, 0], worst[:, j - 1])
-            write = inside & (j <= run + 1)
-            ids[rows[write], pos[write]] = token[write]
-        planted += int((starts < L - 1).sum())
-        starts = torch.where(starts < L - 1, starts + run + 1, starts)
-    return planted
+        # Drafts up to the run, then the position's lowest-scoring token: a sure mismatch.
+        token = torch.where(j <= run[:, None], best_token, lowest_token)
+        write = active[:, None] & (j <= run[:, None] + 1)
+        positions = s[:, None] + j
+        work.scatter_(1, positions, torch.where(write, token, work.gather(1, positions)))
+        remaining = L - 1 - s
+        inside = positions <= L - 1
+        matched = active[:, None] & (j <= run[:, None]) & inside
+        mismatched = active[:, None] & (j == run[:, None] + 1) & inside
+        match_margin.append(torch.where(matched, best - second, float("inf")).amin())
+        mismatch_margin.append(torch.where(mismatched, best - lowest, float("inf")).amin())
+        steps.append(torch.where(active, torch.minimum(run + 1, remaining), 0))
+        starts = torch.where(active, starts + run + 1, starts)
+    ids.copy_(work[:, :L])
+    lengths = torch.stack(steps, dim=1).tolist() if steps else [[] for _ in range(B)]
+    return Planted(
+        accept_lengths=[[a for a in row if a > 0] for row in lengths],
+        smallest_match_margin=float(torch.stack(match_margin).amin()) if steps else float("inf"),
+        smallest_mismatch_margin=float(torch.stack(mismatch_margin).amin()) if steps else float("inf"),
+    )
 
 
 def timed(fn, device: str):
@@ -207,7 +274,7 @@ def main() -> None:
     noise = logit_noise(drafter, head, features, ids, P)
     # A top-2 gap moves by at most twice the largest logit deviation; demand twice that again.
     threshold = max(4 * noise, 1e-4)
-    planted_steps, plant_seconds = timed(
+    planted, plant_seconds = timed(
         lambda: plant_tokens(drafter, head, features, ids, P, args.planted_mean, threshold, args.seed + 2),
         device,
     )
@@ -222,7 +289,7 @@ def main() -> None:
         "logit_noise": noise,
         "margin_threshold": threshold,
         "plant_seconds": plant_seconds,
-        "planted_steps": planted_steps,
+        "planted_steps": planted.steps,
         "modes": {},
     }
     # Warm-up (cuBLAS handles, allocator) on two short completions, untimed.
@@ -278,7 +345,9 @@ def main() -> None:
             for i in range(B)
         )
     # The planted runs are what every path must reproduce, step for step.
-    report["identical"]["planted_steps"] = all(report["modes"][m]["steps"] == planted_steps for m in modes)
+    report["identical"]["planted_accept_lengths"] = all(
+        [r.accept_lengths for r in results[m]] == planted.accept_lengths for m in modes
+    )
     best = min(modes, key=lambda m: report["modes"][m]["seconds"])
     report["fastest_mode"] = best
     sequential_rate = report["sequential"]["completions_per_s"]

@@ -1,20 +1,44 @@
 """Scoring throughput at the real drafter's shape, where the time goes, and the ceiling the arithmetic sets.
 
     PYTHONPATH=src python3 benchmarks/score_real_h200.py            # H200: Qwen3.6-27B's drafter, bf16
-    PYTHONPATH=src python3 benchmarks/score_real_h200.py --smoke    # CPU: tiny shapes, seconds
+    PYTHONPATH=src python3 benchmarks/score_real_h200.py --smoke    # CPU: tiny shapes, fp32
 
 The drafter has the shape of the DFlash drafter published for Qwen3.6-27B (hidden 5120, 5 layers,
 32/8 heads of 128, intermediate 17408, block 16, vocabulary 248320, 5 target layers), random weights;
-completions of 1,000 output tokens after a 128-token prompt; tokens planted as in score_h200.py
-(same planted mean, so tau is comparable), features in pinned host memory as a loader would hand
-them over. Timed on all completions:
-  - the engine (specops.acceptance, frontier mode), the head computed only where the walk needs it;
-  - the same with the head over all 15 positions of every block (what the engine did before);
-  - the engine again with a StepTimer: inputs (features to the device, context K/V), drafter layers,
-    head, and the walk's own steps (the rest);
-and the sequential oracle on a subset. Accept lengths must be identical everywhere. The record also
-counts the arithmetic (drafter and head FLOPs of the steps the walk took) against a bf16 matrix rate
-measured in the same run: the ceiling in completions per second at this tau.
+256 completions of 1,000 output tokens after a 128-token prompt; features in pinned host memory as a
+loader would hand them over.
+
+The tokens are planted as in score_h200.py (run lengths drawn uniform in 0..2 x --planted-mean, a run
+stopping early at a draft whose top-2 gap is under --margin-factor x the measured logit noise, then a
+sure mismatch), so that tau is that of a DFlash drafter at block 16 (~6) and every comparison the walk
+makes is decided by a wide margin. A random drafter of this shape cannot carry such runs by itself:
+its outputs point the same way for every block and position (cosine ~0.99, recorded as
+drafter_output_cosine), so its logits are one fixed draw of ~N(0, 1) values over the vocabulary whose
+top-2 gap (a few hundredths) is at the bf16 noise between the batched engine and the oracle (~0.02);
+the planted runs then stop at once (tau 1.4). Scaling the head or the norm weights cannot help: the
+noise scales with the logits. A trained drafter's logits are peaked, and the benchmark's head is made
+peaked in the plainest way (`decisive_head`): the lm_head row of the drafter's usual top token is set
+along the drafter's mean output direction, scaled so that its logit leads every other by --lead
+logits on probe blocks. Every draft is then that token, by a margin many times the noise (the
+smallest margin a planted token was chosen with, in units of the noise, is in the record), and runs
+stop where they are drawn to stop. The engine's work does not depend on which tokens the drafts are:
+every step drafts full blocks and takes the argmax over the whole vocabulary; what the accept lengths
+decide (the number of steps, the positions the head needs) is what the planting sets.
+
+Timed on all completions, each stage written to the record as it ends:
+  - the engine (specops.acceptance, frontier mode): the head, and the drafter's last layer after its
+    attention, computed only at the draft positions the walk needs;
+  - the sequential oracle on a subset;
+  - the engine again with a StepTimer: inputs (features to the device, context K/V), drafter layers
+    (every block position, up to the last layer's attention), the last layer's rest and the head at
+    the needed positions, and the walk's own steps (the rest);
+  - the same with the head and the last layer over all 15 draft positions of every block, and in
+    passes of 2 positions instead of 3;
+  - a kernel profile of the engine on every completion cut to its first --profile-tokens tokens.
+Accept lengths must equal the planted ones on every completion and the oracle's on the subset. The
+record counts the arithmetic of the steps the walk took (matrix-product FLOPs per completion: drafter
+layers, the last layer's rest, head, attention, context) against a bf16 matrix rate measured in the
+same run: the ceiling in completions per second at this tau, and the fraction of it measured.
 """
 
 from __future__ import annotations
@@ -24,6 +48,7 @@ import json
 import os
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 try:
@@ -33,12 +58,14 @@ except ImportError:
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch
+import torch.nn.functional as F
 from score_h200 import build_models, logit_noise, plant_tokens, timed
 
 import specops.leading_matches as matching
 from specops.acceptance import SequenceInput, offline_acceptance, overall_tau, sequential_acceptance
 from specops.step_timer import StepTimer
 
+N_FEATURES = 5
 REAL = dict(
     hidden=5120,
     layers=5,
@@ -48,10 +75,10 @@ REAL = dict(
     intermediate=17408,
     block=16,
     vocab=248320,
-    sequences=512,
+    sequences=256,
     length=1128,
     prompt=128,
-    subset=2,
+    subset=8,
     dtype="bfloat16",
 )
 SMOKE = dict(
@@ -69,6 +96,7 @@ SMOKE = dict(
     subset=2,
     dtype="float32",
 )
+POSITIONS_PER_PASS = 3
 
 
 def matmul_rate(device: str) -> float | None:
@@ -83,43 +111,92 @@ def matmul_rate(device: str) -> float | None:
     return 10 * 2 * 8192**3 / seconds
 
 
-def flops_per_completion(shape: dict, results, positions_per_pass: int) -> dict[str, float]:
-    """Drafter and head FLOPs of the walk's steps, per completion (matrix products only; the attention
-    over the context, under 3% at this shape, is left out)."""
-    h, d, kv, ff = shape["hidden"], shape["head_dim"], shape["kv_heads"], shape["intermediate"]
-    per_layer = h * shape["heads"] * d * 2 + 2 * h * kv * d + 3 * h * ff
-    bs = shape["block"]
-    steps = sum(r.steps for r in results)
-    drafter = 2 * bs * shape["layers"] * per_layer * steps
-    # Positions the head computes per step: whole passes up to the one holding the first mismatch.
-    positions = 0
-    for r in results:
-        for a in r.accept_lengths:
-            needed = min(a, bs - 1)  # a - 1 matches, then the mismatch (or the last position)
-            positions += min(-(-needed // positions_per_pass) * positions_per_pass, bs - 1)
-    head = 2 * h * shape["vocab"] * positions
-    head_all = 2 * h * shape["vocab"] * (bs - 1) * steps
-    context = 2 * shape["length"] * len(results) * (5 * h * h + shape["layers"] * 2 * h * kv * d)
-    n = len(results)
+@torch.inference_mode()
+def probe_states(drafter, head, features, ids, prompt: int, sequences: int = 8, starts: int = 4):
+    """Drafter outputs [N, hidden] (float32) at the draft positions of blocks across a few completions."""
+    B, L = min(ids.shape[0], sequences), ids.shape[1]
+    context = drafter.context_kv(features[:B])
+    found = []
+    for start in torch.linspace(prompt, L - 2, starts).long().tolist():
+        at = torch.full((B, 1), start, device=ids.device)
+        embeds = drafter.block_embeddings(head.embed, ids[:B].gather(1, at))
+        found.append(drafter(embeds, at, context)[:, 0, 1:].reshape(-1, drafter.hidden_size).float())
+    return torch.cat(found)
+
+
+def decisive_head(drafter, head, features, ids, prompt: int, lead: float) -> dict:
+    """Make the random head's logits peaked (see the module docstring); returns what was done and seen."""
+    states = probe_states(drafter, head, features, ids, prompt)
+    unit = F.normalize(states, dim=-1)
+    direction = F.normalize(unit.mean(dim=0), dim=0)
+    cosine = unit @ direction
+    with torch.inference_mode():
+        logits = head.logits(states.to(head.dtype), drafter.output_multiplier, drafter.logit_softcap).float()
+    top2 = logits.topk(2, dim=-1).values
+    token = int(torch.bincount(logits.argmax(dim=-1)).argmax())
+    # The new row's logit is scale x (state . direction): the probe with the least of it leads by `lead`.
+    along = states @ direction
+    scale = (float(logits.max()) + lead) / max(float(along.min()), 1e-3 * float(along.max()), 1e-6)
+    with torch.no_grad():
+        head.lm_head_weight[token] = (direction * scale).to(head.dtype)
+    with torch.inference_mode():
+        after = head.logits(states.to(head.dtype), drafter.output_multiplier, drafter.logit_softcap).float()
+    new_top2 = after.topk(2, dim=-1)
     return {
-        "drafter": drafter / n,
-        "head": head / n,
-        "head_all_positions": head_all / n,
-        "context": context / n,
-        "head_positions_per_step": positions / steps,
+        "token": token,
+        "lead": lead,
+        "row_norm": scale,
+        "probe_positions": states.shape[0],
+        "drafter_output_cosine": {"min": float(cosine.min()), "mean": float(cosine.mean())},
+        "random_head_top2_gap": _quantiles(top2[:, 0] - top2[:, 1]),
+        "decisive_head_top2_gap": _quantiles(new_top2.values[:, 0] - new_top2.values[:, 1]),
+        "decisive_head_drafts_that_token": float((new_top2.indices[:, 0] == token).float().mean()),
+        "_random_gaps": top2[:, 0] - top2[:, 1],
     }
+
+
+def _quantiles(values: torch.Tensor) -> dict[str, float]:
+    q = torch.quantile(values.float().cpu(), torch.tensor([0.0, 0.1, 0.5, 0.9]))
+    return {"min": float(q[0]), "p10": float(q[1]), "median": float(q[2]), "p90": float(q[3])}
+
+
+def flops_per_completion(shape: dict, results, positions_of: Callable[[int], int]) -> dict[str, float]:
+    """Matrix-product FLOPs per completion of the steps the walk took.
+
+    positions_of(a): the draft positions the last layer's rest (o_proj, MLP) and the head run at, in a
+    step of accept length a. Attention counts the scores and their mix over the whole padded context
+    (the engine masks the context after a block's start, it does not shorten it).
+    """
+    h, heads, kv, d = shape["hidden"], shape["heads"], shape["kv_heads"], shape["head_dim"]
+    bs, layers, T = shape["block"], shape["layers"], shape["length"]
+    q, kvp, o, mlp = h * heads * d, 2 * h * kv * d, heads * d * h, 3 * h * shape["intermediate"]
+    steps = sum(r.steps for r in results)
+    positions = sum(positions_of(a) for r in results for a in r.accept_lengths)
+    n = len(results)
+    parts = {
+        "drafter_layers": 2 * bs * ((layers - 1) * (q + kvp + o + mlp) + q + kvp) * steps / n,
+        "last_layer_rest": 2 * (o + mlp) * positions / n,
+        "head": 2 * h * shape["vocab"] * positions / n,
+        "attention": 4 * layers * heads * d * bs * (T + bs) * steps / n,
+        "context": 2 * T * (N_FEATURES * h * h + layers * kvp),
+    }
+    parts["total"] = sum(parts.values())
+    parts["head_positions_per_step"] = positions / steps
+    parts["steps"] = steps / n
+    return parts
 
 
 def kernel_profile(drafter, head, sequences, rows: int = 30) -> list[dict]:
     """The kernels that take the most device time in one engine run (torch.profiler)."""
     from torch.profiler import ProfilerActivity, profile
 
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    cuda = torch.cuda.is_available()
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     with profile(activities=activities) as prof:
         offline_acceptance(drafter, head, sequences)
-        if torch.cuda.is_available():
+        if cuda:
             torch.cuda.synchronize()
-    key = "self_device_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
+    key = "self_device_time_total" if cuda else "self_cpu_time_total"
     found = sorted(prof.key_averages(), key=lambda e: -getattr(e, key, 0.0))[:rows]
     return [{"name": e.key[:90], "calls": e.count, "device_ms": getattr(e, key, 0.0) / 1e3} for e in found]
 
@@ -133,10 +210,13 @@ class Record:
     def elapsed(self) -> float:
         return time.perf_counter() - self.started
 
+    def begin(self, name: str) -> None:
+        print(f"[{self.elapsed():7.1f}s] {name} ...", file=sys.stderr, flush=True)
+
     def stage(self, name: str, **values) -> None:
         self.data.update(values)
         self.data.setdefault("stages_s", {})[name] = round(self.elapsed(), 1)
-        print(f"[{self.elapsed():7.1f}s] {name}", file=sys.stderr, flush=True)
+        print(f"[{self.elapsed():7.1f}s] {name} done", file=sys.stderr, flush=True)
         if self.out:
             Path(self.out).parent.mkdir(parents=True, exist_ok=True)
             Path(self.out).write_text(json.dumps(self.data, indent=2) + "\n")
@@ -150,17 +230,27 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on CPU in fp32")
     parser.add_argument("--sequences", type=int)
-    parser.add_argument("--planted-mean", type=int, default=5, help="mean planted run (as score_h200.py)")
+    parser.add_argument("--length", type=int, help="tokens per completion, prompt included")
+    parser.add_argument("--subset", type=int, help="completions the sequential oracle checks")
+    parser.add_argument("--planted-mean", type=int, default=5, help="mean planted run (tau ~ mean + 1)")
     parser.add_argument(
         "--margin-factor",
         type=float,
         default=4.0,
-        help="planted runs stop at a draft whose top-2 gap is under this many times the logit noise; "
-        "lower plants longer runs (tau nearer planted-mean + 1) with closer calls",
+        help="planted runs stop at a draft whose top-2 gap is under this many times the logit noise",
+    )
+    parser.add_argument(
+        "--lead",
+        type=float,
+        default=8.0,
+        help="logits by which the decisive head's token leads on the probes (0: leave the random head)",
     )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
-        "--profile", type=int, default=0, help="also profile the engine on this many completions"
+        "--profile-tokens",
+        type=int,
+        default=96,
+        help="profile the engine on every completion cut to its prompt and this many tokens (0: no profile)",
     )
     parser.add_argument(
         "--deadline", type=float, default=0, help="skip the optional stages after this many s"
@@ -171,11 +261,12 @@ def main() -> None:
     args = parser.parse_args()
 
     shape = dict(SMOKE if args.smoke else REAL)
-    if args.sequences:
-        shape["sequences"] = args.sequences
+    for key in ("sequences", "length", "subset"):
+        if getattr(args, key):
+            shape[key] = getattr(args, key)
     device = "cpu" if args.smoke or not torch.cuda.is_available() else "cuda"
     dtype = getattr(torch, shape["dtype"])
-    B, L, P = shape["sequences"], shape["length"], shape["prompt"]
+    B, L, P, bs = shape["sequences"], shape["length"], shape["prompt"], shape["block"]
     out = args.out or (
         os.path.join(os.environ["OUT"], "score_real_h200.json") if os.environ.get("OUT") else None
     )
@@ -184,6 +275,7 @@ def main() -> None:
     def time_left() -> bool:
         return not args.deadline or record.elapsed() < args.deadline
 
+    record.begin("matmul rate")
     rate = matmul_rate(device)
     record.stage(
         "matmul rate",
@@ -192,40 +284,70 @@ def main() -> None:
         device=torch.cuda.get_device_name() if device == "cuda" else "cpu",
         torch=torch.__version__,
         shape=shape,
+        planted_mean=args.planted_mean,
+        margin_factor=args.margin_factor,
+        positions_per_pass=POSITIONS_PER_PASS,
         matmul_flops_per_s=rate,
     )
+
+    record.begin("models, decisive head, logit noise")
     drafter, head = build_models(shape, device, dtype, args.seed)
     generator = torch.Generator(device=device).manual_seed(args.seed + 1)
-    features = torch.randn(B, L, 5, shape["hidden"], device=device, generator=generator, dtype=dtype)
+    features = torch.randn(B, L, N_FEATURES, shape["hidden"], device=device, generator=generator, dtype=dtype)
     ids = torch.randint(0, shape["vocab"] - 1, (B, L), device=device, generator=generator)
+    decisive = decisive_head(drafter, head, features, ids, P, args.lead) if args.lead > 0 else {}
     noise = logit_noise(drafter, head, features, ids, P)
     threshold = max(args.margin_factor * noise, 1e-4)
+    if decisive:
+        random_gaps = decisive.pop("_random_gaps")
+        decisive["random_head_gaps_over_threshold"] = float((random_gaps > threshold).float().mean())
     rows = torch.randn(1024, shape["hidden"], device=device, dtype=dtype)
     head.logits(rows)
     _, head_seconds = timed(lambda: [head.logits(rows) for _ in range(5)], device)
     record.stage(
-        "models and noise",
+        "models, decisive head, logit noise",
+        decisive_head=decisive,
         logit_noise=noise,
         margin_threshold=threshold,
         head_logits_flops_per_s=5 * 2 * 1024 * shape["hidden"] * shape["vocab"] / head_seconds,
     )
-    planted_steps, plant_seconds = timed(
+
+    record.begin("planting")
+    planted, plant_seconds = timed(
         lambda: plant_tokens(drafter, head, features, ids, P, args.planted_mean, threshold, args.seed + 2),
         device,
     )
     record.stage(
         "planted",
         plant_seconds=plant_seconds,
-        planted_steps=planted_steps,
-        planted_tau=B * (L - 1 - P) / planted_steps,
+        planted_steps=planted.steps,
+        planted_tau=B * (L - 1 - P) / planted.steps,
+        smallest_planted_margin_in_noise={
+            "matches (top-2 gap)": planted.smallest_match_margin / noise if noise else None,
+            "mismatches (top over the planted token)": planted.smallest_mismatch_margin / noise
+            if noise
+            else None,
+        },
     )
-    sequences = []
-    for b in range(B):
-        host = torch.empty(features[b].shape, dtype=dtype, pin_memory=device == "cuda").copy_(features[b])
-        sequences.append(SequenceInput(f"c{b:04d}", ids[b].cpu(), host, P))
+
+    record.begin("pinning the features, warm-up")
+    # One pinned buffer for all completions, as a loader would fill it; each sequence holds a view.
+    host = torch.empty(features.shape, dtype=dtype, pin_memory=device == "cuda")
+    host.copy_(features)
+    ids_host = ids.cpu()
+    sequences = [SequenceInput(f"c{b:04d}", ids_host[b], host[b], P) for b in range(B)]
     features = None
-    warm = [SequenceInput(s.id, s.input_ids[: P + 64], s.features[: P + 64], P) for s in sequences[:4]]
-    offline_acceptance(drafter, head, warm)
+    if device == "cuda":
+        torch.cuda.empty_cache()
+
+    def cut(tokens: int) -> list[SequenceInput]:
+        return [SequenceInput(s.id, s.input_ids[:tokens], s.features[:tokens], P) for s in sequences]
+
+    # Every completion for a few steps, in both head modes: the shapes the timed runs use.
+    for per_pass in (POSITIONS_PER_PASS, bs - 1):
+        matching.DEFAULT_POSITIONS_PER_PASS = per_pass
+        offline_acceptance(drafter, head, cut(P + 3 * bs))
+    sequential_acceptance(drafter, head, cut(P + 3 * bs)[0])
     record.stage("inputs pinned, warm-up")
 
     def engine(per_pass: int, timer: StepTimer | None = None):
@@ -239,59 +361,98 @@ def main() -> None:
             summary["peak_gpu_memory_gib"] = torch.cuda.max_memory_allocated() / 2**30
         return found, summary
 
-    per_pass = 3
+    def where_needed(a: int) -> int:  # whole passes up to the one holding the first mismatch
+        return min(-(-a // POSITIONS_PER_PASS) * POSITIONS_PER_PASS, bs - 1)
+
+    record.begin("engine")
     runs: dict = {}
-    results, runs["head_where_needed"] = engine(per_pass)
-    flops = flops_per_completion(shape, results, per_pass)
-    step_flops = flops["drafter"] + flops["head"] + flops["context"]
+    results, runs["where_needed"] = engine(POSITIONS_PER_PASS)
+    arithmetic = {
+        "engine": flops_per_completion(shape, results, where_needed),
+        "minimum (up to each first mismatch)": flops_per_completion(shape, results, lambda a: min(a, bs - 1)),
+        "all positions": flops_per_completion(shape, results, lambda a: bs - 1),
+    }
+    ceiling = {k: rate / v["total"] if rate else None for k, v in arithmetic.items()}
+    measured = runs["where_needed"]["completions_per_s"]
     record.stage(
         "engine",
         tau=overall_tau(results),
         runs=runs,
-        flops_per_completion=flops,
-        ceiling_completions_per_s=rate / step_flops if rate else None,
-        mfu=step_flops * B / runs["head_where_needed"]["seconds"] / rate if rate else None,
-        identical={"planted_steps": runs["head_where_needed"]["steps"] == planted_steps},
+        flops_per_completion=arithmetic,
+        ceiling_completions_per_s=ceiling,
+        fraction_of_ceiling=measured / ceiling["engine"] if rate else None,
+        identical={"planted_accept_lengths": [r.accept_lengths for r in results] == planted.accept_lengths},
     )
     identical = record.data["identical"]
-    timer = StepTimer(device)
-    timed_results, runs["head_where_needed_timed"] = engine(per_pass, timer)
-    parts = timer.seconds()
-    identical["timed_vs_untimed"] = same(timed_results, results)
+
+    record.begin("sequential oracle")
+    subset = sequences[: shape["subset"]]
+    oracle, oracle_seconds = timed(lambda: [sequential_acceptance(drafter, head, s) for s in subset], device)
+    identical["sequential_vs_engine"] = same(oracle, results)
     record.stage(
-        "engine, timed parts",
-        where_the_time_goes_s={
-            "inputs (features to the device, context K/V)": parts.get("inputs", 0.0),
-            "drafter layers": parts.get("drafter", 0.0),
-            "head (only where the walk needs it)": parts.get("head", 0.0),
-            "walk (steps minus drafter and head)": parts.get("steps", 0.0)
-            - parts.get("drafter", 0.0)
-            - parts.get("head", 0.0),
-            "total (timed run)": runs["head_where_needed_timed"]["seconds"],
+        "sequential oracle",
+        sequential={
+            "completions": len(subset),
+            "seconds_per_completion": oracle_seconds / len(subset),
+            "tau": overall_tau(oracle),
         },
     )
+
     if time_left():
-        full_head, runs["head_all_positions"] = engine(shape["block"] - 1)
-        identical["head_all_positions_vs_where_needed"] = same(full_head, results)
-        record.stage("engine, head over all positions")
-    matching.DEFAULT_POSITIONS_PER_PASS = per_pass
-    if time_left():
-        subset = sequences[: shape["subset"]]
-        oracle, oracle_seconds = timed(
-            lambda: [sequential_acceptance(drafter, head, s) for s in subset], device
-        )
-        identical["sequential_vs_engine"] = same(oracle, results)
+        record.begin("engine, timed parts")
+        timer = StepTimer(device)
+        timed_results, runs["where_needed_timed"] = engine(POSITIONS_PER_PASS, timer)
+        parts = timer.seconds()
+        identical["timed_vs_untimed"] = same(timed_results, results)
+        engine_flops = arithmetic["engine"]
+        named = {
+            "inputs (features to the device, context K/V)": parts.get("inputs", 0.0),
+            "drafter layers (all positions, to the last layer's attention)": parts.get("drafter", 0.0),
+            "last layer's o_proj, MLP, norm (needed positions)": parts.get("last layer", 0.0),
+            "head (needed positions)": parts.get("head", 0.0),
+        }
+        named["walk (steps minus the three above)"] = parts.get("steps", 0.0) - sum(list(named.values())[1:])
+        named["total (timed run)"] = runs["where_needed_timed"]["seconds"]
+        seconds = {k: max(parts.get(k, 0.0), 1e-9) for k in ("drafter", "last layer", "head")}
         record.stage(
-            "sequential oracle",
-            sequential={
-                "completions_timed": len(subset),
-                "seconds_per_completion": oracle_seconds / len(subset),
-                "tau": overall_tau(oracle),
+            "engine, timed parts",
+            where_the_time_goes_s=named,
+            batched_forwards=timer.counts.get("drafter", 0),
+            achieved_flops_per_s={
+                "drafter layers (with attention)": B
+                * (engine_flops["drafter_layers"] + engine_flops["attention"])
+                / seconds["drafter"],
+                "last layer's rest": B * engine_flops["last_layer_rest"] / seconds["last layer"],
+                "head": B * engine_flops["head"] / seconds["head"],
             },
         )
-    if args.profile and time_left():
+
+    if time_left():
+        record.begin("engine, head over all positions")
+        full_head, runs["all_positions"] = engine(bs - 1)
+        identical["all_positions_vs_where_needed"] = same(full_head, results)
+        record.stage("engine, head over all positions")
+    if time_left():
+        # Smaller passes: fewer positions past each first mismatch, one more pass (and host sync) a step.
+        record.begin("engine, 2 positions per pass")
+        fine, runs["two_per_pass"] = engine(2)
+        identical["two_per_pass_vs_three"] = same(fine, results)
         record.stage(
-            "kernel profile", kernel_profile=kernel_profile(drafter, head, sequences[: args.profile])
+            "engine, 2 positions per pass",
+            flops_per_completion_two_per_pass=flops_per_completion(
+                shape, results, lambda a: min(-(-a // 2) * 2, bs - 1)
+            ),
+        )
+    matching.DEFAULT_POSITIONS_PER_PASS = POSITIONS_PER_PASS
+
+    if args.profile_tokens and time_left():
+        record.begin("kernel profile")
+        record.stage(
+            "kernel profile",
+            kernel_profile={
+                "tokens_per_completion": args.profile_tokens,
+                "kernels": kernel_profile(drafter, head, cut(P + args.profile_tokens)),
+            },
         )
     record.stage("done", ok=all(identical.values()))
     print(json.dumps(record.data, indent=2))

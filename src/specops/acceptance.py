@@ -246,21 +246,31 @@ class _Group:
 
     def match_runs(self, starts: torch.Tensor) -> torch.Tensor:
         """Leading matches (0..bs-1) of the drafts of the blocks at starts [B, m] against the target."""
-        drafter, head = self.drafter, self.head
+        drafter, head, timer = self.drafter, self.head, self.timer
         B, m = starts.shape
+        bs = drafter.block_size
         anchors = self.ids.gather(1, starts)
-        with self.timer.span("drafter"):
+        with timer.span("drafter"):
             embeds = drafter.block_embeddings(head.embed, anchors.clamp_min(0))
-            hidden = drafter(embeds, starts, self.context)[:, :, 1:]
+            residual, mixed = drafter.trunk(embeds, starts, self.context)
+        # Draft positions 1..bs-1, one row per block; the rest of the last layer runs per head pass,
+        # on the blocks and positions the pass needs.
+        residual = residual[:, :, 1:].reshape(B * m, bs - 1, -1)
+        mixed = mixed[:, :, 1:].reshape(B * m, bs - 1, -1)
+
+        def draft_states(rows: torch.Tensor, first: int, last: int) -> torch.Tensor:
+            with timer.span("last layer"):
+                return drafter.finish(residual[rows, first:last], mixed[rows, first:last])
+
         targets = self.ids.gather(1, (starts[..., None] + self.offsets).view(B, -1))
-        with self.timer.span("head"):
-            runs = leading_matches(
-                head,
-                hidden.reshape(B * m, *hidden.shape[2:]),
-                targets.view(B * m, -1),
-                drafter.output_multiplier,
-                drafter.logit_softcap,
-            )
+        runs = leading_matches(
+            head,
+            draft_states,
+            targets.view(B * m, -1),
+            drafter.output_multiplier,
+            drafter.logit_softcap,
+            timer=timer,
+        )
         return runs.view(B, m)
 
 

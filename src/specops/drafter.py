@@ -111,12 +111,17 @@ class DFlashAttention(nn.Module):
         ctx_k/ctx_v [B, kv_heads, T, head_dim] hold the context at positions 0..T-1; block (b, i)
         starts at starts[b, i] and sees context positions < starts[b, i] only.
         """
+        return self.o_proj(self.mix(x, cos, sin, starts, ctx_k, ctx_v))
+
+    def mix(self, x, cos, sin, starts, ctx_k, ctx_v):
+        """The attention's output before o_proj, [B, m, bs, heads * head_dim] (see `forward`)."""
         B, m, bs, _ = x.shape
         T = ctx_k.shape[-2]
         h, g, d = self.num_kv_heads, self.groups, self.head_dim
         # Query heads are grouped as kv_head * groups + g (transformers' repeat_kv order).
         q = self.q_norm(self.q_proj(x).view(B, m, bs, h, g, d))
-        q = apply_rope(q, cos[:, :, :, None, None], sin[:, :, :, None, None])
+        # The scale goes on the queries: one product over bs positions instead of one over every score.
+        q = apply_rope(q, cos[:, :, :, None, None], sin[:, :, :, None, None]) * self.scaling
         q = q.permute(0, 3, 1, 4, 2, 5).contiguous()  # [B, h, m, g, bs, d]
         k_blk, v_blk = self.kv(x, cos, sin)  # [B, m, h, bs, d]
         k_blk, v_blk = k_blk.transpose(1, 2), v_blk.transpose(1, 2)  # [B, h, m, bs, d]
@@ -124,7 +129,10 @@ class DFlashAttention(nn.Module):
         # Context part: every block of a sequence shares its context, so one matmul per (sequence, head).
         s_ctx = torch.matmul(q.view(B, h, m * g * bs, d), ctx_k.transpose(-1, -2)).view(B, h, m, g, bs, T)
         s_blk = torch.matmul(q.view(B, h, m, g * bs, d), k_blk.transpose(-1, -2)).view(B, h, m, g, bs, bs)
-        scores = torch.cat([s_ctx, s_blk], dim=-1).float() * self.scaling
+        # The scores stay in the compute dtype (the products above already round them to it); the
+        # mask goes in in place and softmax accumulates in float32: the scores are the largest
+        # tensor of a step, and each float32 copy of them costs more memory traffic than the matmuls.
+        scores = torch.cat([s_ctx, s_blk], dim=-1)
 
         key_pos = torch.arange(T, device=x.device)
         starts_ = starts[:, None, :, None, None, None]
@@ -139,12 +147,11 @@ class DFlashAttention(nn.Module):
             torch.zeros(bs, bs, dtype=torch.bool, device=x.device) if blk_visible is None else ~blk_visible
         ).expand(B, 1, m, 1, bs, bs)
         mask = torch.cat([ctx_hidden, blk_hidden], dim=-1)
-        probs = scores.masked_fill(mask, float("-inf")).softmax(dim=-1).to(x.dtype)
+        probs = scores.masked_fill_(mask, float("-inf")).softmax(dim=-1)
 
         out = torch.matmul(probs[..., :T].reshape(B, h, m * g * bs, T), ctx_v).view(B, h, m, g, bs, d)
         out = out + torch.matmul(probs[..., T:].reshape(B, h, m, g * bs, bs), v_blk).view(B, h, m, g, bs, d)
-        out = out.permute(0, 2, 4, 1, 3, 5).reshape(B, m, bs, h * g * d)
-        return self.o_proj(out)
+        return out.permute(0, 2, 4, 1, 3, 5).reshape(B, m, bs, h * g * d)
 
 
 class DFlashLayer(nn.Module):
@@ -239,12 +246,37 @@ class DFlashDrafter(nn.Module):
         context from `context_kv` (positions 0..T-1). Block (b, i) sees context positions < starts[b, i].
         Returns [B, m, bs, hidden]; outputs 1..bs-1 are the drafts for starts+1..starts+bs-1.
         """
+        return self.finish(*self.trunk(block_embeds, starts, context))
+
+    def trunk(
+        self,
+        block_embeds: torch.Tensor,
+        starts: torch.Tensor,
+        context: list[tuple[torch.Tensor, torch.Tensor]],
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The blocks up to the last layer's attention: (residual, mix), both [B, m, bs, ...].
+
+        Every layer before the last needs all block positions (the next layer's keys and values come
+        from them), and so does the last layer's attention; what follows it (`finish`: o_proj, MLP,
+        final norm) acts on each position alone, so it can run later on only the positions whose
+        drafts are needed. residual is the last layer's input, mix its attention before o_proj.
+        """
         bs = block_embeds.shape[-2]
         positions = starts[..., None] + torch.arange(bs, device=starts.device)
         cos, sin = self.rope(positions, block_embeds)
+        layers = self.decoder_layers
         x = block_embeds
-        for layer, (ctx_k, ctx_v) in zip(self.layers, context, strict=True):
+        for layer, (ctx_k, ctx_v) in zip(layers[:-1], context[:-1], strict=True):
             x = layer(x, cos, sin, starts, ctx_k, ctx_v)
+        last = layers[-1]
+        mixed = last.self_attn.mix(last.input_layernorm(x), cos, sin, starts, *context[-1])
+        return x, mixed
+
+    def finish(self, residual: torch.Tensor, mixed: torch.Tensor) -> torch.Tensor:
+        """Draft hidden states from `trunk`'s (residual, mix) of any positions [..., hidden]."""
+        last = self.decoder_layers[-1]
+        x = residual + last.self_attn.o_proj(mixed)
+        x = x + last.mlp(last.post_attention_layernorm(x))
         return self.norm(x)
 
 

@@ -6,40 +6,62 @@ largest single matrix product of a step (vocabulary x hidden per position). So t
 few positions at a time, and only for the blocks whose drafts have matched so far: with acceptance
 around 6 of 15 positions, about half of the head's work is skipped. Every position that is computed
 gets the same argmax as before (`TargetHead.argmax` row by row), so the counts do not change.
+
+The drafter's own last steps (its last layer's o_proj and MLP, the final norm) also act on each
+position alone, so the draft states can be handed over as a function that computes them for just the
+blocks and positions a pass needs (`DFlashDrafter.trunk` / `finish`).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
+from specops.step_timer import NoTimer, StepTimer
 from specops.target_head import TargetHead
 
 # Positions per head pass: small enough to stop soon after a block's first mismatch, large enough that
 # each pass's matrix product has many rows.
 DEFAULT_POSITIONS_PER_PASS = 3
 
+# hidden_at(blocks, first, last) -> the draft states [len(blocks), last - first, hidden] of those blocks
+# at draft positions first..last-1.
+DraftStates = Callable[[torch.Tensor, int, int], torch.Tensor]
+
+
+def _states_of(hidden: torch.Tensor) -> DraftStates:
+    return lambda rows, first, last: hidden[rows, first:last]
+
 
 def leading_matches(
     head: TargetHead,
-    hidden: torch.Tensor,
+    hidden: torch.Tensor | DraftStates,
     targets: torch.Tensor,
     multiplier: float = 1.0,
     softcap: float | None = None,
     positions_per_pass: int | None = None,
+    timer: StepTimer | NoTimer | None = None,
 ) -> torch.Tensor:
     """Leading matches [N] of the drafts of hidden [N, J, H] against targets [N, J] (0..J).
 
-    A block leaves the passes at its first mismatch; the passes stop when no block is left (one host
-    sync per pass, a few per step). positions_per_pass: default DEFAULT_POSITIONS_PER_PASS, read at
-    call time; J computes the head over every position at once.
+    hidden: the draft states, or a function that computes those of some blocks at some positions
+    (`DraftStates`), called once per pass with the blocks still matching. A block leaves the passes
+    at its first mismatch; the passes stop when no block is left (one host sync per pass, a few per
+    step). positions_per_pass: default DEFAULT_POSITIONS_PER_PASS, read at call time; J computes the
+    head over every position at once. timer: the head's time goes under "head".
     """
     blocks, positions = targets.shape
     per_pass = positions_per_pass or DEFAULT_POSITIONS_PER_PASS
+    timer = timer or NoTimer()
+    hidden_at = hidden if callable(hidden) else _states_of(hidden)
     runs = torch.zeros(blocks, dtype=torch.long, device=targets.device)
     alive = torch.arange(blocks, device=targets.device)
     for first in range(0, positions, per_pass):
         last = min(first + per_pass, positions)
-        drafts = head.argmax(hidden[alive, first:last], multiplier, softcap)
+        states = hidden_at(alive, first, last)
+        with timer.span("head"):
+            drafts = head.argmax(states, multiplier, softcap)
         matched = (drafts == targets[alive, first:last]).long().cumprod(dim=-1)
         runs[alive] += matched.sum(dim=-1)
         if last == positions:

@@ -141,6 +141,42 @@ def test_tokens_planted_from_the_drafters_own_drafts_give_tau_run_plus_one(
 # ---- engine against the oracle -----------------------------------------------------------------------
 
 
+def plant_runs(drafter, head, sequence, runs):
+    """Overwrite the output so that the blocks the walk visits match for runs[0], runs[1], ... positions."""
+    ids = sequence.input_ids.clone()
+    loop = SequentialDrafter(drafter, head, sequence.features)
+    s, step = sequence.prompt_len, 0
+    with torch.inference_mode():
+        while s < len(ids) - 1:
+            run = runs[step % len(runs)]
+            drafts = loop.drafts(int(ids[s]), s)
+            for j in range(1, min(run + 2, drafter.block_size)):
+                if s + j < len(ids):
+                    ids[s + j] = drafts[j - 1] if j <= run else (drafts[j - 1] + 1) % head.vocab_size
+            s, step = s + run + 1, step + 1
+    return SequenceInput(sequence.id, ids, sequence.features, sequence.prompt_len)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("per_pass", [1, 3, 7])
+def test_the_last_layer_and_head_where_needed_give_the_oracles_lengths_for_runs_of_every_length(
+    fixture_models, head, greedy_sequences, monkeypatch, mode, per_pass
+):
+    # Runs end in every head pass, and some blocks match all the way: every pass of the drafter's
+    # last layer and of the head is reached, on fewer blocks each time.
+    import specops.leading_matches as matching
+
+    monkeypatch.setattr(matching, "DEFAULT_POSITIONS_PER_PASS", per_pass)
+    drafter = load_drafter(fixture_models.drafter)
+    runs = list(range(drafter.block_size))
+    completions = enumerate(greedy_sequences[:3])
+    sequences = [plant_runs(drafter, head, s, runs[i:] + runs[:i]) for i, s in completions]
+    fast = offline_acceptance(drafter, head, sequences, mode=mode)
+    oracle = [sequential_acceptance(drafter, head, s) for s in sequences]
+    assert [r.accept_lengths for r in fast] == [r.accept_lengths for r in oracle]
+    assert {n for r in fast for n in r.accept_lengths[:-1]} == set(range(1, drafter.block_size + 1))
+
+
 @pytest.mark.parametrize("mode", MODES)
 def test_random_drafter_accepts_about_one_token_and_equals_the_oracle(
     fixture_models, head, greedy_sequences, mode

@@ -132,6 +132,22 @@ def test_many_blocks_in_one_forward_equal_one_block_at_a_time(fixture_models):
                 torch.testing.assert_close(batched[b, i], single, rtol=1e-5, atol=1e-5)
 
 
+def test_the_last_layer_finished_later_on_some_positions_equals_the_whole_forward(fixture_models):
+    drafter = load_drafter(fixture_models.drafter)
+    head = load_target_head(fixture_models.target)
+    generator = torch.Generator().manual_seed(0)
+    features = torch.randn(2, 40, 3, drafter.hidden_size, generator=generator)
+    ids = torch.randint(0, head.vocab_size, (2, 40), generator=generator)
+    starts = torch.tensor([[3, 11, 30], [1, 20, 38]])
+    with torch.inference_mode():
+        context = drafter.context_kv(features)
+        embeds = drafter.block_embeddings(head.embed, ids.gather(1, starts))
+        whole = drafter(embeds, starts, context)
+        residual, mixed = drafter.trunk(embeds, starts, context)
+        some = drafter.finish(residual[1, :2, 2:5], mixed[1, :2, 2:5])
+    torch.testing.assert_close(some, whole[1, :2, 2:5], rtol=1e-5, atol=1e-5)
+
+
 def test_a_block_ignores_the_context_at_and_after_its_start(fixture_models):
     drafter = load_drafter(fixture_models.drafter)
     head = load_target_head(fixture_models.target)

@@ -34,3 +34,22 @@ def test_blocks_past_their_first_mismatch_never_reach_the_head(monkeypatch):
     )
     assert leading_matches(head, hidden, targets, positions_per_pass=2).tolist() == [4, 0]
     assert rows == [2, 1]
+
+
+def test_draft_states_given_as_a_function_are_asked_for_the_matching_blocks_only():
+    generator = torch.Generator().manual_seed(1)
+    head = TargetHead(torch.randn(64, 16, generator=generator), torch.randn(64, 16, generator=generator))
+    hidden = torch.randn(30, 7, 16, generator=generator)
+    drafts = head.argmax(hidden)
+    runs = torch.randint(0, 8, (30,), generator=generator)
+    targets = torch.where(torch.arange(7) < runs[:, None], drafts, (drafts + 1) % 64)
+    asked = []
+
+    def states(rows, first, last):
+        asked.append((rows.tolist(), first, last))
+        return hidden[rows, first:last]
+
+    assert torch.equal(leading_matches(head, states, targets, positions_per_pass=3), runs.clamp_max(7))
+    assert [(first, last) for _, first, last in asked] == [(0, 3), (3, 6), (6, 7)][: len(asked)]
+    for rows, first, _ in asked:
+        assert rows == [b for b in range(30) if runs[b] >= first]
