@@ -116,3 +116,39 @@ def test_a_host_that_fails_its_window_is_put_back_and_the_rollout_stops(rolling_
     }
     assert fleet.healthy_workers() == set(fleet.worker_urls)
     assert load["failed"] == 0, load["failures"]
+
+
+def host_files(fleet, hosts) -> dict[str, tuple[int, int]]:
+    """Every file under the hosts' work directories (size, mtime), the servers' own logs left out."""
+    return {
+        str(path.relative_to(fleet.work_dir)): (path.stat().st_size, path.stat().st_mtime_ns)
+        for host in hosts
+        for path in (fleet.work_dir / host).rglob("*")
+        if path.is_file() and path.name != "sglang.log"
+    }
+
+
+def test_check_mode_on_a_fresh_two_host_fleet_passes_and_touches_nothing(fleet, tmp_path):
+    # Fresh hosts behind the router: no run directory, no ML environment, no cache directory yet. The
+    # servers run with a Python of their own, as SGLang does before specops ever came to the host.
+    fresh = {
+        "specops_run_dir": "{{ specops_work_dir }}/run-check",
+        "fla_env_venv": str(tmp_path / "ml"),
+        "specops_host_cache_dir": str(tmp_path / "cache"),
+        "sglang_service_python": str(REPO / ".venv-ml" / "bin" / "python"),
+    }
+    hosts = ("replica1", "replica2")
+    pids = {host: fleet.server_pid(host) for host in HOSTS}
+    files = host_files(fleet, hosts)
+    result = fleet.play("eval.yml", args=("--check", "--limit", ",".join(hosts)), **fresh)
+    assert result.rc == 0, result.output[-6000:]
+    assert set(result.recap) == set(hosts) and not any(c["failed"] for c in result.recap.values())
+    # Each host's share of the prompts is planned without the ML environment; nothing after it can be.
+    said = " ".join(result.output.split()).replace("''", "'")  # YAML doubles quotes in quotes
+    assert said.count("check mode: the ML environment is not built yet, so nothing after") == len(hosts)
+    assert "check mode: the hosts' reports are not merged" in said
+    assert not any((fleet.work_dir / host / "run-check").exists() for host in hosts)
+    assert not (tmp_path / "ml").exists() and not (tmp_path / "cache").exists()
+    assert host_files(fleet, hosts) == files
+    assert {host: fleet.server_pid(host) for host in HOSTS} == pids
+    assert fleet.healthy_workers() == set(fleet.worker_urls)
