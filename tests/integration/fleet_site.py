@@ -192,7 +192,15 @@ class LocalFleet:
         pid_file = self.work_dir / host / "sglang.pid"
         return int(pid_file.read_text().split()[0]) if pid_file.is_file() else None
 
-    def start_load(self, name: str, concurrency: int = 1, max_seconds: float = 3600) -> None:
+    def start_load(
+        self,
+        name: str,
+        concurrency: int = 1,
+        max_seconds: float = 3600,
+        kinds: str = "short",
+        long_max_new_tokens: int = 64,
+        timeout: float = 120,
+    ) -> None:
         self.stop_file(name).unlink(missing_ok=True)
         self.load = subprocess.Popen(
             [
@@ -211,6 +219,12 @@ class LocalFleet:
                 str(max_seconds),
                 "--max-requests",
                 "20000",
+                "--kinds",
+                kinds,
+                "--long-max-new-tokens",
+                str(long_max_new_tokens),
+                "--timeout",
+                str(timeout),
             ],
             stdout=subprocess.PIPE,
             text=True,
