@@ -17,8 +17,8 @@ module turns both into the `window` record that report.json, report.md and set_s
 
 python -m specops.window --plan|--run: JSON request on stdin, {"marks": [[stage, epoch_s], ...,
 ["ready", epoch_s]], "mode": "stop" | "memory_saver", "hidden_states": DIR, "service":
-{"down_at": epoch_s, "ready_at": epoch_s, "start_s": s}}; --run writes DIR/window.json, where the score stage
-finds it.
+{"down_at": epoch_s, "ready_at": epoch_s, "start_s": s, "started_instead": bool}}; --run writes
+DIR/window.json, where the score stage finds it.
 """
 
 from __future__ import annotations
@@ -127,6 +127,8 @@ def build_window(
         "pause_mode": (service or {}).get("pause_mode") or None,
         "server_version": (service or {}).get("version") or None,
         "memory_saver_backend": (service or {}).get("memory_saver_backend") or None,
+        # The memory-saver window's server died inside it: the resume started a new one from disk.
+        "started_instead": bool((service or {}).get("started_instead")),
         "play_span_s": round(play_span, 3),
         "stages": stages,
         "extraction": extraction,
@@ -190,6 +192,12 @@ def render_markdown(window: Mapping[str, Any] | None) -> str:
             "",
             f"The play's own span, from the start of its stop stage to ready: {window['play_span_s']:.1f} s "
             "(the stop's set-up and the guard are armed before the service goes down).",
+        ]
+    if window.get("started_instead"):
+        lines += [
+            "",
+            "The server was gone when its memory was to be resumed (its process died inside the window): "
+            "a new server was started instead, loading its weights from disk.",
         ]
     if window.get("server_start_s") is not None:
         start = window["server_start_s"]

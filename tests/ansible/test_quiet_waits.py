@@ -178,3 +178,35 @@ def test_job_wait_writes_go_to_the_start_signal_before_it_waits(tmp_path):
 """,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_a_router_without_healthy_replicas_stops_the_work_and_ends_the_wait_at_once(tmp_path):
+    # Nothing listens on the router's port: no healthy replica. The work carrying the window's token is
+    # stopped and the task fails saying why, without waiting for a result the stopped job never writes
+    # (stop_timeout is the grace before SIGKILL, an hour here; the sleep dies at SIGTERM).
+    token = f"quiet-waits-{os.getpid()}"
+    proc = play(
+        tmp_path,
+        f"""
+    - ansible.builtin.command: sleep 600
+      environment: {{SPECOPS_WINDOW_TOKEN: {token}}}
+      async: 900
+      poll: 0
+      register: job
+    - specops.drafter.job_wait:
+        results_file: "{{{{ job.results_file }}}}"
+        timeout: 900
+        delay: 0.1
+        watch_router: {{url: "http://127.0.0.1:{free_port()}", min_healthy: 1, stop_timeout: 3600}}
+        stop_token: {token}
+      environment: {{SPECOPS_WINDOW_TOKEN: {token}}}
+      register: waited
+      ignore_errors: true
+    - ansible.builtin.assert:
+        that:
+          - waited.failed and waited.ended_early
+          - waited.stopped_pids | length > 0
+          - "'reports 0 healthy replica(s) besides this batch' in waited.msg"
+""",
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr

@@ -40,6 +40,8 @@ class PlayResult:
 class LocalDefault:
     work_dir: Path
     port: int
+    # Settings of this site that every play on it passes (a server launched otherwise would be restarted).
+    settings: dict = field(default_factory=dict)
 
     @property
     def models_dir(self) -> Path:
@@ -55,6 +57,7 @@ class LocalDefault:
             "sglang_service_log_file": str(self.work_dir / "sglang.log"),
             # The development server is ready within seconds: look every second, not every five.
             "sglang_service_ready_delay": 1,
+            **self.settings,
         }
         values.update(overrides)
         return values
@@ -146,6 +149,23 @@ def first_run(finished_run) -> PlayResult:
 def served(local_default, finished_run) -> LocalDefault:
     """The shared site with its finished evaluation and its server up."""
     return local_default
+
+
+# SGLang launched with --enable-memory-saver --enable-weights-cpu-backup, and the window that releases
+# and resumes its GPU memory instead of stopping it.
+MEMORY_SAVER = {"sglang_service_memory_saver": True, "specops_gpu_window_mode": "memory_saver"}
+
+
+@pytest.fixture(scope="session")
+def memory_saver_site(tmp_path_factory):
+    """A server of its own with the memory saver, serving, for the tests of the memory-saver window (each
+    in a run directory of its own); stopped at the end."""
+    work_dir = tmp_path_factory.mktemp("memory-saver")
+    site = LocalDefault(work_dir=work_dir, port=free_port(), settings=MEMORY_SAVER)
+    started = site.play("service.yml", sglang_service_state="started")
+    assert started.rc == 0, started.output[-4000:]
+    yield site
+    site.play("service.yml", sglang_service_state="stopped", sglang_service_guard=False, timeout=120)
 
 
 @pytest.fixture

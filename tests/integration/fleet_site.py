@@ -81,28 +81,36 @@ class LocalFleet:
             **overrides,
         }
 
-    def play(self, playbook: str, timeout: int = 3600, **overrides: Any) -> Play:
-        cmd = [
+    def command(self, playbook: str, args: tuple[str, ...] = (), **overrides: Any) -> list[str]:
+        """ansible-playbook on the fleet's inventory, with the fleet's settings and these overrides."""
+        return [
             str(BIN / "ansible-playbook"),
             "-i",
             str(REPO / "inventory" / "fleet"),
             str(REPO / "playbooks" / playbook),
             "-e",
             json.dumps(self.extra_vars(**overrides)),
+            *args,
         ]
+
+    @staticmethod
+    def environment() -> dict[str, str]:
+        return {
+            **os.environ,
+            "ANSIBLE_CONFIG": str(REPO / "ansible.cfg"),
+            "ANSIBLE_NOCOLOR": "1",
+            "ANSIBLE_FORCE_COLOR": "0",
+        }
+
+    def play(self, playbook: str, timeout: int = 3600, args: tuple[str, ...] = (), **overrides: Any) -> Play:
         began = time.monotonic()
         proc = subprocess.run(
-            cmd,
+            self.command(playbook, args, **overrides),
             cwd=REPO,
             capture_output=True,
             text=True,
             timeout=timeout,
-            env={
-                **os.environ,
-                "ANSIBLE_CONFIG": str(REPO / "ansible.cfg"),
-                "ANSIBLE_NOCOLOR": "1",
-                "ANSIBLE_FORCE_COLOR": "0",
-            },
+            env=self.environment(),
         )
         output = proc.stdout + proc.stderr
         recap = {
@@ -180,7 +188,19 @@ class LocalFleet:
                 raise RuntimeError(f"the router lists {self.healthy_workers()} healthy, not {urls}")
             time.sleep(0.5)
 
-    def start_load(self, name: str, concurrency: int = 1, max_seconds: float = 3600) -> None:
+    def server_pid(self, host: str) -> int | None:
+        pid_file = self.work_dir / host / "sglang.pid"
+        return int(pid_file.read_text().split()[0]) if pid_file.is_file() else None
+
+    def start_load(
+        self,
+        name: str,
+        concurrency: int = 1,
+        max_seconds: float = 3600,
+        kinds: str = "short",
+        long_max_new_tokens: int = 64,
+        timeout: float = 120,
+    ) -> None:
         self.stop_file(name).unlink(missing_ok=True)
         self.load = subprocess.Popen(
             [
@@ -199,6 +219,12 @@ class LocalFleet:
                 str(max_seconds),
                 "--max-requests",
                 "20000",
+                "--kinds",
+                kinds,
+                "--long-max-new-tokens",
+                str(long_max_new_tokens),
+                "--timeout",
+                str(timeout),
             ],
             stdout=subprocess.PIPE,
             text=True,

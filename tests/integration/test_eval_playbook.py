@@ -145,16 +145,13 @@ def test_mistyped_target_model_is_refused_before_the_healthy_server_is_restarted
 
 
 def test_memory_saver_window_keeps_the_server_process_and_loses_no_request_in_flight(
-    own_local_default, served, tmp_path
+    memory_saver_site, served, tmp_path
 ):
     """Short, long and streaming requests in flight while eval.yml pauses, releases and resumes the
     server: SGLang 0.5.23's {"mode": "retract"} sends running requests back to the queue, so every one
     completes after the resume (an abort-mode pause would have answered them cut short)."""
-    site = own_local_default
-    site.seed_run_dir(served.run_dir, site.run_dir)  # the same models' completions: only the window is new
-    window = {"sglang_service_memory_saver": True, "specops_gpu_window_mode": "memory_saver"}
-    started = site.play("service.yml", sglang_service_state="started", **window)
-    assert started.rc == 0, started.output[-4000:]
+    site = memory_saver_site
+    run_dir = site.seed_run_dir(served.run_dir, site.work_dir / "run-in-flight")  # only the window is new
     pid_before = site.server_pid()
     stop, rows = tmp_path / "stop", tmp_path / "requests.jsonl"
     client = subprocess.Popen(
@@ -185,15 +182,16 @@ def test_memory_saver_window_keeps_the_server_process_and_loses_no_request_in_fl
         text=True,
     )
     try:
-        result = site.play("eval.yml", **window)
+        result = site.play("eval.yml", specops_run_dir=str(run_dir))
     finally:
         stop.touch()
         summary = json.loads(client.communicate(timeout=900)[0].splitlines()[-1])
     assert result.rc == 0, result.output[-6000:]
     assert site.server_pid() == pid_before
     assert site.health_generate_status() == 200
-    record = json.loads((site.run_dir / "score" / "report.json").read_text())["window"]
+    record = json.loads((run_dir / "score" / "report.json").read_text())["window"]
     assert record["pause_mode"] == "retract" and record["server_version"] == "0.5.23"
+    assert record["started_instead"] is False
     # Requests were in flight when the service was paused, of every kind, and none was lost or cut short.
     down_at = datetime.fromisoformat(record["down_at"].replace("Z", "+00:00")).timestamp()
     answered = [json.loads(line) for line in rows.read_text().splitlines()]

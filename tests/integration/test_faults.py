@@ -297,3 +297,60 @@ def test_a_port_taken_inside_the_window_fails_start_server_disarms_the_guard_and
     assert site.health_generate_status() == 200 and site.server_pid() is not None
     assert log.read_text().count(" starting: ") == launches + 1  # `serve` only: no window
     assert (run_dir / "hidden_states" / "manifest.json").read_bytes() == extracted
+
+
+def test_a_server_killed_inside_a_memory_saver_window_is_started_again_and_the_play_says_so(
+    memory_saver_site, tmp_path
+):
+    """SIGKILL of the server once its memory is released (an OOM kill, an operator's kill -9): there is
+    nothing to resume, so the resume starts a server and the play says what happened."""
+    site = memory_saver_site
+    run_dir = site.work_dir / "run-killed"
+    pid_before = site.server_pid()
+    # Two prompts, short completions: the window is what the test is about, not the work inside it.
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join((REPO / "prompts" / "coding.jsonl").read_text().splitlines(keepends=True)[:2]))
+    settings = site.extra_vars(
+        specops_run_dir=str(run_dir), specops_prompts=str(prompts), specops_max_new_tokens=32
+    )
+    # Scoring is the finished run's business: the stages up to and through the window.
+    play = subprocess.Popen(
+        [
+            str(Path(sys.executable).parent / "ansible-playbook"),
+            str(REPO / "playbooks" / "eval.yml"),
+            "-e",
+            json.dumps(settings),
+            "--tags",
+            "prefetch,extract",
+        ],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env={**os.environ, "ANSIBLE_CONFIG": str(REPO / "ansible.cfg"), "ANSIBLE_NOCOLOR": "1"},
+    )
+    killed = False
+    output = ""
+    try:
+        for line in play.stdout:
+            output += line
+            # The release has answered: the server is paused with its memory released.
+            if not killed and "TASK [Stage release-gpus:" in line:
+                os.kill(pid_before, signal.SIGKILL)
+                killed = True
+        play.wait(timeout=600)
+    finally:
+        if play.poll() is None:
+            play.kill()
+            play.wait()
+    result = SimpleNamespace(output=output)
+    assert killed, output[-4000:]
+    assert play.returncode == 0, output[-6000:]
+    assert "was gone when its GPU memory was to be resumed (its process died" in said(result)
+    assert "a new server was started instead" in said(result)
+    assert site.server_pid() not in (None, pid_before)
+    assert site.health_generate_status() == 200
+    # The extraction finished in the window, and its record says the server was started again.
+    assert (run_dir / "hidden_states" / "manifest.json").is_file()
+    record = json.loads((run_dir / "hidden_states" / "window.json").read_text())
+    assert record["mode"] == "memory_saver" and record["started_instead"] is True

@@ -6,13 +6,20 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
+import subprocess
 import sys
+import threading
+import time
+import urllib.error
+import urllib.request
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
-from fleet_site import HOSTS, REPO, LocalFleet  # noqa: E402
+from fleet_site import HOSTS, REPO, LocalFleet, get_json  # noqa: E402
 
 ML_PYTHON = REPO / ".venv-ml" / "bin" / "python"
 
@@ -116,3 +123,221 @@ def test_a_host_that_fails_its_window_is_put_back_and_the_rollout_stops(rolling_
     }
     assert fleet.healthy_workers() == set(fleet.worker_urls)
     assert load["failed"] == 0, load["failures"]
+
+
+def host_files(fleet, hosts) -> dict[str, tuple[int, int]]:
+    """Every file under the hosts' work directories (size, mtime), the servers' own logs left out."""
+    return {
+        str(path.relative_to(fleet.work_dir)): (path.stat().st_size, path.stat().st_mtime_ns)
+        for host in hosts
+        for path in (fleet.work_dir / host).rglob("*")
+        if path.is_file() and path.name != "sglang.log"
+    }
+
+
+def test_check_mode_on_a_fresh_two_host_fleet_passes_and_touches_nothing(fleet, tmp_path):
+    # Fresh hosts behind the router: no run directory, no ML environment, no cache directory yet. The
+    # servers run with a Python of their own, as SGLang does before specops ever came to the host.
+    fresh = {
+        "specops_run_dir": "{{ specops_work_dir }}/run-check",
+        "fla_env_venv": str(tmp_path / "ml"),
+        "specops_host_cache_dir": str(tmp_path / "cache"),
+        "sglang_service_python": str(REPO / ".venv-ml" / "bin" / "python"),
+    }
+    hosts = ("replica1", "replica2")
+    pids = {host: fleet.server_pid(host) for host in HOSTS}
+    files = host_files(fleet, hosts)
+    result = fleet.play("eval.yml", args=("--check", "--limit", ",".join(hosts)), **fresh)
+    assert result.rc == 0, result.output[-6000:]
+    assert set(result.recap) == set(hosts) and not any(c["failed"] for c in result.recap.values())
+    # Each host's share of the prompts is planned without the ML environment; nothing after it can be.
+    said = " ".join(result.output.split()).replace("''", "'")  # YAML doubles quotes in quotes
+    assert said.count("check mode: the ML environment is not built yet, so nothing after") == len(hosts)
+    assert "check mode: the hosts' reports are not merged" in said
+    assert not any((fleet.work_dir / host / "run-check").exists() for host in hosts)
+    assert not (tmp_path / "ml").exists() and not (tmp_path / "cache").exists()
+    assert host_files(fleet, hosts) == files
+    assert {host: fleet.server_pid(host) for host in HOSTS} == pids
+    assert fleet.healthy_workers() == set(fleet.worker_urls)
+
+
+class DrainWatch(threading.Thread):
+    """Looks every 0.1 s whether the router lists a worker and how many requests that worker holds."""
+
+    def __init__(self, router_url: str, worker_url: str):
+        super().__init__(daemon=True)
+        self.router_url, self.worker_url = router_url, worker_url
+        self.samples: list[tuple[bool, int]] = []
+        self.done = threading.Event()
+
+    def run(self) -> None:
+        while not self.done.is_set():
+            try:
+                listed = any(
+                    w["url"] == self.worker_url for w in get_json(f"{self.router_url}/workers")["workers"]
+                )
+                loads = get_json(f"{self.worker_url}/v1/loads")["loads"]
+            except OSError:
+                listed, loads = True, []  # the server is down: nothing held
+            held = sum(load["num_running_reqs"] + load["num_waiting_reqs"] for load in loads)
+            self.samples.append((listed, held))
+            self.done.wait(0.1)
+
+    def held_after_removal(self) -> int:
+        """The most requests the worker held while the router no longer listed it."""
+        return max((held for listed, held in self.samples if not listed), default=0)
+
+
+def carrying_token(token: str, command: str | None = None) -> list[int]:
+    """Processes that carry the window's token (and run `command`): those of the test's own play."""
+    found = []
+    for pid in (int(p) for p in os.listdir("/proc") if p.isdigit()):
+        try:
+            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if f"SPECOPS_WINDOW_TOKEN={token}".encode() in environ and (
+            command is None or command.encode() in argv
+        ):
+            found.append(pid)
+    return found
+
+
+def http_status(url: str) -> int:
+    try:
+        with urllib.request.urlopen(url, timeout=60) as answer:
+            return answer.status
+    except urllib.error.HTTPError as error:
+        return error.code
+    except OSError:
+        return -1
+
+
+def sigterm_pending_or_gone(pid: int) -> bool:
+    try:
+        status = dict(
+            line.split(":", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines() if ":" in line
+        )
+    except OSError:
+        return True
+    pending = int(status["ShdPnd"], 16) | int(status["SigPnd"], 16)
+    return status["State"].strip().startswith("Z") or bool(pending & (1 << (signal.SIGTERM - 1)))
+
+
+@pytest.fixture(scope="module")
+def router_loss_run(rolling_run, fleet):
+    """eval.yml again on replica1's share (a run directory with its completions, so the window is the new
+    part), min_healthy_others=2. Streams go through the router from before replica1's drain until its
+    server stops; inside replica1's window another replica, replica3, is killed (SIGKILL).
+
+    The extraction is held stopped (SIGSTOP) from the drain on, so the window lasts until the router has
+    noticed, however fast the extraction would be here; once the window's stop has signalled it, it is
+    let go and ends as a running one would."""
+    token = f"router-loss-{os.getpid()}"
+    run_dir = fleet.work_dir / "replica1" / "run-router-loss"
+    shutil.copytree(fleet.work_dir / "replica1" / "run" / "completions", run_dir / "completions")
+    pids = {host: fleet.server_pid(host) for host in HOSTS}
+    watch = DrainWatch(fleet.router_url, fleet.worker_urls[0])
+    play = subprocess.Popen(
+        fleet.command(
+            "eval.yml",
+            specops_run_dir="{{ specops_work_dir }}/run-router-loss",
+            specops_window_token=token,
+            sglang_router_min_healthy_others=2,
+        ),
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=fleet.environment(),
+    )
+    output, stalled, load, killed = "", [], None, False
+    try:
+        for line in play.stdout:
+            output += line
+            if "TASK [Stage prepare-window: read the weights" in line and not watch.is_alive():
+                # Long streams, more of them than replicas: replica1 holds some whenever it is drained.
+                fleet.start_load(
+                    "streams", concurrency=6, kinds="stream", long_max_new_tokens=96, timeout=900
+                )
+                watch.start()
+            elif "TASK [Stage drain:" in line and not stalled:
+                stalled = carrying_token(token, "specops.extract")
+                assert stalled, "no extraction waits for replica1's window:\n" + output[-4000:]
+                for pid in stalled:
+                    os.kill(pid, signal.SIGSTOP)
+            elif "TASK [Stage stop-server: take the service off the GPUs" in line and load is None:
+                load = fleet.stop_load("streams")
+                watch.done.set()
+            elif "TASK [Stage extract: extract the target's hidden states" in line:
+                os.kill(pids["replica3"], signal.SIGKILL)
+                killed = True
+                break
+        deadline = time.monotonic() + 600
+        while not all(sigterm_pending_or_gone(pid) for pid in stalled) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        for pid in stalled:
+            try:
+                os.kill(pid, signal.SIGCONT)
+            except ProcessLookupError:
+                pass
+        output += play.communicate(timeout=900)[0]
+        run = SimpleNamespace(
+            rc=play.returncode,
+            output=output,
+            said=" ".join(output.split()).replace("''", "'"),
+            load=load,
+            watch=watch,
+            killed=killed,
+            pids_before=pids,
+            pids_after={host: fleet.server_pid(host) for host in HOSTS},
+            healthy_after=fleet.healthy_workers(),
+            replica1_health=http_status(f"{fleet.worker_urls[0]}/health_generate"),
+            extracted=(run_dir / "hidden_states" / "manifest.json").exists(),
+            window_work_left=carrying_token(token),
+        )
+    finally:
+        if play.poll() is None:
+            play.kill()
+            play.wait()
+        if fleet.load is not None:
+            fleet.stop_load("streams")
+        watch.done.set()
+        for pid in carrying_token(token, "specops.extract"):
+            os.kill(pid, signal.SIGKILL)
+        if killed:
+            # Replica3 back, for the tests that follow: started again, and healthy behind the router.
+            restored = fleet.play("service.yml", sglang_service_state="started", timeout=600)
+            assert restored.rc == 0, restored.output[-4000:]
+            fleet.wait_for_workers(set(fleet.worker_urls), timeout=300)
+    return run
+
+
+def test_streams_in_flight_through_the_router_finish_when_their_host_is_drained(router_loss_run):
+    load = router_loss_run.load
+    assert load is not None and load["requests"] > 0
+    # Streams were on replica1 after the router had stopped listing it: the drain waited for them.
+    assert router_loss_run.watch.held_after_removal() > 0, router_loss_run.watch.samples[-50:]
+    assert load["failed"] == 0 and load["incomplete"] == 0, load
+
+
+def test_losing_another_replica_inside_a_window_ends_it_early_and_the_host_comes_back(router_loss_run, fleet):
+    run = router_loss_run
+    assert run.killed, run.output[-4000:]
+    assert run.rc != 0
+    assert "specops stage 'extract' failed: the window was ended early: the router at" in run.said, (
+        run.output[-4000:]
+    )
+    assert (
+        "reports 1 healthy replica(s) besides this batch, fewer than sglang_router_min_healthy_others=2"
+        in run.said
+    )
+    assert "(the service was brought back and answers /health_generate)" in run.said
+    # The extraction was stopped, nothing of the window is left, and the rollout went no further.
+    assert not run.extracted and run.window_work_left == []
+    assert run.pids_after["replica1"] not in (None, run.pids_before["replica1"])
+    assert run.replica1_health == 200
+    assert run.pids_after["replica2"] == run.pids_before["replica2"]
+    # Replica1 is back behind the router beside replica2 (replica3 is the one that died).
+    assert run.healthy_after == {fleet.worker_urls[0], fleet.worker_urls[1]}

@@ -46,11 +46,17 @@ def container_pid() -> int:
     return int(next(iter(hosts.values()))["ansible_nsenter_pid"])
 
 
-def in_container(*argv: str, stdin: str | None = None) -> str:
+def run_in_container(
+    *argv: str, stdin: str | None = None, timeout: float = 60
+) -> subprocess.CompletedProcess[str]:
     """Run a command inside the container (the way community.docker.nsenter does)."""
     enter = ["nsenter", f"--target={container_pid()}", "--mount", "--pid", "--uts", "--ipc", "--net", "--"]
-    done = subprocess.run([*enter, *argv], input=stdin, capture_output=True, text=True, timeout=60)
-    return done.stdout.strip()
+    return subprocess.run([*enter, *argv], input=stdin, capture_output=True, text=True, timeout=timeout)
+
+
+def in_container(*argv: str, stdin: str | None = None) -> str:
+    """A command's output inside the container."""
+    return run_in_container(*argv, stdin=stdin).stdout.strip()
 
 
 def http_status(url: str, timeout: float = 10) -> int:

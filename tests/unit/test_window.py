@@ -40,6 +40,17 @@ def test_the_services_own_moments_give_the_downtime_and_the_play_span_is_kept():
     assert "server's own start (launch to the first 200): 58.5 s" in window.render_markdown(record)
 
 
+def test_a_server_started_instead_of_resumed_is_recorded_and_said():
+    service = {"down_at": 102.5, "ready_at": 189.25, "start_s": 58.5, "started_instead": True}
+    record = window.build_window(MARKS, "memory_saver", MANIFEST, service=service)
+    assert record["started_instead"] is True
+    assert "a new server was started instead" in window.render_markdown(record)
+    resumed = {"down_at": 102.5, "ready_at": 189.25}
+    kept = window.build_window(MARKS, "memory_saver", MANIFEST, service=resumed)
+    assert kept["started_instead"] is False
+    assert "started instead" not in window.render_markdown(kept)
+
+
 def test_without_both_service_moments_the_play_marks_give_the_downtime():
     record = window.build_window(MARKS, "stop", MANIFEST, service={"down_at": 102.5, "ready_at": None})
     assert (record["downtime_s"], record["measured_by"]) == (90.0, "play")

@@ -59,7 +59,8 @@ options:
       - Stop the job's work before waiting. Every process that carries
         C(SPECOPS_WINDOW_TOKEN=<stop_token>) in its environment, except this module and its
         ancestors, gets SIGTERM, and SIGKILL if it is still there after O(timeout) seconds. The
-        action plugin uses it to end a window early.
+        job's result is then read once, not waited for: the processes that would write it are
+        gone. The action plugin uses it to end a window early.
     type: str
   watch_router:
     description:
@@ -180,12 +181,15 @@ def main():
     )
     path = module.params["results_file"]
     stopped = []
-    if module.params["stop_token"] and not module.check_mode:
+    stopped_work = bool(module.params["stop_token"]) and not module.check_mode
+    if stopped_work:
         stopped = stop_work(module.params["stop_token"], module.params["timeout"])
     if module.params["go"] and not module.check_mode:
         write_signal(module, module.params["go"], {"signal": "go"})
     start = time.monotonic()
-    deadline = start + max(0, module.params["timeout"])
+    # After a stop the job's processes (its async wrapper among them) have exited or been killed:
+    # a result they did not write by now never comes.
+    deadline = start + (0 if stopped_work else max(0, module.params["timeout"]))
     result = job_result(path)
     while result is None and time.monotonic() < deadline:
         time.sleep(min(module.params["delay"], max(0.0, deadline - time.monotonic())))
