@@ -1,8 +1,16 @@
-"""The collection as a new user gets it: built with `make collection`'s script, installed from the
-tarball into an empty collections path outside the checkout, its roles documented by ansible-doc,
-and the evaluation run by its FQCN (`ansible-playbook specops.drafter.eval`) on the local default,
-with nothing of the checkout on any path: the roles, playbooks and the specops package all come
-from the installed collection (the package from the wheel it ships, installed by fla_env)."""
+"""The collection as a new user gets it, and the evaluation as an AWX job runs it.
+
+The collection is built with `make collection`'s script and installed from the tarball into an empty
+collections path outside the checkout; ansible-doc documents its roles. The evaluation then runs once,
+by its FQCN (`specops.drafter.eval`), through ansible-runner (the engine AWX runs jobs with) from the
+user's project directory (ansible.cfg, inventory) on the local default's settings: CPU, the
+development server, tiny models built from config by the play. Nothing of the checkout is on any
+path: the roles, playbooks and the specops package all come from the installed collection (the
+package from the wheel it ships, installed by fla_env).
+
+That one run is read as AWX reads a job (status, rc, events, fact cache, the key figures published
+with set_stats) and as the user sees it (the report on disk, the service back, the ML environment).
+"""
 
 from __future__ import annotations
 
@@ -13,8 +21,10 @@ import socket
 import subprocess
 import sys
 import tarfile
+import time
 import urllib.error
 import urllib.request
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -22,12 +32,17 @@ import yaml
 
 ROOT = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
-COLLECTION = ROOT / "collections" / "ansible_collections" / "specops" / "drafter"
 ROLES = sorted(p.name for p in (ROOT / "roles").iterdir() if (p / "meta" / "argument_specs.yml").is_file())
 LOCAL_DEFAULT = ROOT / "inventory" / "local" / "group_vars" / "gpu_hosts.yml"
 # The checkout's ML environment provides torch and transformers (seen through a .pth file, as a GPU
 # image's venv would be); specops itself must come from the collection's wheel.
 ML_BASE_PYTHON = ROOT / ".venv-ml" / "bin" / "python"
+STATS_KEY = "specops_score"  # roles/score_drafter: score_drafter_stats_key
+FIGURES = ("tau", "reference_tau", "ratio", "online_tau", "n_prompts", "warnings", "verdict", "report")
+# Bounds, not expectations: an evaluation from scratch takes minutes, many more on a busy machine.
+EVAL_DEADLINE_S = 3600
+COMMAND_DEADLINE_S = 900
+PORT_CLOSED_DEADLINE_S = 600
 
 
 def free_port() -> int:
@@ -36,7 +51,13 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def run(cmd, env, cwd, timeout=300, check=True):
+def port_is_open(port: int) -> bool:
+    with socket.socket() as sock:
+        sock.settimeout(5)
+        return sock.connect_ex(("127.0.0.1", port)) == 0
+
+
+def run(cmd, env, cwd, timeout=COMMAND_DEADLINE_S, check=True):
     proc = subprocess.run(
         [str(c) for c in cmd], capture_output=True, text=True, env=env, cwd=cwd, timeout=timeout
     )
@@ -56,7 +77,7 @@ def user(tmp_path_factory):
     subprocess.run(
         [sys.executable, ROOT / "tools" / "build_collection.py", "--output-path", dist],
         check=True,
-        timeout=300,
+        timeout=COMMAND_DEADLINE_S,
     )
     (tarball,) = dist.glob("specops-drafter-*.tar.gz")
     collections = home / "collections"
@@ -103,27 +124,26 @@ def test_ansible_doc_renders_each_role_from_the_installed_collection(user, role)
     assert doc["entry_points"]["main"]["options"]
 
 
-@pytest.fixture(scope="module")
-def evaluated(user):
-    """eval.yml by its FQCN on the local default's settings, paths moved into the user's directory."""
-    if not ML_BASE_PYTHON.exists():
-        pytest.fail("no ML environment to take torch from: run `make ml-env` first")
-    home = user["home"]
-    work = home / "work"
+# -- the evaluation, run once by its FQCN through ansible-runner -------------------------------------
+
+
+def user_inventory(home: Path, port: int) -> Path:
+    """The local default's settings, every path moved into the user's directory."""
     settings = yaml.safe_load(LOCAL_DEFAULT.read_text())
     # The checkout's own package and paths: the installed collection must do without them.
     settings.pop("fla_env_specops_source", None)
     shutil.copy(ROOT / "prompts" / "coding.jsonl", home / "prompts.jsonl")
-    models = Path(os.environ.get("SPECOPS_TEST_MODELS", ROOT / ".work" / "test-models"))
+    work = home / "work"
+    # specops_models_dir keeps its default inside the work directory: the play builds the models.
     settings.update(
         specops_root=str(home),
         specops_work_dir=str(work),
-        specops_models_dir=str(models),
         specops_prompts=str(home / "prompts.jsonl"),
         fla_env_venv=str(home / "ml"),
         fla_env_python=str(ML_BASE_PYTHON),
         fla_env_system_site_packages=True,
-        sglang_service_port=free_port(),
+        sglang_service_port=port,
+        # The development server is ready within seconds: look every second.
         sglang_service_ready_delay=1,
     )
     inventory = home / "inventory"
@@ -144,42 +164,202 @@ def evaluated(user):
         }
     }
     (inventory / "hosts.yml").write_text(yaml.safe_dump(hosts))
-    play = ["-i", inventory]
-    proc = run(
-        [BIN / "ansible-playbook", "specops.drafter.eval", *play],
-        user["env"],
-        home,
-        timeout=1800,
-        check=False,
-    )
-    yield {"proc": proc, "work": work, "port": settings["sglang_service_port"], "venv": home / "ml"}
-    run(
-        [
-            BIN / "ansible-playbook",
+    return inventory
+
+
+@contextmanager
+def only_the_users_environment(env: dict):
+    """ansible-runner starts from this process's environment: leave out what the user's lacks (the
+    checkout's ANSIBLE_CONFIG and PYTHONPATH), so nothing of the checkout reaches the job."""
+    with pytest.MonkeyPatch.context() as patch:
+        for key in list(os.environ):
+            if key not in env:
+                patch.delenv(key)
+        yield
+
+
+def run_job(ansible_runner, user, inventory: Path, playbook: str, ident: str, **extravars):
+    """A job as AWX runs one: the user's project directory, its inventory, a private data directory."""
+    # The control venv's ansible-playbook comes first on PATH, as the execution environment's would.
+    env = dict(user["env"], PATH=f"{BIN}{os.pathsep}{user['env']['PATH']}")
+    with only_the_users_environment(env):
+        return ansible_runner.run(
+            private_data_dir=str(user["home"] / "job"),
+            project_dir=str(user["home"]),
+            playbook=playbook,
+            inventory=str(inventory),
+            extravars=extravars,
+            envvars=env,
+            ident=ident,
+            quiet=True,
+            timeout=EVAL_DEADLINE_S,
+        )
+
+
+@pytest.fixture(scope="module")
+def eval_job(user):
+    if not ML_BASE_PYTHON.exists():
+        pytest.fail("no ML environment to take torch from: run `make ml-env` first")
+    ansible_runner = pytest.importorskip("ansible_runner")
+    home = user["home"]
+    (home / "job").mkdir()  # ansible-runner's private data dir must exist
+    port = free_port()
+    inventory = user_inventory(home, port)
+    try:
+        finished = run_job(ansible_runner, user, inventory, "specops.drafter.eval", "eval")
+        yield {
+            "job": finished,
+            "artifacts": home / "job" / "artifacts" / "eval",
+            "work": home / "work",
+            "port": port,
+            "venv": home / "ml",
+        }
+    finally:
+        # eval.yml leaves the service running, as production wants; stop this test's server.
+        # No guard: nothing should bring it back.
+        stop = run_job(
+            ansible_runner,
+            user,
+            inventory,
             "specops.drafter.service",
-            *play,
-            "-e",
-            "sglang_service_state=stopped",
-            "-e",
-            "sglang_service_guard=false",
-        ],
-        user["env"],
-        home,
-        check=False,
+            "stop",
+            sglang_service_state="stopped",
+            sglang_service_guard=False,
+        )
+        deadline = time.monotonic() + PORT_CLOSED_DEADLINE_S
+        while port_is_open(port) and time.monotonic() < deadline:
+            time.sleep(2)
+        assert not port_is_open(port), f"port {port} still open after the stop job ({stop.status})"
+
+
+def events(eval_job, kind=None):
+    found = [json.loads(p.read_text()) for p in sorted((eval_job["artifacts"] / "job_events").glob("*.json"))]
+    return [e for e in found if kind is None or e.get("event") == kind]
+
+
+def stdout_tail(eval_job) -> str:
+    stdout = eval_job["artifacts"] / "stdout"
+    return stdout.read_text()[-8000:] if stdout.exists() else ""
+
+
+def custom_stats(eval_job):
+    (stats,) = events(eval_job, "playbook_on_stats")
+    return stats["event_data"]["artifact_data"]
+
+
+# What AWX reads of the job.
+
+
+@pytest.mark.slow
+def test_the_job_is_successful_with_rc_0(eval_job):
+    job = eval_job["job"]
+    assert job.status == "successful", stdout_tail(eval_job)
+    assert job.rc == 0
+    assert (eval_job["artifacts"] / "status").read_text().strip() == "successful"
+    assert (eval_job["artifacts"] / "rc").read_text().strip() == "0"
+
+
+@pytest.mark.slow
+def test_no_host_failed_or_was_unreachable(eval_job):
+    stats = eval_job["job"].stats
+    assert stats["failures"] == {} and stats["dark"] == {}
+    assert stats["ok"].get("localhost", 0) > 0
+
+
+@pytest.mark.slow
+def test_no_task_failed_unless_it_was_meant_to(eval_job):
+    failed = [e for e in events(eval_job, "runner_on_failed") if not e["event_data"].get("ignore_errors")]
+    assert failed == []
+
+
+@pytest.mark.slow
+def test_the_job_events_cover_every_stage(eval_job):
+    roles = {e["event_data"].get("role") for e in events(eval_job, "runner_on_ok")}
+    for role in (
+        "fla_env",
+        "sglang_service",
+        "sglang_completions",
+        "gpu_release",
+        "extract_hidden_states",
+        "score_drafter",
+    ):
+        assert role in roles, f"no task of role {role} ran"
+
+
+@pytest.mark.slow
+def test_gathered_facts_land_in_the_fact_cache(eval_job):
+    # The jsonfile cache names each host's file with a prefix of its own (e.g. "s1_localhost").
+    caches = sorted((eval_job["artifacts"] / "fact_cache").glob("*localhost"))
+    assert caches, "no cached facts for localhost"
+    facts = json.loads(caches[0].read_text())
+    if isinstance(facts.get("__payload__"), str):  # ansible-core 2.19+ wraps the facts as a JSON string
+        facts = json.loads(facts["__payload__"])
+    assert "ansible_hostname" in facts
+
+
+@pytest.mark.slow
+def test_the_key_figures_are_published_with_set_stats(eval_job):
+    figures = custom_stats(eval_job)[STATS_KEY]
+    for key in FIGURES:
+        assert key in figures, key
+
+
+@pytest.mark.slow
+def test_tau_counts_the_bonus_token_so_it_is_at_least_one(eval_job):
+    figures = custom_stats(eval_job)[STATS_KEY]
+    assert float(figures["tau"]) >= 1.0
+    assert float(figures["reference_tau"]) >= 1.0
+
+
+@pytest.mark.slow
+def test_the_ratio_is_tau_over_the_reference_tau(eval_job):
+    figures = custom_stats(eval_job)[STATS_KEY]
+    assert float(figures["ratio"]) == pytest.approx(
+        float(figures["tau"]) / float(figures["reference_tau"]), rel=1e-3
     )
 
 
-def test_eval_by_fqcn_from_the_installed_collection_writes_the_report(evaluated):
-    proc = evaluated["proc"]
-    assert proc.returncode == 0, proc.stdout[-8000:] + proc.stderr[-4000:]
-    assert (evaluated["work"] / "run" / "score" / "report.md").is_file()
-    assert json.loads((evaluated["work"] / "run" / "score" / "report.json").read_text())
+@pytest.mark.slow
+def test_the_published_figures_match_the_report_on_disk(eval_job):
+    figures = custom_stats(eval_job)[STATS_KEY]
+    report_md = Path(figures["report"])
+    assert report_md.is_file()
+    assert report_md.is_relative_to(eval_job["work"]), "the run must stay inside its own work directory"
+    report = json.loads((report_md.parent / "report.json").read_text())
+    assert report["overall"]["tau"] == pytest.approx(float(figures["tau"]))
+    assert f"{float(figures['tau']):.2f}" in report_md.read_text()
 
 
-def test_the_service_is_back_and_ready_after_the_run(evaluated):
+@pytest.mark.slow
+def test_the_service_answers_again_after_the_gpu_window(eval_job):
+    ok = events(eval_job, "runner_on_ok")
+    # The module's start returns ready_at: when our server first answered /health_generate 200.
+    ready = [
+        e["counter"]
+        for e in ok
+        if e["event_data"].get("role") == "sglang_service"
+        and (e["event_data"].get("res") or {}).get("ready_at")
+    ]
+    released = [e["counter"] for e in ok if e["event_data"].get("role") == "gpu_release"]
+    assert released, "the GPU window never opened"
+    assert ready and max(ready) > max(released), "the play ended without waiting for /health_generate"
+
+
+# What the user finds after the run.
+
+
+@pytest.mark.slow
+def test_eval_by_fqcn_from_the_installed_collection_writes_the_report(eval_job):
+    assert eval_job["job"].rc == 0, stdout_tail(eval_job)
+    assert (eval_job["work"] / "run" / "score" / "report.md").is_file()
+    assert json.loads((eval_job["work"] / "run" / "score" / "report.json").read_text())
+
+
+@pytest.mark.slow
+def test_the_service_is_back_and_ready_after_the_run(eval_job):
     try:
         with urllib.request.urlopen(
-            f"http://127.0.0.1:{evaluated['port']}/health_generate", timeout=30
+            f"http://127.0.0.1:{eval_job['port']}/health_generate", timeout=300
         ) as answer:
             status = answer.status
     except urllib.error.HTTPError as error:
@@ -187,8 +367,9 @@ def test_the_service_is_back_and_ready_after_the_run(evaluated):
     assert status == 200
 
 
-def test_the_ml_environment_runs_specops_from_the_collections_wheel(evaluated):
-    python = evaluated["venv"] / "bin" / "python"
+@pytest.mark.slow
+def test_the_ml_environment_runs_specops_from_the_collections_wheel(eval_job):
+    python = eval_job["venv"] / "bin" / "python"
     probe = (
         "import json, specops; from importlib import metadata; d = metadata.distribution('specops'); "
         "print(json.dumps([specops.__file__, d.read_text('direct_url.json')]))"
@@ -200,9 +381,10 @@ def test_the_ml_environment_runs_specops_from_the_collections_wheel(evaluated):
             text=True,
             check=True,
             env={"PATH": os.environ["PATH"]},
+            timeout=COMMAND_DEADLINE_S,
         ).stdout
     )
-    assert where.startswith(str(evaluated["venv"])), where
+    assert where.startswith(str(eval_job["venv"])), where
     assert (
         json.loads(direct_url)["url"].endswith(".whl")
         and "/ansible_collections/specops/drafter/" in direct_url
