@@ -23,7 +23,7 @@ echo "== eval_h200.sh: rc $? after $(($(date +%s) - START)) s"
 [ ! -f "$WORK/score_real_h200.json" ] || cp "$WORK/score_real_h200.json" "$OUT/"
 left=$((DEADLINE - $(date +%s)))
 if [ ! -f "$WORK/score_real_h200.done" ] && [ "$left" -ge "${ESTIMATE_score:-240}" ]; then
-  PYTHONPATH=$ROOT/src python3 "$ROOT/benchmarks/score_real_h200.py" --sequences 256 \
+  PYTHONPATH=$ROOT/src python3 "$ROOT/benchmarks/score_real_h200.py" --sequences 256 --deadline 200 \
     --out "$WORK/score_real_h200.json" && touch "$WORK/score_real_h200.done"
   cp "$WORK/score_real_h200.json" "$OUT/" 2>/dev/null
 fi
