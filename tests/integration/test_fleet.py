@@ -228,8 +228,8 @@ def sigterm_pending_or_gone(pid: int) -> bool:
 @pytest.fixture(scope="module")
 def router_loss_run(rolling_run, fleet):
     """eval.yml again on replica1's share (a run directory with its completions, so the window is the new
-    part), min_healthy_others=2. Streams go through the router from before replica1's drain until its
-    server stops; inside replica1's window another replica, replica3, is killed (SIGKILL).
+    part), min_healthy_others=2. Streams go through the router from just before replica1's drain until
+    its server stops; inside replica1's window another replica, replica3, is killed (SIGKILL).
 
     The extraction is held stopped (SIGSTOP) from the drain on, so the window lasts until the router has
     noticed, however fast the extraction would be here; once the window's stop has signalled it, it is
@@ -256,8 +256,9 @@ def router_loss_run(rolling_run, fleet):
     try:
         for line in play.stdout:
             output += line
-            if "TASK [Stage prepare-window: read the weights" in line and not watch.is_alive():
-                # Long streams, more of them than replicas: replica1 holds some whenever it is drained.
+            if "TASK [Stage window: take the service off the GPUs" in line and not watch.is_alive():
+                # From just before the drain. Long streams, more of them than replicas, taken in turn:
+                # replica1 holds some when the router lets it go.
                 fleet.start_load(
                     "streams", concurrency=6, kinds="stream", long_max_new_tokens=96, timeout=900
                 )
