@@ -33,9 +33,13 @@ from nspawn_host import (
 PORT = SETTINGS["sglang_service_port"]
 MAX_DOWNTIME = SETTINGS["sglang_service_max_downtime"]
 URL = f"http://127.0.0.1:{PORT}"
-# The development server loads its model, waits its startup delay, then warms up; on this
-# machine's shared CPUs that takes up to ~20 s after the unit starts.
+# The development server loads its model, waits its startup delay, then warms up: ~20 s after the
+# unit starts on an idle machine, much longer on a loaded one. Only the wait for it is bounded by this
+# (generously); when the guard acted is read from systemd, not from how soon the server answered.
 STARTUP_ALLOWANCE = 30.0
+# How late after max_downtime the guard may start the unit: the timer's accuracy and the guard's own
+# steps, none of which waits for the server.
+GUARD_LATENESS = 30.0
 
 
 pytestmark = [
@@ -80,6 +84,12 @@ def _journal() -> str:
         "--unit=sglang-qwen.service",
         "--unit=sglang-qwen-guard.service",
     )
+
+
+def _started_monotonic(unit: str) -> float:
+    """When the unit's main process last started, on CLOCK_MONOTONIC (the container shares the host's)."""
+    value = in_container("systemctl", "show", "--property=ExecMainStartTimestampMonotonic", "--value", unit)
+    return int(value) / 1e6
 
 
 def _main_pid() -> int:
@@ -141,14 +151,17 @@ def test_the_guard_brings_the_server_back_when_the_play_dies(converged_host):
             play.wait(timeout=30)
     assert in_container("systemctl", "is-active", "sglang-qwen-guard.service") == "active", _journal()
 
-    patience = MAX_DOWNTIME + STARTUP_ALLOWANCE + 30
+    patience = MAX_DOWNTIME + GUARD_LATENESS + 4 * STARTUP_ALLOWANCE
     back = _wait(lambda: _health() == 200, timeout=patience, step=0.5)
     assert back is not None, f"the server was not back {patience:.0f} s after the play died\n{_journal()}"
     downtime = time.monotonic() - down_at
-    print(f"guard: server down for {downtime:.1f} s (max_downtime {MAX_DOWNTIME} s)")
-    assert downtime <= MAX_DOWNTIME + STARTUP_ALLOWANCE
-    # Not earlier than the timer: it was the guard that started it, nothing else.
-    assert downtime >= MAX_DOWNTIME - 10
+    started_after = _started_monotonic("sglang-qwen.service") - down_at
+    print(
+        f"guard: unit started {started_after:.1f} s after the play died, server down for {downtime:.1f} s "
+        f"(max_downtime {MAX_DOWNTIME} s)"
+    )
+    # Started by the guard at its deadline: not earlier (nothing else started it), not much later.
+    assert MAX_DOWNTIME - 10 <= started_after <= MAX_DOWNTIME + GUARD_LATENESS, _journal()
     assert in_container("systemctl", "is-active", "sglang-qwen.service") == "active"
     assert in_container("systemctl", "is-active", "sglang-qwen-guard.service") != "active"
 
