@@ -35,7 +35,7 @@ ROOT=$PWD
 OUT=${OUT:-$(mktemp -d)}
 WORK=${WORK:-/tmp/specops-h200}
 WHEELS=${WHEELS:-$ROOT/.whl}
-TARGETS=${TARGETS:-fixture big 14b}
+TARGETS=${TARGETS-fixture big 14b}
 PORT=${PORT:-31000}
 # The plays per target, in order: a mode (stop, memory_saver), or a mode with -again for a second run;
 # PLAYS_<target> overrides it for one target.

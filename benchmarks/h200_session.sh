@@ -12,7 +12,7 @@ START=$(date +%s)
 CALL_S=${CALL_S:-575}
 export OUT=${OUT:-$(mktemp -d)} WORK=${WORK:-/tmp/specops-h200}
 export DEADLINE=$((START + CALL_S))
-export TARGETS=${TARGETS:-fixture 14b big} PLAYS=${PLAYS:-stop memory_saver} PLAYS_fixture=${PLAYS_fixture:-stop}
+export TARGETS=${TARGETS-fixture 14b big} PLAYS=${PLAYS:-stop memory_saver} PLAYS_fixture=${PLAYS_fixture:-stop}
 # Seconds a play takes, start-server included for the memory saver (the first fixture play also builds
 # the ML environment and the demo models; a build takes half a play's estimate).
 export ESTIMATE_fixture=${ESTIMATE_fixture:-330} ESTIMATE_14b=${ESTIMATE_14b:-480} ESTIMATE_big=${ESTIMATE_big:-420}
