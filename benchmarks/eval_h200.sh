@@ -154,6 +154,9 @@ if previous:
 smi = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version", "--format=csv,noheader"],
                      capture_output=True, text=True).stdout.strip()
 built = {t: json.loads((work / t / "built.json").read_text()) for t in ("big", "14b") if (work / t / "built.json").is_file()}
+# Targets built on an earlier host: their plays are kept from PREVIOUS, so are their weights.
+for t, b in ((previous or {}).get("targets") or {}).items():
+    built.setdefault(t, b)
 weights = {t: b["weights_bytes"] for t, b in built.items()}
 fixture = sum(f.stat().st_size for f in (work / "models" / "target").glob("*.safetensors"))
 if fixture:
