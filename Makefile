@@ -20,8 +20,8 @@ export PYTHONDONTWRITEBYTECODE := 1
 test test-%: export PYTHONPATH := $(CURDIR)/src
 
 .PHONY: help demo demo-stop test test-in-order test-python test-ansible test-lint test-sanity test-units \
-        test-integration test-fleet test-systemd test-fixtures test-models test-in-order-lane test-integration-lane \
-        test-fleet-lane \
+        test-integration test-fleet test-systemd test-fixtures test-models test-ansible-lane test-integration-lane \
+        test-fleet-lane test-systemd-lane test-checks-lane \
         system-deps ml-env venv lock lock-check clean
 
 help:
@@ -145,20 +145,25 @@ test-models: $(ML_VENV)/.stamp
 test-fixtures: $(ML_VENV)/.stamp
 	$(HEARTBEAT) fixtures $(ML_VENV)/bin/python -m specops.fixtures --out $(TEST_FIXTURES) --no-reference-training
 
-# Three lanes side by side: the integration suite (plays against development servers of its own, on
-# free ports, in its own directories: the critical path), the systemd suite (mostly waiting:
-# debootstrap, a container booting systemd; it starts at once), and the other suites one after
-# another, each spread over both cores. The fixture models are built by this make, once, while the
-# systemd lane starts; the lanes that read them wait for them. Every line a lane prints carries its
-# name and shows as soon as it is written; a lane quiet for 25 s says so. Each pytest run keeps its
-# own temporary root, so no run's clean-up of old temporary directories removes another's.
+# Four lanes side by side, balanced on the durations the reports record (2 cores, 2026-12-02: the
+# integration suite alone took 40 min of a 42 min run before it was spread over both cores):
+#  - integration: plays against development servers of their own, on free ports, in their own
+#    directories, a test file per worker (each worker runs the shared evaluation once);
+#  - fleet: three servers behind the router, the suite's longest fixture;
+#  - module tests (tests/ansible), spread over both cores;
+#  - checks: the systemd suite first, mostly waiting (debootstrap, a container booting systemd), so it
+#    starts at once; then ruff, mypy and the unit tests, ansible-lint, ansible-test sanity and units.
+# The fixture models are built by this make, once, while the systemd suite starts; the lanes that read
+# them wait for them. Every line a lane prints carries its name and shows as soon as it is written; a
+# lane quiet for 25 s says so. Each pytest run keeps its own temporary root, so no run's clean-up of
+# old temporary directories removes another's.
 test: system-deps $(VENV)/.stamp $(ML_VENV)/.stamp
 	mkdir -p $(TEST_REPORTS)
-	$(MAKE) -j4 --output-sync=none test-in-order-lane test-integration-lane test-fleet-lane test-systemd
+	$(MAKE) -j4 --output-sync=none test-ansible-lane test-integration-lane test-fleet-lane test-checks-lane
 	$(PYTHON_CONTROL) .ci/durations.py --top 5 $(TEST_REPORTS)/*.xml
 
-test-in-order-lane: test-models test-fixtures
-	$(MAKE) test-in-order
+test-ansible-lane: test-fixtures
+	$(MAKE) test-ansible
 
 test-integration-lane: test-models
 	$(MAKE) test-integration
@@ -168,6 +173,15 @@ test-integration-lane: test-models
 test-fleet-lane: test-models
 	$(MAKE) test-fleet
 
+# The systemd suite is mostly waiting and ends well before the others: the Python checks and unit
+# tests, then the collection's static checks, follow it in its lane.
+test-systemd-lane: system-deps $(VENV)/.stamp $(ML_VENV)/.stamp
+	$(MAKE) test-systemd
+
+test-checks-lane: test-models test-fixtures test-systemd-lane
+	$(MAKE) -j1 test-python test-lint test-sanity test-units
+
+# What needs neither playbooks nor systemd, one suite after another.
 test-in-order: $(VENV)/.stamp $(ML_VENV)/.stamp
 	$(MAKE) -j1 test-python test-ansible test-lint test-sanity test-units
 
@@ -192,7 +206,7 @@ test-units: $(VENV)/.stamp
 test-integration: $(VENV)/.stamp $(ML_VENV)/.stamp
 	mkdir -p /tmp/specops-pytest-integration
 	PYTEST_DEBUG_TEMPROOT=/tmp/specops-pytest-integration \
-	  $(HEARTBEAT) integration $(VENV)/bin/pytest $(PYTEST_FLAGS) tests/integration --ignore=tests/integration/test_fleet.py
+	  $(HEARTBEAT) integration $(VENV)/bin/pytest $(PYTEST_FLAGS) $(XDIST) tests/integration --ignore=tests/integration/test_fleet.py
 
 test-fleet: $(VENV)/.stamp $(ML_VENV)/.stamp
 	mkdir -p /tmp/specops-pytest-fleet

@@ -2,10 +2,11 @@
 
 python -m specops.loadgen --url http://127.0.0.1:PORT --out results.jsonl --stop-file F
 sends greedy /generate requests from a few threads until the stop file appears, max_requests were
-sent or max_seconds passed; each answer is one JSON line (start, latency, status, error, and whether
-the request completed fully), and the last line of stdout is the summary (requests, failed,
-incomplete, p50/p99 latency). `--kinds short,long,stream` mixes short, long and streaming requests,
-so requests are in flight whenever the service is paused or released. Standard library only.
+sent or max_seconds passed (each thread back to back, or `--interval` seconds apart); each answer is
+one JSON line (start, latency, status, error, and whether the request completed fully), and the
+last line of stdout is the summary (requests, failed, incomplete, p50/p99 latency).
+`--kinds short,long,stream` mixes short, long and streaming requests, so requests are in flight
+whenever the service is paused or released. Standard library only.
 
 A request completed fully when it answered 200 with every token it asked for (`ignore_eos`, so the
 count is known) and a finish_reason that is not an abort; a stream also had to end with
@@ -88,6 +89,7 @@ class LoadGenerator:
         kinds: Sequence[str] = ("short",),
         long_max_new_tokens: int = 64,
         api_key: str | None = None,
+        interval: float = 0.0,
     ):
         unknown = sorted(set(kinds) - set(KINDS))
         if unknown or not kinds:
@@ -95,6 +97,7 @@ class LoadGenerator:
         self.kinds = tuple(kinds)
         self.long_max_new_tokens = long_max_new_tokens
         self.api_key = api_key
+        self.interval = interval
         self.url = url.rstrip("/") + "/generate"
         self.concurrency = concurrency
         self.max_requests = max_requests
@@ -174,6 +177,9 @@ class LoadGenerator:
             row = self._one(number)
             with self._lock:
                 self.rows.append(row)
+            # Paced traffic: a user's requests keep coming without holding the server busy all the time.
+            if self.interval > 0:
+                time.sleep(self.interval)
 
     def run(self) -> list[dict[str, Any]]:
         threads = [threading.Thread(target=self._worker, daemon=True) for _ in range(self.concurrency)]
@@ -218,6 +224,12 @@ def main(argv: list[str] | None = None) -> int:
         "--long-max-new-tokens", type=int, default=64, help="tokens of a long or streaming request"
     )
     parser.add_argument("--api-key", default=None, help="sent as `Authorization: Bearer KEY`")
+    parser.add_argument(
+        "--interval",
+        type=float,
+        default=0.0,
+        help="seconds each thread waits after an answer before its next request (default 0: back to back)",
+    )
     args = parser.parse_args(argv)
     require_loopback(args.url)
     generator = LoadGenerator(
@@ -231,6 +243,7 @@ def main(argv: list[str] | None = None) -> int:
         kinds=[k.strip() for k in args.kinds.split(",") if k.strip()],
         long_max_new_tokens=args.long_max_new_tokens,
         api_key=args.api_key,
+        interval=args.interval,
     )
     rows = generator.run()
     out = Path(args.out)

@@ -200,6 +200,7 @@ class LocalFleet:
         kinds: str = "short",
         long_max_new_tokens: int = 64,
         timeout: float = 120,
+        interval: float = 0.0,
     ) -> None:
         self.stop_file(name).unlink(missing_ok=True)
         self.load = subprocess.Popen(
@@ -225,6 +226,8 @@ class LocalFleet:
                 str(long_max_new_tokens),
                 "--timeout",
                 str(timeout),
+                "--interval",
+                str(interval),
             ],
             stdout=subprocess.PIPE,
             text=True,

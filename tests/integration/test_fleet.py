@@ -37,9 +37,14 @@ def fleet(tmp_path_factory):
         site.stop()
 
 
+# User traffic through the whole rollout, paced: back to back it would keep one CPU core busy for the
+# whole play (about 1,500 requests on 2 cores) and slow every other suite running beside this one.
+PACED = 0.5
+
+
 @pytest.fixture(scope="module")
 def rolling_run(fleet):
-    fleet.start_load("rolling")
+    fleet.start_load("rolling", interval=PACED)
     result = fleet.play("eval.yml")
     load = fleet.stop_load("rolling")
     return result, load
@@ -106,7 +111,7 @@ def test_a_host_that_fails_its_window_is_put_back_and_the_rollout_stops(rolling_
     with open(weights, "r+b") as handle:
         handle.truncate(weights.stat().st_size // 2)
     pids = {host: (fleet.work_dir / host / "sglang.pid").read_text() for host in HOSTS}
-    fleet.start_load("failing")
+    fleet.start_load("failing", interval=PACED)
     result = fleet.play(
         "eval.yml",
         specops_run_dir="{{ specops_work_dir }}/run-broken",

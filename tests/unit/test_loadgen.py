@@ -64,3 +64,28 @@ def test_the_generator_stops_at_max_requests_and_counts_failed_answers():
     assert summary["requests"] == 9
     assert summary["failed"] == 3
     assert {f["status"] for f in summary["failures"]} == {503}
+
+
+def test_a_paced_thread_waits_the_interval_after_each_answer():
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Flaky)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}"
+        rows = LoadGenerator(
+            url,
+            concurrency=1,
+            max_requests=4,
+            max_seconds=30,
+            max_new_tokens=1,
+            timeout=5,
+            stop_file=None,
+            interval=0.2,
+        ).run()
+    finally:
+        server.shutdown()
+    assert len(rows) == 4
+    # Each request starts at least the interval after the previous one was answered (a lower bound:
+    # a loaded machine only makes the gap longer).
+    for earlier, later in zip(rows, rows[1:], strict=False):
+        assert later["start"] - (earlier["start"] + earlier["latency_s"]) >= 0.19

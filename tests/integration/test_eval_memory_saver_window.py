@@ -1,0 +1,70 @@
+"""The memory-saver window on the local default: the server process is kept and no request in flight
+at the pause is lost."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from datetime import datetime
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_memory_saver_window_keeps_the_server_process_and_loses_no_request_in_flight(
+    memory_saver_site, served, tmp_path
+):
+    """Short, long and streaming requests in flight while eval.yml pauses, releases and resumes the
+    server: SGLang 0.5.23's {"mode": "retract"} sends running requests back to the queue, so every one
+    completes after the resume (an abort-mode pause would have answered them cut short)."""
+    site = memory_saver_site
+    run_dir = site.seed_run_dir(served.run_dir, site.work_dir / "run-in-flight")  # only the window is new
+    pid_before = site.server_pid()
+    stop, rows = tmp_path / "stop", tmp_path / "requests.jsonl"
+    client = subprocess.Popen(
+        [
+            sys.executable.replace("/.venv/", "/.venv-ml/"),
+            "-m",
+            "specops.loadgen",
+            "--url",
+            f"http://127.0.0.1:{site.port}",
+            "--out",
+            str(rows),
+            "--stop-file",
+            str(stop),
+            "--kinds",
+            "short,long,stream",
+            "--concurrency",
+            "3",
+            "--max-seconds",
+            "1500",
+            "--long-max-new-tokens",
+            "48",
+            "--timeout",
+            "900",
+        ],
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": str(REPO / "src")},
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        # Up to and through the window: the window's record is what the test reads, scoring adds nothing.
+        result = site.play("eval.yml", args=("--tags", "prefetch,extract"), specops_run_dir=str(run_dir))
+    finally:
+        stop.touch()
+        summary = json.loads(client.communicate(timeout=900)[0].splitlines()[-1])
+    assert result.rc == 0, result.output[-6000:]
+    assert site.server_pid() == pid_before
+    assert site.health_generate_status() == 200
+    record = json.loads((run_dir / "hidden_states" / "window.json").read_text())
+    assert record["pause_mode"] == "retract" and record["server_version"] == "0.5.23"
+    assert record["started_instead"] is False
+    # Requests were in flight when the service was paused, of every kind, and none was lost or cut short.
+    down_at = datetime.fromisoformat(record["down_at"].replace("Z", "+00:00")).timestamp()
+    answered = [json.loads(line) for line in rows.read_text().splitlines()]
+    across = {r["kind"] for r in answered if r["start"] <= down_at <= r["start"] + r["latency_s"]}
+    assert across, ("no request was in flight at the pause", summary)
+    assert summary["failed"] == 0 and summary["incomplete"] == 0, summary
