@@ -8,12 +8,15 @@ line saying what it is, how long it has been quiet and what it printed last.
 
     python .ci/heartbeat.py LABEL COMMAND [ARG...]
 
-The exit status is the command's.
+The exit status is the command's. The last line gives the wall time and the CPU time the command and
+the processes it waited for used (daemons it left running, such as servers, are not counted): on a
+machine whose cores are all busy, the CPU time is what a lane costs the others.
 """
 
 from __future__ import annotations
 
 import os
+import resource
 import selectors
 import signal
 import subprocess
@@ -66,7 +69,9 @@ def main() -> int:
     if pending:
         out.write(prefix + pending.rsplit(b"\r", 1)[-1] + b"\n")
     rc = proc.wait()
-    out.write(prefix + f"finished in {time.monotonic() - started:.0f} s (exit {rc})\n".encode())
+    used = resource.getrusage(resource.RUSAGE_CHILDREN)
+    wall, cpu = time.monotonic() - started, used.ru_utime + used.ru_stime
+    out.write(prefix + f"finished in {wall:.0f} s, CPU {cpu:.0f} s (exit {rc})\n".encode())
     out.flush()
     return rc
 
