@@ -18,6 +18,10 @@ export ANSIBLE_CONFIG := $(CURDIR)/ansible.cfg
 export PYTHONDONTWRITEBYTECODE := 1
 # Tests exercise the working tree, not the copy of the package installed in the ML environment.
 test test-%: export PYTHONPATH := $(CURDIR)/src
+# The lanes keep both cores busy: a torch process's second thread would mostly spin at OpenMP's
+# barriers waiting for a core (one eval.yml beside two busy processes: 174 core-s with torch's two
+# threads, 92 with one). Tests that compare thread counts set them explicitly.
+test test-%: export OMP_NUM_THREADS := 1
 
 .PHONY: help demo demo-stop test test-in-order test-python test-ansible test-lint test-sanity test-units \
         test-integration test-fleet test-systemd test-fixtures test-models test-ansible-lane test-integration-lane \

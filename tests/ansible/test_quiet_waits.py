@@ -108,16 +108,19 @@ def test_job_wait_waits_for_an_async_job_without_retry_lines(tmp_path):
 
 
 def test_job_wait_returns_unfinished_when_the_time_is_up(tmp_path):
+    # The job runs until the play says so, not for a fixed time a loaded machine could outlast.
+    go = tmp_path / "go"
     proc = play(
         tmp_path,
-        """
-    - ansible.builtin.command: sleep 5
-      async: 60
+        f"""
+    - ansible.builtin.shell: while [ ! -e {go} ]; do sleep 0.1; done
+      async: 600
       poll: 0
       register: job
-    - specops.drafter.job_wait: {results_file: "{{ job.results_file }}", timeout: 1, delay: 0.2}
+    - specops.drafter.job_wait: {{results_file: "{{{{ job.results_file }}}}", timeout: 1, delay: 0.2}}
       register: waited
-    - ansible.builtin.assert: {that: [not waited.finished]}
+    - ansible.builtin.file: {{path: "{go}", state: touch}}
+    - ansible.builtin.assert: {{that: [not waited.finished]}}
 """,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
