@@ -8,7 +8,7 @@ tmp=$(mktemp -d); trap 'rm -rf "$tmp"' EXIT
 printf -- '- hosts: localhost\n  gather_facts: false\n  tasks:\n    - ansible.builtin.command: sleep 60\n' > "$tmp/play.yml"
 for interval in 0.001 0.01; do
   printf '[defaults]\ninternal_poll_interval = %s\n' "$interval" > "$tmp/ansible.cfg"
-  ANSIBLE_CONFIG=$tmp/ansible.cfg /usr/bin/time -f "internal_poll_interval=$interval wall %e s, CPU %U+%S s" \
-    "$ROOT/.venv/bin/ansible-playbook" -i localhost, -c local \
+  TIMEFORMAT="internal_poll_interval=$interval wall %R s, CPU %U+%S s"
+  time ANSIBLE_CONFIG=$tmp/ansible.cfg "$ROOT/.venv/bin/ansible-playbook" -i localhost, -c local \
     -e "ansible_python_interpreter=$ROOT/.venv/bin/python" "$tmp/play.yml" > /dev/null
 done
