@@ -27,7 +27,6 @@ import struct
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 
 # struct acct_v3 (linux/acct.h): 64 bytes, comp_t times in AHZ (100 per second).
@@ -59,9 +58,18 @@ def sample(pids_file, stop: threading.Event) -> None:
                 if key in seen:
                     continue
                 seen.add(key)
-                cmdline = Path(f"/proc/{name}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+                cmdline = (
+                    Path(f"/proc/{name}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+                )
                 environ = Path(f"/proc/{name}/environ").read_bytes().split(b"\0")
-                test = next((e[20:].decode(errors="replace") for e in environ if e.startswith(b"PYTEST_CURRENT_TEST=")), None)
+                test = next(
+                    (
+                        e[20:].decode(errors="replace")
+                        for e in environ
+                        if e.startswith(b"PYTEST_CURRENT_TEST=")
+                    ),
+                    None,
+                )
                 pids_file.write(json.dumps([int(name), int(fields[1]), key[1], cmdline[:2000], test]) + "\n")
             except (OSError, IndexError, ValueError):
                 continue  # gone before it could be read
@@ -99,7 +107,18 @@ def kind(cmdline: str, comm: str) -> str:
         return f"module {m.group(1)}"
     # The program: the executable, or the script or module an interpreter runs.
     program = " ".join(Path(word).name for word in cmdline.split()[:3])
-    for name in ("ansible-playbook", "ansible-test", "ansible-lint", "ansible-doc", "ansible", "mypy", "molecule", "pytest", "debootstrap", "sglang_router"):
+    for name in (
+        "ansible-playbook",
+        "ansible-test",
+        "ansible-lint",
+        "ansible-doc",
+        "ansible",
+        "mypy",
+        "molecule",
+        "pytest",
+        "debootstrap",
+        "sglang_router",
+    ):
         if re.search(rf"(^| ){re.escape(name)}( |$)", program):
             return name
     if "exec(eval(sys.stdin.readline()))" in cmdline:
@@ -171,19 +190,29 @@ def report(prefix: str, top: int, json_out: str | None) -> None:
     def table(title: str, counter: collections.Counter, n: int) -> None:
         print(f"\n{title}")
         for key, value in counter.most_common(n):
-            print(f"  {value:8.1f} core-s  {value / total:6.1%}  {key}" + (f"  ({count[key]} processes)" if counter is by_kind else ""))
+            print(
+                f"  {value:8.1f} core-s  {value / total:6.1%}  {key}"
+                + (f"  ({count[key]} processes)" if counter is by_kind else "")
+            )
 
     print(f"{total:.0f} core-s in {sum(count.values())} processes (the sampler's own {own:.0f} not counted)")
     table("by lane", by_lane, top)
     table("by kind of process", by_kind, top)
     table("by test (what each test started, its servers included)", by_test, top)
     if json_out:
-        Path(json_out).write_text(json.dumps({
-            "core_s": round(total), "sampler_core_s": round(own),
-            "by_lane": {k: round(v, 1) for k, v in by_lane.most_common()},
-            "by_kind": {k: round(v, 1) for k, v in by_kind.most_common(top)},
-            "by_test": {k: round(v, 1) for k, v in by_test.most_common()},
-        }, indent=1) + "\n")
+        Path(json_out).write_text(
+            json.dumps(
+                {
+                    "core_s": round(total),
+                    "sampler_core_s": round(own),
+                    "by_lane": {k: round(v, 1) for k, v in by_lane.most_common()},
+                    "by_kind": {k: round(v, 1) for k, v in by_kind.most_common(top)},
+                    "by_test": {k: round(v, 1) for k, v in by_test.most_common()},
+                },
+                indent=1,
+            )
+            + "\n"
+        )
 
 
 def main() -> int:
