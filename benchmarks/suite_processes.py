@@ -106,7 +106,8 @@ def kind(cmdline: str, comm: str) -> str:
     if m := re.search(r"AnsiballZ_(\w+)", cmdline):
         return f"module {m.group(1)}"
     # The program: the executable, or the script or module an interpreter runs.
-    program = " ".join(Path(word).name for word in cmdline.split()[:3])
+    words = cmdline.split()
+    program = " ".join(Path(word).name for word in words[:3])
     for name in (
         "ansible-playbook",
         "ansible-test",
@@ -123,7 +124,6 @@ def kind(cmdline: str, comm: str) -> str:
             return name
     if "exec(eval(sys.stdin.readline()))" in cmdline:
         return "pytest-xdist worker"
-    words = cmdline.split()
     if comm.startswith("python") and len(words) > 1:
         # The script, or the first words of a -c or -m program.
         return f"{comm} " + (" ".join(words[1:3])[:60] if words[1].startswith("-") else Path(words[1]).name)
@@ -133,7 +133,8 @@ def kind(cmdline: str, comm: str) -> str:
 def report(prefix: str, top: int, json_out: str | None) -> None:
     boot = float(Path("/proc/stat").read_text().split("btime ")[1].split()[0])
     hz = os.sysconf("SC_CLK_TCK")
-    sampled: dict[int, list[tuple[float, int, str, str | None]]] = collections.defaultdict(list)
+    # pid -> every process sampled under it: (start, pid, ppid, cmdline, test)
+    sampled: dict[int, list[tuple[float, int, int, str, str | None]]] = collections.defaultdict(list)
     root, own = None, 0.0
     for line in open(prefix + ".pids"):
         row = json.loads(line)
@@ -142,28 +143,27 @@ def report(prefix: str, top: int, json_out: str | None) -> None:
             own = row.get("sampler_core_s", own)
             continue
         pid, ppid, start, cmdline, *test = row
-        sampled[pid].append((boot + start / hz, ppid, cmdline, test[0] if test else None))
+        sampled[pid].append((boot + start / hz, pid, ppid, cmdline, test[0] if test else None))
 
     def seen_as(pid: int, when: float):
         candidates = [s for s in sampled.get(pid, ()) if s[0] <= when + 1.5]
         return max(candidates, key=lambda s: s[0]) if candidates else None
 
-    def descends(entry) -> bool:
+    def ancestry(entry):
+        """The entry, its parent, and so on up, as far as they were sampled."""
         for _ in range(60):
             if entry is None:
-                return False
-            if entry[1] == root or root is None:
-                return True
-            entry = seen_as(entry[1], entry[0])
-        return False
+                return
+            yield entry
+            entry = seen_as(entry[2], entry[0])
+
+    def descends(entry) -> bool:
+        return root is None or any(root in (e[1], e[2]) for e in ancestry(entry))
 
     def lane_of(entry) -> str | None:
-        for _ in range(60):
-            if entry is None:
-                return None
-            if m := re.search(r"heartbeat\.py (\S+)", entry[2]):
+        for e in ancestry(entry):
+            if m := re.search(r"heartbeat\.py (\S+)", e[3]):
                 return m.group(1)
-            entry = seen_as(entry[1], entry[0])
         return None
 
     by_lane, by_kind, by_test = collections.Counter(), collections.Counter(), collections.Counter()
@@ -180,11 +180,11 @@ def report(prefix: str, top: int, json_out: str | None) -> None:
         if pid != root and not descends(entry):
             continue
         total += cpu
-        name = kind(itself[2], comm) if itself else f"{comm} (short)"
+        name = kind(itself[3], comm) if itself else f"{comm} (short)"
         by_kind[name] += cpu
         count[name] += 1
         by_lane[lane_of(entry) or "(set-up, outside the lanes)"] += cpu
-        test = entry[3] if entry else None
+        test = entry[4] if entry else None
         by_test[re.sub(r" \((setup|call|teardown)\)$", "", test) if test else "(no test)"] += cpu
 
     def table(title: str, counter: collections.Counter, n: int) -> None:
