@@ -2,7 +2,7 @@
 """Where a command's CPU goes, process by process: for `make test`, by lane, by kind of process and by test.
 
     benchmarks/suite_processes.py run PREFIX -- COMMAND...   (root: BSD process accounting)
-    benchmarks/suite_processes.py report PREFIX [--top N] [--json FILE]
+    benchmarks/suite_processes.py report PREFIX [--top N] [--json FILE] [--test TEXT]
 
 `run` switches the kernel's process accounting on (acct(2), one record with the CPU time of every process
 as it exits, however short) and samples /proc every 0.1 s for new processes: parent, command line, and the
@@ -11,7 +11,8 @@ development servers and ansible's module processes a test starts are counted to 
 to be sampled is counted where its parent is. Files: PREFIX.acct, PREFIX.pids.
 
 `report` sums the records by lane (the .ci/heartbeat.py label above a process), by kind of process and
-by test, counting only the command's own descendants; the sampler's own CPU is given apart.
+by test, counting only the command's own descendants; the sampler's own CPU is given apart. --test counts
+only the processes of the tests whose id contains TEXT (what one test's CPU went to).
 """
 
 from __future__ import annotations
@@ -130,7 +131,7 @@ def kind(cmdline: str, comm: str) -> str:
     return comm
 
 
-def report(prefix: str, top: int, json_out: str | None) -> None:
+def report(prefix: str, top: int, json_out: str | None, only_test: str | None = None) -> None:
     boot = float(Path("/proc/stat").read_text().split("btime ")[1].split()[0])
     hz = os.sysconf("SC_CLK_TCK")
     # pid -> every process sampled under it: (start, pid, ppid, cmdline, test)
@@ -179,12 +180,14 @@ def report(prefix: str, top: int, json_out: str | None) -> None:
         entry = itself or seen_as(ppid, btime)
         if pid != root and not descends(entry):
             continue
+        test = entry[4] if entry else None
+        if only_test is not None and only_test not in (test or ""):
+            continue
         total += cpu
         name = kind(itself[3], comm) if itself else f"{comm} (short)"
         by_kind[name] += cpu
         count[name] += 1
         by_lane[lane_of(entry) or "(set-up, outside the lanes)"] += cpu
-        test = entry[4] if entry else None
         by_test[re.sub(r" \((setup|call|teardown)\)$", "", test) if test else "(no test)"] += cpu
 
     def table(title: str, counter: collections.Counter, n: int) -> None:
@@ -225,11 +228,12 @@ def main() -> int:
     report_parser.add_argument("prefix")
     report_parser.add_argument("--top", type=int, default=30)
     report_parser.add_argument("--json")
+    report_parser.add_argument("--test", help="only the processes of the tests whose id contains this")
     args = parser.parse_args()
     if args.action == "run":
         command = args.command[1:] if args.command[:1] == ["--"] else args.command
         return run(args.prefix, command)
-    report(args.prefix, args.top, args.json)
+    report(args.prefix, args.top, args.json, args.test)
     return 0
 
 

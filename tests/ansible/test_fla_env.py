@@ -25,10 +25,11 @@ from specops import envcheck
 ROOT = Path(__file__).resolve().parents[2]
 ANSIBLE = ROOT / ".venv" / "bin" / "ansible"
 CONTROL_PYTHON = ROOT / ".venv" / "bin" / "python"
-# The CPU torch 2.13.0 wheel on this machine is built for Python 3.11.
-PYTHON311 = "/root/.pyenv/versions/3.11.7/bin/python"
-if not os.path.exists(PYTHON311):
-    PYTHON311 = shutil.which("python3.11") or "python3"
+# The CPU torch 2.13.0 wheel on this machine is built for Python 3.11; the Makefile's choice of it.
+PYTHON311 = next(
+    (p for p in ("/usr/bin/python3.11", "/root/.pyenv/versions/3.11.7/bin/python") if os.path.exists(p)),
+    shutil.which("python3.11") or "python3",
+)
 TORCH = "torch==2.13.0"
 
 

@@ -2,10 +2,46 @@
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+from pathlib import Path
+
 import numpy as np
 import pytest
 
 from specops import stats
+
+# scipy lives in the test tools' environment, not the ML one: transformers imports it into every
+# process that loads a model when it is installed (requirements/ml-dev.txt).
+REPO = Path(__file__).resolve().parents[2]
+TEST_TOOLS_PYTHON = Path(os.environ.get("SPECOPS_TEST_TOOLS_PYTHON", REPO / ".venv" / "bin" / "python"))
+SCIPY_BOOTSTRAP = """
+import json, sys
+import numpy as np
+from scipy import stats
+job = json.load(sys.stdin)
+statistic = eval(job.pop("statistic"))
+data = tuple(np.asarray(sample) for sample in job.pop("samples"))
+seed = job.pop("seed")
+interval = stats.bootstrap(data, statistic, rng=np.random.default_rng(seed), **job).confidence_interval
+print(json.dumps([interval.low, interval.high]))
+"""
+
+
+def scipy_bootstrap(samples, statistic: str, seed: int, **options) -> tuple[float, float]:
+    """scipy.stats.bootstrap's interval, computed by the test tools' Python (make venv builds it)."""
+    assert TEST_TOOLS_PYTHON.exists(), f"{TEST_TOOLS_PYTHON} is missing: `make venv` builds it"
+    job = {"samples": [list(map(float, s)) for s in samples], "statistic": statistic, "seed": seed, **options}
+    done = subprocess.run(
+        [str(TEST_TOOLS_PYTHON), "-c", SCIPY_BOOTSTRAP],
+        input=json.dumps(job),
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    low, high = json.loads(done.stdout)
+    return low, high
 
 
 def prompts(n: int, seed: int = 1, shift: float = 0.0, noise: float = 0.3) -> tuple[np.ndarray, ...]:
@@ -53,39 +89,35 @@ def test_prompts_without_a_verify_step_are_left_out():
 
 
 def test_the_interval_agrees_with_scipys_bootstrap_over_prompts():
-    scipy_stats = pytest.importorskip("scipy.stats")
     tokens, steps, _ = prompts(60, seed=7)
     ours = stats.tau_interval(tokens, steps, resamples=20000)
-    theirs = scipy_stats.bootstrap(
+    low, high = scipy_bootstrap(
         (tokens, steps),
-        lambda t, s, axis: t.sum(axis=axis) / s.sum(axis=axis),
+        "lambda t, s, axis: t.sum(axis=axis) / s.sum(axis=axis)",
+        seed=123,
         paired=True,
         vectorized=True,
         n_resamples=20000,
         confidence_level=stats.CONFIDENCE,
         method="percentile",
-        rng=np.random.default_rng(123),
-    ).confidence_interval
-    width = theirs.high - theirs.low
+    )
     # Two independent Monte Carlo runs of one bootstrap: equal within a few percent of the width.
-    assert ours == pytest.approx([theirs.low, theirs.high], abs=0.03 * width)
+    assert ours == pytest.approx([low, high], abs=0.03 * (high - low))
 
 
 def test_the_paired_difference_agrees_with_scipys_bootstrap():
-    scipy_stats = pytest.importorskip("scipy.stats")
     tokens, steps_a, steps_b = prompts(60, seed=8, shift=0.2)
     ours = stats.paired_comparison(tokens, steps_a, tokens, steps_b, resamples=20000)["interval"]
-    theirs = scipy_stats.bootstrap(
+    low, high = scipy_bootstrap(
         (tokens, steps_a, steps_b),
-        lambda t, sa, sb, axis: t.sum(axis=axis) / sa.sum(axis=axis) - t.sum(axis=axis) / sb.sum(axis=axis),
+        "lambda t, sa, sb, axis: t.sum(axis=axis) / sa.sum(axis=axis) - t.sum(axis=axis) / sb.sum(axis=axis)",
+        seed=321,
         paired=True,
         vectorized=True,
         n_resamples=20000,
         method="percentile",
-        rng=np.random.default_rng(321),
-    ).confidence_interval
-    width = theirs.high - theirs.low
-    assert ours == pytest.approx([theirs.low, theirs.high], abs=0.03 * width)
+    )
+    assert ours == pytest.approx([low, high], abs=0.03 * (high - low))
 
 
 def test_identical_drafters_show_no_difference():
