@@ -4,12 +4,13 @@ SHELL := /bin/bash
 
 # ansible-core 2.21 needs Python >= 3.12 on the control node; the ML environment uses Python 3.11,
 # for which a CPU torch wheel is available offline on this kind of machine.
-# The first candidate that really runs (a pyenv shim for an inactive version does not). The
+# The first candidate that really runs (a pyenv shim for an inactive version does not) and can make
+# environments (a distribution may ship venv's ensurepip apart, as Debian's python3.X-venv). The
 # distribution's build comes first: built with PGO and LTO, it runs pure Python in half the CPU of a
 # from-source (pyenv) build, and a whole evaluation on the local default in a sixth less
 # (benchmarks/interpreters.sh, benchmarks/eval_interpreters.sh; 2026-12-03, 2 cores).
 find_python = $(shell for p in /usr/bin/python$(1) $$HOME/.pyenv/versions/$(1)*/bin/python$(1) $$(command -v python$(1)); do \
-                "$$p" -c 'import sys' 2>/dev/null && { echo "$$p"; break; }; done)
+                "$$p" -c 'import ensurepip, venv' 2>/dev/null && { echo "$$p"; break; }; done)
 PYTHON_CONTROL ?= $(call find_python,3.12)
 PYTHON_ML ?= $(call find_python,3.11)
 VENV := .venv
