@@ -25,15 +25,11 @@ from specops import envcheck
 ROOT = Path(__file__).resolve().parents[2]
 ANSIBLE = ROOT / ".venv" / "bin" / "ansible"
 CONTROL_PYTHON = ROOT / ".venv" / "bin" / "python"
-# The CPU torch 2.13.0 wheel on this machine is built for Python 3.11; chosen as the Makefile chooses
-# (the distribution's first, one that can make environments).
-PYTHON311 = next(
-    (
-        p
-        for p in ("/usr/bin/python3.11", "/root/.pyenv/versions/3.11.7/bin/python")
-        if os.path.exists(p) and subprocess.run([p, "-c", "import ensurepip, venv"]).returncode == 0
-    ),
-    shutil.which("python3.11") or "python3",
+# The CPU torch 2.13.0 wheel on this machine is built for Python 3.11: the interpreter make built the
+# checkout's ML environment from (the Makefile's PYTHON_ML), so this test makes no choice of its own.
+ML_VENV_PYTHON = ROOT / ".venv-ml" / "bin" / "python"
+PYTHON311 = (
+    os.path.realpath(ML_VENV_PYTHON) if ML_VENV_PYTHON.exists() else shutil.which("python3.11") or "python3"
 )
 TORCH = "torch==2.13.0"
 
