@@ -1,53 +1,33 @@
-"""A server site for the sglang_service module tests: its spec, state_dir, and the module run by Ansible."""
+"""A server site for the sglang_service module tests: its spec, state_dir, and the module run on it."""
 
 from __future__ import annotations
 
 import json
 import os
-import subprocess
+import sys
 import time
-import uuid
 from pathlib import Path
+
+from module_call import call_module
 
 from specops.devserver.launch import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
-ANSIBLE = ROOT / ".venv/bin/ansible"
 ML_PYTHON = ROOT / ".venv-ml/bin/python"
 FIXTURES = Path(os.environ.get("SPECOPS_FIXTURES") or ROOT / ".work/fixtures")
+# Tests that drive module_utils in-process (ProcessServer) import them as the collection ships them.
+if str(ROOT / "collections") not in sys.path:
+    sys.path.insert(0, str(ROOT / "collections"))
 
 
-def ansible_env(**extra: str) -> dict:
-    return dict(
-        os.environ,
-        ANSIBLE_LOCALHOST_WARNING="false",
-        ANSIBLE_INVENTORY_UNPARSED_WARNING="false",
-        ANSIBLE_CONFIG=str(ROOT / "ansible.cfg"),
-        **extra,
-    )
+def module_env(**extra: str) -> dict:
+    """The test's environment with EXTRA, for a module run that needs more."""
+    return dict(os.environ, **extra)
 
 
 def run_module(args: dict, tmp_path: Path, check: bool = False, env: dict | None = None) -> dict:
-    """Run specops.drafter.sglang_service on localhost; its result, with failed set."""
-    tree = tmp_path / f"tree-{uuid.uuid4().hex[:6]}"
-    cmd = [
-        str(ANSIBLE),
-        "localhost",
-        "-m",
-        "specops.drafter.sglang_service",
-        "-a",
-        json.dumps(args),
-        "--tree",
-        str(tree),
-    ] + (["--check"] if check else [])
-    proc = subprocess.run(
-        cmd, cwd=ROOT, env=env or ansible_env(), capture_output=True, text=True, timeout=600
-    )
-    result_file = tree / "localhost"
-    assert result_file.exists(), proc.stdout + proc.stderr
-    result = json.loads(result_file.read_text())
-    result["failed"] = proc.returncode != 0
-    return result
+    """Run specops.drafter.sglang_service as a host runs it (module_call); its result, with failed set."""
+    return call_module("sglang_service", args, check=check, env=env)
 
 
 def wait_for(condition, timeout: float, step: float = 0.2) -> bool:

@@ -7,13 +7,16 @@ from .venv and calls the package in the ML environment, as it does on a real hos
 import json
 import os
 import subprocess
+import sys
 import textwrap
 from pathlib import Path
 
 import pytest
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from module_call import call_module  # noqa: E402
+
 ROOT = Path(__file__).resolve().parents[2]
-ANSIBLE = ROOT / ".venv/bin/ansible"
 ANSIBLE_PLAYBOOK = ROOT / ".venv/bin/ansible-playbook"
 ML_PYTHON = ROOT / ".venv-ml/bin/python"
 
@@ -64,27 +67,9 @@ def ansible_env():
 
 
 def run_module(args: dict, tree: Path, check: bool = False) -> tuple[int, dict]:
-    """Run the module through `ansible localhost -m` (the repository's inventory); its exit code and JSON."""
-    cmd = [
-        str(ANSIBLE),
-        "localhost",
-        "-m",
-        "specops.drafter.extract_hidden_states",
-        "-a",
-        json.dumps(args),
-        "--tree",
-        str(tree),
-    ]
-    if check:
-        cmd.append("--check")
-    done = subprocess.run(cmd, cwd=ROOT, env=ansible_env(), capture_output=True, text=True, timeout=600)
-    result_file = tree / "localhost"
-    assert result_file.exists(), (
-        f"no result from ansible (exit {done.returncode}):\n{done.stdout}\n{done.stderr}"
-    )
-    result = json.loads(result_file.read_text())
-    result_file.unlink()
-    return done.returncode, result
+    """Run the module as a host runs it (module_call); its exit status and JSON."""
+    result = call_module("extract_hidden_states", args, check=check, env=ansible_env())
+    return (1 if result["failed"] else 0), result
 
 
 def test_module_extracts_then_reports_unchanged(inputs):

@@ -1,9 +1,9 @@
 """The fla_env module builds the ML environment, changes it only when needed, and says what it can run.
 
 Run from the checkout: .venv/bin/pytest tests/ansible/test_fla_env.py
-One environment (CPU torch 2.13, transformers 5.23, specops) is built per session, through the real
-module run by `ansible`; it takes a few minutes. This machine has no GPU, so the GPU-only decisions
-(a CUDA torch without a driver, fla proven on the GPU, fla importable without a GPU) are tested on
+One environment (CPU torch 2.13, transformers 5.23, specops) is built per session, by the real module
+run as a host runs it (module_call.py); it takes a few minutes. This machine has no GPU, so the GPU-only
+decisions (a CUDA torch without a driver, fla proven on the GPU, fla importable without a GPU) are tested on
 specops.envcheck.decide() with injected facts; the GPU itself is exercised by
 benchmarks/fla_env_h200.sh.
 """
@@ -15,12 +15,16 @@ import os
 import re
 import shutil
 import subprocess
+import sys
 import textwrap
 from pathlib import Path
 
 import pytest
 
 from specops import envcheck
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from module_call import call_module  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 ANSIBLE = ROOT / ".venv" / "bin" / "ansible"
@@ -35,12 +39,14 @@ TORCH = "torch==2.13.0"
 
 
 def run_module(args: dict, check: bool = False) -> tuple[str, dict]:
-    """Run specops.drafter.fla_env on localhost through ansible; return (status, result)."""
-    return module_result(run_ansible(args, check))
+    """Run specops.drafter.fla_env as a host runs it (module_call); (status as ansible prints it, result)."""
+    result = call_module("fla_env", args, check=check, timeout=1200, python=str(CONTROL_PYTHON))
+    return ("FAILED" if result["failed"] else "CHANGED" if result.get("changed") else "SUCCESS"), result
 
 
 def run_ansible(args: dict, check: bool = False) -> subprocess.CompletedProcess:
-    """Run specops.drafter.fla_env on localhost through ansible; its warnings are on stderr."""
+    """Run specops.drafter.fla_env on localhost through ansible, for what the controller prints of its
+    result (warnings are on stderr)."""
     cmd = [
         str(ANSIBLE),
         "localhost",

@@ -25,9 +25,11 @@ from pathlib import Path
 
 import pytest
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from module_call import call_module  # noqa: E402
+
 ROOT = Path(__file__).resolve().parents[2]
 UTILS_PATH = ROOT / "collections/ansible_collections/specops/drafter/plugins/module_utils/gpu_release.py"
-ANSIBLE = ROOT / ".venv/bin/ansible"
 
 
 def _load_utils():
@@ -144,30 +146,8 @@ def token():
 
 
 def run_module(args, tmp_path, check=False):
-    """Run the real module through `ansible localhost -m`; return its JSON result and `failed`."""
-    tree = tmp_path / (f"tree-{uuid.uuid4().hex[:6]}")
-    cmd = [
-        str(ANSIBLE),
-        "localhost",
-        "-m",
-        "specops.drafter.gpu_release",
-        "-a",
-        json.dumps(args),
-        "--tree",
-        str(tree),
-    ]
-    if check:
-        cmd.append("--check")
-    env = dict(os.environ, ANSIBLE_LOCALHOST_WARNING="false", ANSIBLE_INVENTORY_UNPARSED_WARNING="false")
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
-    result_file = tree / "localhost"
-    assert result_file.exists(), (
-        f"no result from ansible (exit {proc.returncode}):\n{proc.stdout}\n{proc.stderr}"
-    )
-    result = json.loads(result_file.read_text())
-    # The tree callback drops the 'failed' flag; ansible's exit status carries it.
-    result["failed"] = proc.returncode != 0
-    return result
+    """Run the real module as a host runs it (module_call); its JSON result and `failed`."""
+    return call_module("gpu_release", args, check=check, timeout=120)
 
 
 def base_args(devices, token, **extra):

@@ -1,39 +1,24 @@
 """run_lock: one run at a time per run directory; a second run is told who holds it;
 no lock outlives its holder."""
 
-import json
 import os
 import signal
-import subprocess
+import sys
 import time
 from pathlib import Path
 
 import pytest
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from module_call import call_module  # noqa: E402
+
 ROOT = Path(__file__).resolve().parents[2]
-ANSIBLE = ROOT / ".venv/bin/ansible"
 
 
 def run_lock(args: dict, tree: Path) -> tuple[int, dict]:
-    cmd = [
-        str(ANSIBLE),
-        "localhost",
-        "-m",
-        "specops.drafter.run_lock",
-        "-a",
-        json.dumps(args),
-        "--tree",
-        str(tree),
-    ]
-    env = {**os.environ, "ANSIBLE_LOCALHOST_WARNING": "false", "ANSIBLE_CONFIG": str(ROOT / "ansible.cfg")}
-    done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
-    result_file = tree / "localhost"
-    assert result_file.exists(), (
-        f"no result from ansible (exit {done.returncode}):\n{done.stdout}\n{done.stderr}"
-    )
-    result = json.loads(result_file.read_text())
-    result_file.unlink()
-    return done.returncode, result
+    """Run specops.drafter.run_lock as a host runs it (module_call); its exit status and result."""
+    result = call_module("run_lock", args, timeout=120)
+    return (1 if result["failed"] else 0), result
 
 
 @pytest.fixture

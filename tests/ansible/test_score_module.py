@@ -1,4 +1,4 @@
-"""score_drafter through Ansible: check mode changes nothing, a run writes the report, a rerun is a no-op.
+"""score_drafter as a host runs it: check mode changes nothing, a run writes the report, a rerun is a no-op.
 
 The ML environment (.venv-ml) builds the fixture models and their hidden states; the module runs
 `python -m specops.score` there with the checkout's package first on PYTHONPATH.
@@ -6,16 +6,17 @@ The ML environment (.venv-ml) builds the fixture models and their hidden states;
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
-import uuid
+import sys
 from pathlib import Path
 
 import pytest
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from module_call import call_module  # noqa: E402
+
 ROOT = Path(__file__).resolve().parents[2]
-ANSIBLE = ROOT / ".venv/bin/ansible"
 ML_PYTHON = ROOT / ".venv-ml/bin/python"
 
 pytestmark = pytest.mark.skipif(not ML_PYTHON.exists(), reason="needs the ML environment (.venv-ml)")
@@ -25,9 +26,6 @@ def ml_env() -> dict:
     return dict(
         os.environ,
         PYTHONPATH=str(ROOT / "src"),
-        ANSIBLE_LOCALHOST_WARNING="false",
-        ANSIBLE_INVENTORY_UNPARSED_WARNING="false",
-        ANSIBLE_CONFIG=str(ROOT / "ansible.cfg"),
     )
 
 
@@ -56,24 +54,8 @@ def run(tmp_path_factory) -> dict:
 
 
 def run_module(args: dict, tmp_path: Path, check: bool = False) -> dict:
-    tree = tmp_path / f"tree-{uuid.uuid4().hex[:6]}"
-    cmd = [
-        str(ANSIBLE),
-        "localhost",
-        "-m",
-        "specops.drafter.score_drafter",
-        "-a",
-        json.dumps(args),
-        "--tree",
-        str(tree),
-    ] + (["--check"] if check else [])
-    proc = subprocess.run(cmd, cwd=ROOT, env=ml_env(), capture_output=True, text=True, timeout=600)
-    result_file = tree / "localhost"
-    assert result_file.exists(), proc.stdout + proc.stderr
-    result = json.loads(result_file.read_text())
-    # The tree callback drops the 'failed' flag; ansible's exit status carries it.
-    result["failed"] = proc.returncode != 0
-    return result
+    """Run specops.drafter.score_drafter as a host runs it (module_call); its result, with failed set."""
+    return call_module("score_drafter", args, check=check, env=ml_env())
 
 
 def test_check_mode_run_and_rerun(run, tmp_path):

@@ -1,4 +1,4 @@
-"""sglang_completions through Ansible, against the development server: check mode, run, no-op rerun.
+"""sglang_completions as a host runs it, against the development server: check mode, run, rerun.
 
 The ML environment (.venv-ml) builds the fixture model and runs the development server; the module runs
 `python -m specops.completions` there with the checkout's package first on PYTHONPATH.
@@ -9,15 +9,17 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import uuid
+import sys
 from pathlib import Path
 
 import pytest
 
 from specops.devserver.launch import DevServerProcess
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from module_call import call_module  # noqa: E402
+
 ROOT = Path(__file__).resolve().parents[2]
-ANSIBLE = ROOT / ".venv/bin/ansible"
 ML_PYTHON = ROOT / ".venv-ml/bin/python"
 
 pytestmark = pytest.mark.skipif(not ML_PYTHON.exists(), reason="needs the ML environment (.venv-ml)")
@@ -27,9 +29,6 @@ def ml_env() -> dict:
     return dict(
         os.environ,
         PYTHONPATH=str(ROOT / "src"),
-        ANSIBLE_LOCALHOST_WARNING="false",
-        ANSIBLE_INVENTORY_UNPARSED_WARNING="false",
-        ANSIBLE_CONFIG=str(ROOT / "ansible.cfg"),
     )
 
 
@@ -55,23 +54,8 @@ def fixtures(tmp_path_factory) -> Path:
 
 
 def run_module(args: dict, tmp_path: Path, check: bool = False) -> dict:
-    tree = tmp_path / f"tree-{uuid.uuid4().hex[:6]}"
-    cmd = [
-        str(ANSIBLE),
-        "localhost",
-        "-m",
-        "specops.drafter.sglang_completions",
-        "-a",
-        json.dumps(args),
-        "--tree",
-        str(tree),
-    ] + (["--check"] if check else [])
-    proc = subprocess.run(cmd, cwd=ROOT, env=ml_env(), capture_output=True, text=True, timeout=600)
-    result_file = tree / "localhost"
-    assert result_file.exists(), proc.stdout + proc.stderr
-    result = json.loads(result_file.read_text())
-    result["failed"] = proc.returncode != 0
-    return result
+    """Run specops.drafter.sglang_completions as a host runs it (module_call); its result, with failed set."""
+    return call_module("sglang_completions", args, check=check, env=ml_env())
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,4 @@
-"""specops.drafter.sglang_service through Ansible against the development server: states and the guard.
+"""specops.drafter.sglang_service as a host runs it, against the development server: states and the guard.
 
 The development server runs from .venv-ml with the memory saver; every test starts its own server
 through the module's process backend, so a test never inherits another's window.
@@ -21,7 +21,7 @@ import pytest
 from specops.devserver.launch import free_port, http_status
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from sglang_service_site import FIXTURES, ML_PYTHON, Site, ansible_env, wait_for, window  # noqa: E402
+from sglang_service_site import FIXTURES, ML_PYTHON, Site, module_env, wait_for, window  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not ML_PYTHON.exists(), reason="needs the ML environment (.venv-ml)")
 
@@ -208,7 +208,7 @@ def test_the_guard_fires_soon_after_the_windows_work_is_gone(serving):
     token = "w-work"
     work = subprocess.Popen(SLEEPER, env={**os.environ, "SPECOPS_WINDOW_TOKEN": token})
     stopped = serving.run(
-        "stopped", window=window(token, guard_grace=1), env=ansible_env(SPECOPS_WINDOW_TOKEN=token)
+        "stopped", window=window(token, guard_grace=1), env=module_env(SPECOPS_WINDOW_TOKEN=token)
     )
     assert stopped["changed"], stopped.get("msg")
     time.sleep(3)

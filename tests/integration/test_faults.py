@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import shutil
 import signal
 import subprocess
@@ -58,6 +57,10 @@ def assert_refused_before_the_window(site, result, pid_before, *causes):
     assert site.health_generate_status() == 200
 
 
+# Every cause the extraction's plan refuses (a mask token or vocabulary that does not fit the target, a
+# garbled drafter config, require_backend where the backend is missing, too little disk) is tested cause
+# by cause on the stage (tests/unit/test_extract_faults.py, test_extract.py). The play handles them all
+# alike, so one of them shows the play's side: refused before the window, the server untouched.
 def test_a_mask_token_out_of_range_is_refused_before_the_window(serving, refused_run_dir, tmp_path):
     drafter = copy_drafter(serving, tmp_path, mask_token_id=10**6)
     pid = serving.server_pid()
@@ -65,43 +68,6 @@ def test_a_mask_token_out_of_range_is_refused_before_the_window(serving, refused
     assert_refused_before_the_window(
         serving, result, pid, f"{drafter}/config.json", "mask_token_id 1000000 is out of range"
     )
-
-
-def test_a_drafter_for_another_vocabulary_is_refused_before_the_window(serving, refused_run_dir, tmp_path):
-    drafter = copy_drafter(serving, tmp_path, vocab_size=123457)
-    pid = serving.server_pid()
-    result = serving.play("eval.yml", specops_run_dir=refused_run_dir, specops_drafter=str(drafter))
-    assert_refused_before_the_window(serving, result, pid, "vocab_size 123457 differs from the target's")
-
-
-def test_a_garbled_drafter_config_is_named_before_the_window(serving, refused_run_dir, tmp_path):
-    drafter = copy_drafter(serving, tmp_path)
-    (drafter / "config.json").write_text('{"dflash_config": {')
-    pid = serving.server_pid()
-    result = serving.play("eval.yml", specops_run_dir=refused_run_dir, specops_drafter=str(drafter))
-    assert_refused_before_the_window(
-        serving, result, pid, f"drafter config {drafter}/config.json is not valid JSON"
-    )
-    assert "the request is not JSON" not in said(result)
-
-
-def test_require_fla_where_the_extraction_lacks_it_is_refused_before_the_window(serving, refused_run_dir):
-    pid = serving.server_pid()
-    result = serving.play(
-        "eval.yml", specops_run_dir=refused_run_dir, extract_hidden_states_require_backend="fla"
-    )
-    assert_refused_before_the_window(serving, result, pid, "require_backend is fla")
-
-
-def test_too_little_disk_is_refused_before_the_window_with_the_figures(serving, refused_run_dir, tmp_path):
-    # The reserve makes the output's file system too small for the shards, whatever its real size.
-    free = shutil.disk_usage(tmp_path).free
-    pid = serving.server_pid()
-    result = serving.play(
-        "eval.yml", specops_run_dir=refused_run_dir, extract_hidden_states_disk_reserve_bytes=free
-    )
-    assert_refused_before_the_window(serving, result, pid, "not enough disk space")
-    assert re.search(r"the hidden states need \d+\.\d\d [KM]iB", said(result)), result.output[-3000:]
 
 
 def test_a_max_downtime_shorter_than_the_extraction_is_refused_before_the_window(serving, refused_run_dir):

@@ -13,6 +13,7 @@ __metaclass__ = type
 # The guard runs this outside Ansible, where there is no AnsibleModule.run_command or exit_json.
 # pylint: disable=ansible-bad-function
 
+import importlib
 import os
 import pkgutil
 import signal
@@ -44,6 +45,13 @@ def _source(name: str) -> bytes:
         data = pkgutil.get_data(PACKAGE, name + ".py")
     except (IOError, OSError):
         data = None
+    if data is None:
+        # Run from the collection's files rather than AnsiballZ's zip, module_utils is a namespace
+        # package, whose loader reads no data: read the imported module's own file.
+        origin = getattr(importlib.import_module(PACKAGE + "." + name), "__file__", None)
+        if origin and os.path.isfile(origin):
+            with open(origin, "rb") as handle:
+                data = handle.read()
     if data is None:
         raise ServiceError("cannot read module_utils/%s.py from the module's payload to place the guard" % name)
     return data
