@@ -29,8 +29,7 @@ test test-%: export OMP_NUM_THREADS := 1
 
 .PHONY: help demo demo-stop test test-in-order test-python test-python-checks test-unit test-ansible test-lint \
         test-sanity test-units \
-        test-integration test-fleet test-systemd test-fixtures test-models test-ansible-lane test-integration-lane \
-        test-fleet-lane test-systemd-lane test-checks-lane \
+        test-integration test-fleet test-systemd test-fixtures test-models \
         system-deps ml-env venv lock lock-check clean
 
 help:
@@ -154,48 +153,32 @@ test-models: $(ML_VENV)/.stamp
 test-fixtures: $(ML_VENV)/.stamp
 	$(HEARTBEAT) fixtures $(ML_VENV)/bin/python -m specops.fixtures --out $(TEST_FIXTURES) --no-reference-training
 
-# Four lanes side by side, balanced on the durations the reports record (2 cores, 2026-12-02: the
-# integration suite alone took 40 min of a 42 min run before it was spread over both cores):
+# The suites, four at a time (make -j4), in this order: the four long ones first, then the checks,
+# longest first, each started as soon as a suite ends, so whichever suites end first share the run's
+# tail. With fixed lanes (2026-12-03: the systemd suite then ansible-lint, sanity, units and the unit
+# tests in one lane) the lane that held the most checks ended the run alone: 2026-12-04, 1150 s, of
+# which the last ~200 s with one lane left, the other suites done by 975 s.
 #  - integration: plays against development servers of their own, on free ports, in their own
 #    directories, a test file per worker (each worker runs the shared evaluation once);
-#  - fleet: three servers behind the router, the suite's longest fixture; then ruff and mypy;
 #  - module tests (tests/ansible), spread over both cores;
-#  - checks: the systemd suite first, mostly waiting (debootstrap, a container booting systemd), so it
-#    starts at once; then the collection's checks, one process each (ansible-lint, ansible-test sanity
-#    and units), while the other lanes keep the second core busy; the unit tests, spread over both
-#    cores, last, so that the lane that ends the run keeps both cores busy to its end (2026-12-03: with
-#    ruff, mypy and the unit tests before the collection's checks, only this lane ran for the last
-#    260 s of a 1705 s run, 170 s of them on one core).
-#    More lanes do not help on 2 cores: with the unit tests as a fifth lane from the start (2026-12-03)
-#    the run took 2550 s and 4,929 core-s instead of 2287 s and 4,087 (busier cores stretch every wait,
-#    and each stretched wait costs CPU), and six timing-sensitive tests failed.
-# The fixture models are built by this make, once, while the systemd suite starts; the lanes that read
-# them wait for them. Every line a lane prints carries its name and shows as soon as it is written; a
-# lane quiet for 25 s says so. Each pytest run keeps its own temporary root, so no run's clean-up of
-# old temporary directories removes another's.
-test: system-deps $(VENV)/.stamp $(ML_VENV)/.stamp
+#  - fleet: three servers behind the router, the suite's longest fixture;
+#  - systemd: mostly waiting (debootstrap, a container booting systemd);
+#  - then ansible-test sanity, the unit tests (both cores), ruff and mypy, ansible-lint, ansible-test units.
+# More at once does not help on 2 cores: with the unit tests as a fifth lane from the start
+# (2026-12-03) the run took 2550 s and 4,929 core-s instead of 2287 s and 4,087 (busier cores stretch
+# every wait, and each stretched wait costs CPU), and six timing-sensitive tests failed.
+# The environments and the fixture models are built in the same make, once, the two environments side
+# by side; the checks wait for the fixture models (CHECKS_AFTER) so that the long suites get the slots
+# first. Every line a suite prints carries its name and shows as soon as it is written; a suite quiet
+# for 25 s says so. Each pytest run keeps its own temporary root, so no run's clean-up of old temporary
+# directories removes another's.
+LONG_SUITES := test-integration test-ansible test-fleet test-systemd
+CHECKS := test-sanity test-unit test-python-checks test-lint test-units
+CHECKS_AFTER ?=
+test: system-deps
 	mkdir -p $(TEST_REPORTS)
-	$(MAKE) -j4 --output-sync=none test-ansible-lane test-integration-lane test-fleet-lane test-checks-lane
+	$(MAKE) -j4 --output-sync=none CHECKS_AFTER="test-models test-fixtures" $(LONG_SUITES) $(CHECKS)
 	$(PYTHON_CONTROL) .ci/durations.py --top 5 $(TEST_REPORTS)/*.xml
-
-test-ansible-lane: test-fixtures
-	$(MAKE) test-ansible
-
-test-integration-lane: test-models
-	$(MAKE) test-integration
-
-# The fleet (three servers behind the router) is the suite's longest fixture and needs nothing of the
-# other playbook tests: its own lane, so the two run side by side. It ends first: ruff and mypy follow.
-test-fleet-lane: test-models
-	$(MAKE) -j1 test-fleet test-python-checks
-
-# The systemd suite is mostly waiting and ends well before the others: the collection's static checks,
-# then the unit tests, follow it in its lane.
-test-systemd-lane: system-deps $(VENV)/.stamp $(ML_VENV)/.stamp
-	$(MAKE) test-systemd
-
-test-checks-lane: test-models test-fixtures test-systemd-lane
-	$(MAKE) -j1 test-lint test-sanity test-units test-unit
 
 # What needs neither playbooks nor systemd, one suite after another.
 test-in-order: $(VENV)/.stamp $(ML_VENV)/.stamp
@@ -205,32 +188,32 @@ test-in-order: $(VENV)/.stamp $(ML_VENV)/.stamp
 test-python:
 	$(MAKE) -j1 test-python-checks test-unit
 
-test-python-checks: $(ML_VENV)/.stamp
+test-python-checks: $(ML_VENV)/.stamp | $(CHECKS_AFTER)
 	$(ML_VENV)/bin/ruff check src tests benchmarks roles
 	$(ML_VENV)/bin/ruff format --check src tests benchmarks roles
 	$(HEARTBEAT) mypy $(ML_VENV)/bin/mypy
 
-test-unit: $(ML_VENV)/.stamp
+test-unit: $(ML_VENV)/.stamp test-models test-fixtures
 	$(HEARTBEAT) unit $(ML_VENV)/bin/pytest $(PYTEST_FLAGS) $(XDIST) tests/unit
 
-test-ansible: $(VENV)/.stamp $(ML_VENV)/.stamp
+test-ansible: $(VENV)/.stamp $(ML_VENV)/.stamp test-fixtures
 	$(HEARTBEAT) ansible $(VENV)/bin/pytest $(PYTEST_FLAGS) $(XDIST) tests/ansible
 
-test-lint: $(VENV)/.stamp
+test-lint: $(VENV)/.stamp | $(CHECKS_AFTER)
 	$(HEARTBEAT) lint $(VENV)/bin/ansible-lint --profile production
 
-test-sanity: $(VENV)/.stamp
+test-sanity: $(VENV)/.stamp | $(CHECKS_AFTER)
 	$(HEARTBEAT) sanity ./tests/run-ansible-test.sh sanity
 
-test-units: $(VENV)/.stamp
+test-units: $(VENV)/.stamp | $(CHECKS_AFTER)
 	$(HEARTBEAT) units ./tests/run-ansible-test.sh units
 
-test-integration: $(VENV)/.stamp $(ML_VENV)/.stamp
+test-integration: $(VENV)/.stamp $(ML_VENV)/.stamp test-models
 	mkdir -p /tmp/specops-pytest-integration
 	PYTEST_DEBUG_TEMPROOT=/tmp/specops-pytest-integration \
 	  $(HEARTBEAT) integration $(VENV)/bin/pytest $(PYTEST_FLAGS) $(XDIST) tests/integration --ignore=tests/integration/test_fleet.py
 
-test-fleet: $(VENV)/.stamp $(ML_VENV)/.stamp
+test-fleet: $(VENV)/.stamp $(ML_VENV)/.stamp test-models
 	mkdir -p /tmp/specops-pytest-fleet
 	PYTEST_DEBUG_TEMPROOT=/tmp/specops-pytest-fleet \
 	  $(HEARTBEAT) fleet $(VENV)/bin/pytest $(PYTEST_FLAGS) tests/integration/test_fleet.py

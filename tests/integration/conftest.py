@@ -40,6 +40,9 @@ class PlayResult:
 class LocalDefault:
     work_dir: Path
     port: int
+    # The host's cache (specops_host_cache_dir: the environment's verification, triton's kernels): one
+    # per host, as /var/cache/specops is, so every site of the run shares it.
+    host_cache_dir: Path
     # Settings of this site that every play on it passes (a server launched otherwise would be restarted).
     settings: dict = field(default_factory=dict)
 
@@ -55,6 +58,7 @@ class LocalDefault:
             "sglang_service_port": self.port,
             "sglang_service_pid_file": str(self.work_dir / "sglang.pid"),
             "sglang_service_log_file": str(self.work_dir / "sglang.log"),
+            "specops_host_cache_dir": str(self.host_cache_dir),
             # The development server is ready within seconds: look every second, not every five.
             "sglang_service_ready_delay": 1,
             **self.settings,
@@ -123,8 +127,19 @@ class LocalDefault:
 
 
 @pytest.fixture(scope="session")
-def local_default(tmp_path_factory):
-    site = LocalDefault(work_dir=tmp_path_factory.mktemp("eval"), port=free_port())
+def host_cache_dir(tmp_path_factory) -> Path:
+    """This host's cache directory, shared by the sites of every pytest-xdist worker of the run."""
+    base = tmp_path_factory.getbasetemp()
+    shared = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+    (shared / "host-cache").mkdir(exist_ok=True)
+    return shared / "host-cache"
+
+
+@pytest.fixture(scope="session")
+def local_default(tmp_path_factory, host_cache_dir):
+    site = LocalDefault(
+        work_dir=tmp_path_factory.mktemp("eval"), port=free_port(), host_cache_dir=host_cache_dir
+    )
     yield site
     # The play leaves the service running, as production would: stop what the test started.
     site.play("service.yml", sglang_service_state="stopped", sglang_service_guard=False, timeout=120)
@@ -157,11 +172,13 @@ MEMORY_SAVER = {"sglang_service_memory_saver": True, "specops_gpu_window_mode": 
 
 
 @pytest.fixture(scope="session")
-def memory_saver_site(tmp_path_factory):
+def memory_saver_site(tmp_path_factory, host_cache_dir):
     """A server of its own with the memory saver, serving, for the tests of the memory-saver window (each
     in a run directory of its own); stopped at the end."""
     work_dir = tmp_path_factory.mktemp("memory-saver")
-    site = LocalDefault(work_dir=work_dir, port=free_port(), settings=MEMORY_SAVER)
+    site = LocalDefault(
+        work_dir=work_dir, port=free_port(), host_cache_dir=host_cache_dir, settings=MEMORY_SAVER
+    )
     started = site.play("service.yml", sglang_service_state="started")
     assert started.rc == 0, started.output[-4000:]
     yield site
@@ -169,8 +186,10 @@ def memory_saver_site(tmp_path_factory):
 
 
 @pytest.fixture
-def own_local_default(tmp_path_factory):
+def own_local_default(tmp_path_factory, host_cache_dir):
     """A site with a server of its own, for tests that change how the server runs."""
-    site = LocalDefault(work_dir=tmp_path_factory.mktemp("own"), port=free_port())
+    site = LocalDefault(
+        work_dir=tmp_path_factory.mktemp("own"), port=free_port(), host_cache_dir=host_cache_dir
+    )
     yield site
     site.play("service.yml", sglang_service_state="stopped", sglang_service_guard=False, timeout=120)

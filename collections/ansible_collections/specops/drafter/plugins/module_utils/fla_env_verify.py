@@ -77,7 +77,6 @@ class FlaEnvVerify(object):
             return None
 
     def _keep_report(self, path, report):
-        directory = os.path.dirname(path)
-        if not os.path.isdir(directory):
-            os.makedirs(directory)
+        # exist_ok: runs on one host may keep their verifications in one directory at the same time.
+        os.makedirs(os.path.dirname(path), exist_ok=True)
         self._replace(path, json.dumps(report))
