@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """Run a command, label its output, and say it is still working whenever it has been quiet a while.
 
-make test runs its lanes side by side: each line a lane prints gets the lane's label, so the
-interleaved output stays readable without holding a lane's output back until it ends. A step that
+make test runs its suites side by side: each line a suite prints gets the suite's label, so the
+interleaved output stays readable without holding a suite's output back until it ends. A step that
 prints nothing for QUIET seconds (pip unpacking torch, a playbook's long task, one slow test) gets a
 line saying what it is, how long it has been quiet and what it printed last.
 
@@ -10,7 +10,7 @@ line saying what it is, how long it has been quiet and what it printed last.
 
 The exit status is the command's. The last line gives the wall time and the CPU time the command and
 the processes it waited for used (daemons it left running, such as servers, are not counted): on a
-machine whose cores are all busy, the CPU time is what a lane costs the others.
+machine whose cores are all busy, the CPU time is what a suite costs the others.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 Training the reference drafter takes a minute or more; the unit tests that need a drafter trained on
 the target and the playbook runs of the integration tests use the same one (SPECOPS_TEST_MODELS,
-which make test builds once before its lanes start).
+which make test builds once before the suites that read it start).
 """
 
 from __future__ import annotations

@@ -168,10 +168,11 @@ def test_the_guard_fires_after_the_operators_max_downtime_when_it_is_shorter_tha
     stopped = serving.run("stopped", window=window("w-bound", guard_after=600, max_downtime=2))
     assert stopped["changed"] and stopped["guard"]["fires_in"] == 2
 
-    assert wait_for(lambda: serving.pid() not in (None, before), 30), serving.guard_log()
-    assert time.monotonic() - armed < 40
+    # Bounds, not expectations, well short of the planned 600 s: the operator's 2 s is what fired it.
+    assert wait_for(lambda: serving.pid() not in (None, before), 300), serving.guard_log()
+    assert time.monotonic() - armed < 300
     assert "max_downtime" in serving.guard_log()
-    assert wait_for(lambda: http_status(serving.url + "/health_generate") == 200, 60)
+    assert wait_for(lambda: http_status(serving.url + "/health_generate") == 200, 600)
     assert not (serving.state_dir / "window.lock").exists()
 
 
@@ -181,8 +182,8 @@ def test_the_guards_resume_after_the_server_was_killed_starts_it(serving):
     killed = serving.pid()
     os.killpg(killed, signal.SIGKILL)
 
-    assert wait_for(lambda: serving.pid() not in (None, killed), 30), serving.guard_log()
-    assert wait_for(lambda: http_status(serving.url + "/health_generate") == 200, 60)
+    assert wait_for(lambda: serving.pid() not in (None, killed), 300), serving.guard_log()
+    assert wait_for(lambda: http_status(serving.url + "/health_generate") == 200, 600)
     assert "started_pid" in serving.guard_log() and not (serving.state_dir / "released.json").exists()
 
 
@@ -195,7 +196,7 @@ def test_exactly_one_resume_when_the_play_and_the_guard_race(serving):
 
     assert not resumed["failed"], resumed.get("msg")
     assert wait_for(
-        lambda: "guard" in serving.guard_log() or not (serving.state_dir / "guard.json").exists(), 10
+        lambda: "guard" in serving.guard_log() or not (serving.state_dir / "guard.json").exists(), 120
     )
     time.sleep(2)
     assert serving.pid() == pid, (
@@ -207,17 +208,21 @@ def test_exactly_one_resume_when_the_play_and_the_guard_race(serving):
 def test_the_guard_fires_soon_after_the_windows_work_is_gone(serving):
     token = "w-work"
     work = subprocess.Popen(SLEEPER, env={**os.environ, "SPECOPS_WINDOW_TOKEN": token})
+    # Planned downtime and the operator's bound an hour away: only the work's end can make it fire.
     stopped = serving.run(
-        "stopped", window=window(token, guard_grace=1), env=module_env(SPECOPS_WINDOW_TOKEN=token)
+        "stopped",
+        window=window(token, guard_grace=1, guard_after=3600, max_downtime=3600),
+        env=module_env(SPECOPS_WINDOW_TOKEN=token),
     )
     assert stopped["changed"], stopped.get("msg")
     time.sleep(3)
     assert serving.pid() is None, "the guard must wait while the window's work runs"
 
     work.send_signal(signal.SIGINT)
-    work.wait(10)
+    work.wait(120)
 
-    assert wait_for(lambda: serving.pid() is not None, 30), serving.guard_log()
+    # Bounds, not expectations: a loaded machine stretches the guard's look and the server's launch.
+    assert wait_for(lambda: serving.pid() is not None, 600), serving.guard_log()
     assert "window's work is gone" in serving.guard_log()
 
 
@@ -246,7 +251,7 @@ def test_a_disarmed_guard_never_acts(serving):
     started = serving.run("started", window=window("w-disarm"))
 
     assert started["guard"]["disarmed"] is True
-    assert wait_for(lambda: not Path(f"/proc/{guard}").exists() or _state(guard) == "Z", 10)
+    assert wait_for(lambda: not Path(f"/proc/{guard}").exists() or _state(guard) == "Z", 120)
     assert "fired" not in serving.guard_log()
     assert not (serving.state_dir / "window.lock").exists()
 
