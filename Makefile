@@ -22,7 +22,7 @@ export ANSIBLE_CONFIG := $(CURDIR)/ansible.cfg
 export PYTHONDONTWRITEBYTECODE := 1
 # Tests exercise the working tree, not the copy of the package installed in the ML environment.
 test test-%: export PYTHONPATH := $(CURDIR)/src
-# The lanes keep both cores busy: a torch process's second thread would mostly spin at OpenMP's
+# The suites keep both cores busy: a torch process's second thread would mostly spin at OpenMP's
 # barriers waiting for a core (one eval.yml beside two busy processes: 174 core-s with torch's two
 # threads, 92 with one). Tests that compare thread counts set them explicitly.
 test test-%: export OMP_NUM_THREADS := 1
@@ -139,10 +139,10 @@ TEST_FIXTURES := $(CURDIR)/.work/test-fixtures
 test test-%: export SPECOPS_TEST_MODELS := $(TEST_MODELS)
 test test-%: export SPECOPS_FIXTURES := $(TEST_FIXTURES)
 
-# Per-test durations of every suite land here (JUnit XML, and the slowest in each log), so lanes
-# can be balanced on measured numbers.
+# Per-test durations of every suite land here (JUnit XML, and the slowest in each log), so the suites
+# can be ordered on measured numbers.
 TEST_REPORTS := $(CURDIR)/.work/test-reports
-# -v: one line per test, so a lane shows where it is; --durations: slow tests are named in every run.
+# -v: one line per test, so a suite shows where it is; --durations: slow tests are named in every run.
 PYTEST_FLAGS = -v -p no:cacheprovider --durations=25 --durations-min=1 --junitxml=$(TEST_REPORTS)/$@.xml
 # Spread over both cores, a file per worker: module-scoped fixtures (servers, engines) stay built once.
 XDIST = -n 2 --dist loadfile

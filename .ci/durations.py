@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """Sum the per-test durations make test records (.work/test-reports/*.xml, JUnit XML) by suite and
-by test file, slowest first: what to move between lanes, or to split, when the run gets long.
+by test file, slowest first: what to reorder, or to split, when the run gets long.
 
     python .ci/durations.py [.work/test-reports/*.xml] [--top N]
 """
