@@ -170,6 +170,7 @@ test-fixtures: $(ML_VENV)/.stamp
 # More at once does not help on 2 cores: with the unit tests as a fifth lane from the start
 # (2026-12-03) the run took 2550 s and 4,929 core-s instead of 2287 s and 4,087 (busier cores stretch
 # every wait, and each stretched wait costs CPU), and six timing-sensitive tests failed.
+# A suite that fails does not stop the others (--keep-going): the run says everything that failed.
 # The environments and the fixture models are built in the same make, once, the two environments side
 # by side; the checks wait for the fixture models (CHECKS_AFTER) so that the long suites get the slots
 # first. Every line a suite prints carries its name and shows as soon as it is written; a suite quiet
@@ -180,7 +181,7 @@ CHECKS := test-sanity test-python-checks test-lint test-units test-unit
 CHECKS_AFTER ?=
 test: system-deps
 	mkdir -p $(TEST_REPORTS)
-	$(MAKE) -j4 --output-sync=none CHECKS_AFTER="test-models test-fixtures" $(LONG_SUITES) $(CHECKS)
+	$(MAKE) -j4 --keep-going --output-sync=none CHECKS_AFTER="test-models test-fixtures" $(LONG_SUITES) $(CHECKS)
 	$(PYTHON_CONTROL) .ci/durations.py --top 5 $(TEST_REPORTS)/*.xml
 
 # What needs neither playbooks nor systemd, one suite after another.
