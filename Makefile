@@ -157,7 +157,7 @@ test-fixtures: $(ML_VENV)/.stamp
 # each started as soon as a suite ends, so whichever suites end first share the run's
 # tail. With fixed lanes (2026-12-03: the systemd suite then ansible-lint, sanity, units and the unit
 # tests in one lane) the lane that held the most checks ended the run alone: 2026-12-04, 1150 s, of
-# which the last ~200 s with one lane left, the other suites done by 975 s.
+# which the last ~175 s with one lane left.
 #  - integration: plays against development servers of their own, on free ports, in their own
 #    directories, a test file per worker (each worker runs the shared evaluation once);
 #  - module tests (tests/ansible), spread over both cores;

@@ -163,9 +163,10 @@ class LocalFleet:
                 "round_robin",
                 # No retry: a request the drain failed to protect shows up as a failure.
                 "--disable-retries",
-                # Each check is a one-token generation on every replica (SGLang's /health is
-                # health_generate): at 1 s they took about a tenth of the fleet tests' server CPU. A
-                # worker added back is probed when it is registered, so returns do not wait for them.
+                # Each check is a one-token generation on every replica: SGLang 0.5.23 serves /health
+                # with health_generate (srt/entrypoints/http_server.py:721-722, generation on by default,
+                # srt/environ.py:344), and so does the development server; here about 13 ms of CPU each.
+                # A worker added back is probed when it is registered, so returns do not wait for them.
                 "--health-check-interval-secs",
                 "3",
                 "--log-level",
