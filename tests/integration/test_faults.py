@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -57,10 +58,9 @@ def assert_refused_before_the_window(site, result, pid_before, *causes):
     assert site.health_generate_status() == 200
 
 
-# Every cause the extraction's plan refuses (a mask token or vocabulary that does not fit the target, a
-# garbled drafter config, require_backend where the backend is missing, too little disk) is tested cause
-# by cause on the stage (tests/unit/test_extract_faults.py, test_extract.py). The play handles them all
-# alike, so one of them shows the play's side: refused before the window, the server untouched.
+# Every cause the extraction's plan refuses is tested in detail on the stage
+# (tests/unit/test_extract_faults.py and test_extract.py); these show the play's side of each: refused
+# before the window, the server untouched.
 def test_a_mask_token_out_of_range_is_refused_before_the_window(serving, refused_run_dir, tmp_path):
     drafter = copy_drafter(serving, tmp_path, mask_token_id=10**6)
     pid = serving.server_pid()
@@ -68,6 +68,47 @@ def test_a_mask_token_out_of_range_is_refused_before_the_window(serving, refused
     assert_refused_before_the_window(
         serving, result, pid, f"{drafter}/config.json", "mask_token_id 1000000 is out of range"
     )
+
+
+# Each fault gives the play's extra variables and patterns its message must match.
+def garbled_config(site, tmp_path):
+    drafter = copy_drafter(site, tmp_path)
+    (drafter / "config.json").write_text('{"dflash_config": {')
+    message = f"drafter config {drafter}/config.json is not valid JSON"
+    return {"specops_drafter": str(drafter)}, [re.escape(message)]
+
+
+def other_vocabulary(site, tmp_path):
+    drafter = copy_drafter(site, tmp_path, vocab_size=123457)
+    return {"specops_drafter": str(drafter)}, ["vocab_size 123457 differs from the target's"]
+
+
+def fla_required(site, tmp_path):
+    return {"extract_hidden_states_require_backend": "fla"}, ["require_backend is fla"]
+
+
+def too_little_disk(site, tmp_path):
+    # The reserve makes the output's file system too small for the shards, whatever its real size.
+    free = shutil.disk_usage(tmp_path).free
+    return {"extract_hidden_states_disk_reserve_bytes": free}, [
+        "not enough disk space",
+        r"the hidden states need \d+\.\d\d [KM]iB",
+    ]
+
+
+@pytest.mark.parametrize(
+    "fault",
+    [garbled_config, other_vocabulary, fla_required, too_little_disk],
+    ids=lambda fault: fault.__name__,
+)
+def test_each_cause_the_plan_refuses_is_named_before_the_window(serving, refused_run_dir, tmp_path, fault):
+    extra_vars, patterns = fault(serving, tmp_path)
+    pid = serving.server_pid()
+    result = serving.play("eval.yml", specops_run_dir=refused_run_dir, **extra_vars)
+    assert_refused_before_the_window(serving, result, pid)
+    for pattern in patterns:
+        assert re.search(pattern, said(result)), result.output[-4000:]
+    assert "the request is not JSON" not in said(result)  # the file is named, not blamed on a request
 
 
 def test_a_max_downtime_shorter_than_the_extraction_is_refused_before_the_window(serving, refused_run_dir):
