@@ -109,6 +109,8 @@ def bring_back(config: dict) -> dict:
             result["continue_status"] = api.continue_generation().status
             return result
     # The play's stop may still be under way when the guard fires early: let it finish, then start.
+    # The leader goes first; the process backend's launch then also waits for the stop to see the rest
+    # of the old group go, and systemd queues a start behind a stop job.
     deadline = time.monotonic() + float(config.get("stop_timeout", 120)) + 10
     while server.running_pid() is not None and time.monotonic() < deadline:
         time.sleep(0.5)
