@@ -4,7 +4,8 @@
 # from a machine that was waiting. Optionally the CPU of one eval.yml run on the local default, every
 # process it started counted (servers included), through a cpuacct cgroup (root, cgroup v1).
 #
-#   benchmarks/suite_time.sh [test|demo|eval]...      (default: test demo)
+#   benchmarks/suite_time.sh [test|demo|readme|eval]...      (default: test demo)
+#   (readme: make demo, make demo-stop, then bash .ci/run, in one clone)
 #
 # FRESH_CACHES=1 moves uv's and pip's caches and ansible-test's environments aside first, as on a clean
 # CI machine (they are put back at the end). Results: one JSON line per step on stdout and in
@@ -65,12 +66,16 @@ fresh_clone() {
 
 for step in $STEPS; do
   case $step in
-    test | demo)
+    test | demo | readme)
+      # readme: the README's two commands in order in one clone, as a user on a fresh machine runs them.
       clone=$(fresh_clone)
       before=$(cpu_line) start=$(date +%s.%N)
       rc=0
-      if [ "$step" = test ]; then (cd "$clone" && bash .ci/run) > "$clone.log" 2>&1 || rc=$?; else
-        (cd "$clone" && make demo && make demo-stop) > "$clone.log" 2>&1 || rc=$?; fi
+      case $step in
+        test) (cd "$clone" && bash .ci/run) > "$clone.log" 2>&1 || rc=$? ;;
+        demo) (cd "$clone" && make demo && make demo-stop) > "$clone.log" 2>&1 || rc=$? ;;
+        readme) (cd "$clone" && make demo && make demo-stop && bash .ci/run) > "$clone.log" 2>&1 || rc=$? ;;
+      esac
       record "$step" "$(echo "$(date +%s.%N) - $start" | bc)" "$before" "$(cpu_line)" "$rc" \
         "{\"log\": \"$clone.log\"}"
       ;;
@@ -97,6 +102,6 @@ for step in $STEPS; do
         -e "{\"specops_work_dir\": \"$work\", \"sglang_service_port\": $port, \"sglang_service_pid_file\": \"$work/sglang.pid\",
         \"sglang_service_state\": \"stopped\", \"sglang_service_guard\": false}") > "$work/stop.log" 2>&1 || true
       ;;
-    *) echo "unknown step $step (test, demo, eval)" >&2; exit 2 ;;
+    *) echo "unknown step $step (test, demo, readme, eval)" >&2; exit 2 ;;
   esac
 done
