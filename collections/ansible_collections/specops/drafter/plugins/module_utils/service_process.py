@@ -111,30 +111,19 @@ class ProcessServer(object):
         return self.log_file
 
     @contextlib.contextmanager
-    def _one_at_a_time(self, wait: float):
+    def _one_at_a_time(self):
         """Stops and launches of this server run one at a time, across processes: the guard may fire while
-        the play's stop waits for the last of the old group, and its launch must not start into that group's
-        port, nor write a pid file the stop then removes."""
+        the play's stop waits for the last of the old group, and its launch must not start into that group,
+        nor write a pid file the stop then removes. A stop holds the lock for at most its timeout + 10 s."""
         ensure_dir(os.path.dirname(os.path.abspath(self.pid_file)))
-        with open(self.pid_file + ".lock", "a") as handle:
-            deadline = time.monotonic() + wait
-            while True:
-                try:
-                    fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                    break
-                except (IOError, OSError) as error:
-                    if error.errno not in (errno.EAGAIN, errno.EACCES, errno.EWOULDBLOCK):
-                        raise
-                    if time.monotonic() >= deadline:
-                        raise ServiceError("another stop or start of the server held %s.lock for %.0f s"
-                                           % (self.pid_file, wait))
-                    time.sleep(0.1)
-            yield  # closing the file releases the lock, also when its holder dies
+        with open(self.pid_file + ".lock", "a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, also when its holder dies
+            yield
 
-    def launch(self, wait: float = 600.0) -> int:
+    def launch(self) -> int:
         """Start the server detached (own session and process group, output appended to the log file), once
         any stop under way has ended; a server of ours already running is not started twice."""
-        with self._one_at_a_time(wait):
+        with self._one_at_a_time():
             running = self.running_pid()
             return running if running is not None else self._launch()
 
@@ -166,7 +155,7 @@ class ProcessServer(object):
 
     def stop(self, timeout: float, tree_file: str = "") -> dict:
         """SIGTERM the process group, SIGKILL what is left after timeout seconds; records the tree first."""
-        with self._one_at_a_time(timeout + 60):
+        with self._one_at_a_time():
             return self._stop(timeout, tree_file)
 
     def _stop(self, timeout: float, tree_file: str) -> dict:
