@@ -14,8 +14,9 @@ import time
 from ansible_collections.specops.drafter.plugins.module_utils import procfs
 from ansible_collections.specops.drafter.plugins.module_utils.service_process import ProcessServer
 
-# A server whose leader exits at SIGTERM at once while a child of its group takes a second longer, as
-# SGLang's scheduler and detokenizer processes outlive its HTTP process.
+# A server whose leader exits at SIGTERM at once while a child of its group takes a second longer. SGLang's
+# scheduler processes die with their parent (PR_SET_PDEATHSIG SIGKILL: sglang 0.5.23,
+# srt/utils/common.py:3432-3437), but a process holding GPU memory can take seconds to go while it is freed.
 LINGERING_CHILD = """
 import os, signal, subprocess, sys, time
 subprocess.Popen([sys.executable, "-c", "import os, signal, sys, time\\n"
