@@ -4,6 +4,10 @@
 # the ML environment sees that venv's packages), fla, transformers and the build backend from a
 # wheelhouse (fla_env_no_index), the development server standing in for SGLang on CUDA.
 #
+# PLAYS may name memory_saver-all: memory-saver mode with every tag released (the weights through their
+# CPU backup) beside the default plan, which keeps the weights on the GPU where the extraction fits.
+# PROMPTS names a prompts file in place of the demo's (fewer prompts: a shorter prefetch on large targets).
+#
 # For each target (TARGETS: "fixture" = the demo's models built by the play; "big" = a 2.5 B-parameter
 # target, 5.1 GB; "14b" = a 14.7 B-parameter target, 29.4 GB, with Qwen3.6-27B's layer shapes and
 # vocabulary and half its layers; both built from config by build_target.py and saved to disk once):
@@ -88,6 +92,12 @@ v = {
     "extract_hidden_states_require_backend": "fla",
     "score_drafter_device": "cuda", "specops_gpu_window_mode": mode, "sglang_service_memory_saver": mode == "memory_saver",
 }
+# memory_saver-all: every tag released, the weights through their CPU backup, beside the default plan
+# (the KV cache alone, the weights resident) on the same target.
+if name.endswith("-all"):
+    v["sglang_service_release"] = "all"
+if os.environ.get("PROMPTS"):
+    v["specops_prompts"] = os.environ["PROMPTS"]
 if target != "fixture":  # built by build_target.py into $WORK/<target>
     v.update({"specops_demo_models": False, "specops_target_model": f"{work}/{target}/target",
               "specops_drafter": f"{work}/{target}/drafter", "specops_reference_drafter": f"{work}/{target}/drafter"})
@@ -188,12 +198,14 @@ for target in $TARGETS; do
   plays_var=PLAYS_$target
   for name in ${!plays_var:-$PLAYS}; do
     mode=${name%-again}
+    mode=${mode%-all}
     [ ! -f "$WORK/done/$target-$name" ] || continue
     fits "$target-$name" "$estimate" || break 2
     vars "$target-$name" "$target" "$mode"
-    # A server of another target or other options may be running: the play starts its own.
-    [ ! -f "$WORK/served" ] || stop_server "$target-$name"
-    touch "$WORK/served"
+    # A server of another target or other options may be running: the play starts its own (the same
+    # target in the same mode keeps its server: a release choice is not a server option).
+    [ ! -f "$WORK/served" ] || [ "$(cat "$WORK/served")" = "$target-$mode" ] || stop_server "$target-$name"
+    echo "$target-$mode" > "$WORK/served"
     if [ "$mode" = memory_saver ]; then
       # The server starts before the play: on a fresh host the play's environment part (the ML
       # environment, the demo models) runs first, in a run directory of its own.

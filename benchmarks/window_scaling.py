@@ -20,6 +20,8 @@ FIGURES = {
     "start_or_resume_s": ("stages", "start-server"),
     "extract_stage_s": ("stages", "extract"),
     "compute_s": ("compute_s",),
+    "other_s": ("other_s",),
+    "release_s": ("release_s",),
     "host_load_s": ("extraction", "prestart", "host_load_s"),
     "pin_s": ("extraction", "prestart", "pin_s"),
     "to_device_s": ("extraction", "prestart", "to_device_s"),
@@ -62,7 +64,10 @@ def scaling(plays: Sequence[Mapping[str, Any]], weights_bytes: Mapping[str, int]
         target = str(play["play"]).split("-")[0]
         if not window or target not in weights_bytes:
             continue
-        mode = window.get("mode", "stop")
+        # A memory-saver window with a plan is keyed by what it released (kv_cache: the weights stayed on
+        # the GPU; all: they went to host memory); one recorded before the plan released every tag.
+        plan = window.get("memory_plan") or {}
+        mode = window.get("mode", "stop") + (f":{plan['choice']}" if plan.get("choice") else "")
         row = {"play": play["play"], "weights_gb": round(weights_bytes[target] / 1e9, 3)}
         row.update({name: figure(window, path) for name, path in FIGURES.items()})
         memory = (window.get("extraction") or {}).get("prestart", {}).get("host_memory") or {}

@@ -129,6 +129,10 @@ def build_window(
         "memory_saver_backend": (service or {}).get("memory_saver_backend") or None,
         # The memory-saver window's server died inside it: the resume started a new one from disk.
         "started_instead": bool((service or {}).get("started_instead")),
+        # What the memory-saver release freed and why (the KV cache alone keeps the weights on the GPU).
+        "memory_plan": memory_plan_summary((service or {}).get("memory_plan")),
+        # The pause, flush and release, from the service's own moments (memory saver).
+        "release_s": _span(down_at if moments else None, (service or {}).get("released_at")),
         "play_span_s": round(play_span, 3),
         "stages": stages,
         "extraction": extraction,
@@ -137,6 +141,21 @@ def build_window(
         "compute_share": None if compute is None or not downtime else round(compute / downtime, 4),
         "prepared": dict(prepared) if prepared else None,
     }
+
+
+def memory_plan_summary(plan: Mapping[str, Any] | None) -> dict[str, Any] | None:
+    """The plan's choice, tags, reason and the figures a reader checks it against."""
+    if not plan or not plan.get("choice"):
+        return None
+    keys = ("choice", "tags", "reason", "fits_beside_weights", "free_after_kv_release_mib", "server", "source")
+    return {key: plan.get(key) for key in keys}
+
+
+def _span(start: float | None, end: Any) -> float | None:
+    try:
+        return None if start is None or end is None else round(float(end) - start, 3)
+    except (TypeError, ValueError):
+        return None
 
 
 def _service_moments(service: Mapping[str, Any] | None) -> tuple[float, float] | None:
@@ -193,6 +212,13 @@ def render_markdown(window: Mapping[str, Any] | None) -> str:
             f"The play's own span, from the start of its stop stage to ready: {window['play_span_s']:.1f} s "
             "(the stop's set-up and the guard are armed before the service goes down).",
         ]
+    plan = window.get("memory_plan") or {}
+    if plan:
+        kept = "the weights stayed on the GPU" if plan["choice"] == "kv_cache" else "the weights went to host memory"
+        tags = ", ".join(plan.get("tags") or []) or "every tag"
+        release = window.get("release_s")
+        took = f", pause + release {release:.2f} s" if release is not None else ""
+        lines += ["", f"Released: {tags} ({kept}{took}). Why: {plan.get('reason')}."]
     if window.get("started_instead"):
         lines += [
             "",

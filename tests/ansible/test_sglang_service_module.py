@@ -20,6 +20,13 @@ import pytest
 
 from specops.devserver.launch import free_port, http_status
 
+
+def urlopen_text(url: str) -> str:
+    from urllib.request import urlopen
+
+    with urlopen(url, timeout=30) as answer:
+        return answer.read().decode()
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from sglang_service_site import FIXTURES, ML_PYTHON, Site, module_env, wait_for, window  # noqa: E402
 
@@ -89,13 +96,90 @@ def test_a_release_of_weights_without_cpu_backup_is_refused_before_anything_is_t
     site = site_factory("--enable-memory-saver")
     assert not site.run("started")["failed"]
 
-    refused = site.run("released", window=window("w-nobackup"))
+    refused = site.run("released", window=window("w-nobackup"), release="all")
 
     assert refused["failed"] and "--enable-weights-cpu-backup" in refused["msg"]
-    assert "garbage" in refused["msg"] and "sglang_service_release_tags" in refused["msg"]
+    assert "garbage" in refused["msg"] and "sglang_service_release: kv_cache" in refused["msg"]
     assert not (site.state_dir / "window.lock").exists() and not (site.state_dir / "released.json").exists()
     # Not paused: a paused server answers /health_generate 503.
     assert http_status(site.url + "/health_generate") == 200
+
+
+# -- the memory plan: what the release frees ---------------------------------------------------------
+# The extraction of a target of about 2 GiB: room on a simulated 24 GiB device beside the weights, none
+# on a 2 GiB one (its KV pool of 1.7 GiB is all a KV release frees).
+EXTRACTION = {"copy_bytes": 2 << 30, "body_bytes": 2 << 30, "reserve_bytes": 1 << 30}
+
+
+def test_the_weights_stay_on_the_gpu_where_the_extraction_fits_beside_them(site_factory):
+    site = site_factory(*MEMORY_SAVER, "--device-memory-gib", "24")
+    assert not site.run("started")["failed"]
+
+    released = site.run("released", window=window("w-kv"), extraction_gpu=EXTRACTION, gpu_reserve_mib=512)
+
+    assert released["changed"] and not released["failed"], released.get("msg")
+    plan = released["memory_plan"]
+    assert plan["choice"] == "kv_cache" and released["released_tags"] == ["kv_cache", "cuda_graph"]
+    assert plan["fits_beside_weights"] and "weights stay on the GPU" in plan["reason"]
+    # The server's own accounting, as SGLang 0.5.23 reports it (weights, KV pool, graphs, free).
+    assert plan["server"]["kv_cache_mib"] > 20000 and "available_mib" in plan["server"]
+    info = json.loads(urlopen_text(site.url + "/server_info"))
+    assert info["internal_states"][0]["released_memory_tags"] == ["cuda_graph", "kv_cache"]
+    resumed = site.run("resumed", window=window("w-kv"))
+    assert resumed["changed"] and not resumed["failed"], resumed.get("msg")
+
+
+def test_a_device_too_small_for_weights_and_extraction_releases_every_tag_and_says_why(site_factory):
+    site = site_factory(*MEMORY_SAVER, "--device-memory-gib", "2")
+    assert not site.run("started")["failed"]
+
+    released = site.run("released", window=window("w-all"), extraction_gpu=EXTRACTION, gpu_reserve_mib=512)
+
+    assert released["changed"] and not released["failed"], released.get("msg")
+    plan = released["memory_plan"]
+    assert plan["choice"] == "all" and released["released_tags"] == []
+    assert "does not fit beside the weights" in plan["reason"]
+    assert not site.run("resumed", window=window("w-all"))["failed"]
+
+
+def test_a_forced_kv_release_that_cannot_fit_is_refused_before_the_pause(site_factory):
+    site = site_factory(*MEMORY_SAVER, "--device-memory-gib", "2")
+    assert not site.run("started")["failed"]
+
+    refused = site.run(
+        "released", window=window("w-forced"), extraction_gpu=EXTRACTION, gpu_reserve_mib=512, release="kv_cache"
+    )
+
+    assert refused["failed"] and "sglang_service_release=kv_cache cannot work" in refused["msg"]
+    assert "MiB" in refused["msg"] and refused["memory_plan"]["fits_beside_weights"] is False
+    assert not (site.state_dir / "window.lock").exists() and not (site.state_dir / "released.json").exists()
+    assert http_status(site.url + "/health_generate") == 200
+
+
+def fake_nvidia_smi(bin_dir: Path, total_mib: int, used_mib: int) -> dict:
+    """An environment whose nvidia-smi reports one GPU (0.5.4 reports no free memory of its own)."""
+    bin_dir.mkdir(parents=True, exist_ok=True)
+    script = bin_dir / "nvidia-smi"
+    script.write_text(
+        "#!/bin/sh\n"
+        'case "$*" in *--query-gpu=index,memory.total,memory.used*) '
+        f'echo "0, {total_mib}, {used_mib}"; exit 0;; esac\nexit 9\n'
+    )
+    script.chmod(0o755)
+    return {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}"}
+
+
+@pytest.mark.parametrize(("version", "tags"), [("0.5.23", ["kv_cache", "cuda_graph"]), ("0.5.4", ["kv_cache"])])
+def test_each_sglang_version_releases_its_own_tags_that_keep_the_weights(site_factory, tmp_path, version, tags):
+    site = site_factory(*MEMORY_SAVER, "--device-memory-gib", "24", "--sglang-version", version)
+    assert not site.run("started")["failed"]
+    gpu = fake_nvidia_smi(tmp_path / "bin", 24576, 23000)
+
+    plan = site.run("released", check=True, env=gpu, extraction_gpu=EXTRACTION, gpu_reserve_mib=512)["memory_plan"]
+
+    assert plan["choice"] == "kv_cache" and plan["tags"] == tags, plan
+    assert plan["gpus"] == [{"index": "0", "total_mib": 24576, "used_mib": 23000}]
+    assert plan["source"].startswith("nvidia-smi")
 
 
 class FakeSglang(BaseHTTPRequestHandler):

@@ -10,6 +10,8 @@ import sys
 from datetime import datetime
 from pathlib import Path
 
+from specops.window import render_markdown
+
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -62,6 +64,12 @@ def test_memory_saver_window_keeps_the_server_process_and_loses_no_request_in_fl
     record = json.loads((run_dir / "hidden_states" / "window.json").read_text())
     assert record["pause_mode"] == "retract" and record["server_version"] == "0.5.23"
     assert record["started_instead"] is False
+    # The memory plan kept the weights on the (simulated 16 GiB) device: only the KV cache and graphs went.
+    plan = record["memory_plan"]
+    assert plan["choice"] == "kv_cache" and plan["tags"] == ["kv_cache", "cuda_graph"], plan
+    assert plan["fits_beside_weights"] and "weights stay on the GPU" in plan["reason"]
+    assert record["release_s"] is not None and 0 <= record["release_s"] <= record["downtime_s"]
+    assert "Released: kv_cache, cuda_graph (the weights stayed on the GPU" in render_markdown(record)
     # Requests were in flight when the service was paused, of every kind, and none was lost or cut short.
     down_at = datetime.fromisoformat(record["down_at"].replace("Z", "+00:00")).timestamp()
     answered = [json.loads(line) for line in rows.read_text().splitlines()]

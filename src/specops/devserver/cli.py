@@ -57,6 +57,19 @@ def build_parser() -> argparse.ArgumentParser:
         help="allow /release_memory_occupation and /resume_memory_occupation",
     )
     parser.add_argument(
+        "--mem-fraction-static",
+        type=float,
+        default=0.88,
+        help="share of the device the weights and the KV pool take, as in SGLang (the KV pool fills it)",
+    )
+    parser.add_argument(
+        "--device-memory-gib",
+        type=float,
+        default=0.0,
+        help="on the CPU: lay the weights, KV pool and CUDA graphs out on a simulated device of this size and "
+        "report them in /server_info as SGLang does (0: no device, no free memory reported)",
+    )
+    parser.add_argument(
         "--enable-weights-cpu-backup",
         action="store_true",
         help="keep a CPU copy of released weights so resume needs no disk read",
@@ -187,7 +200,13 @@ def main(argv: list[str] | None = None) -> int:
     )
     version = VERSIONS[args.sglang_version]
     memory = MemorySaver(
-        engine, args.enable_memory_saver, args.enable_weights_cpu_backup, strict=strict, version=version
+        engine,
+        args.enable_memory_saver,
+        args.enable_weights_cpu_backup,
+        strict=strict,
+        version=version,
+        mem_fraction_static=args.mem_fraction_static,
+        simulated_device_gib=args.device_memory_gib,
     )
     engine.place_model = memory.place
     if strict:

@@ -25,12 +25,14 @@ from typing import Any, NoReturn
 
 from specops.devserver.engine import Engine
 from specops.devserver.memory_backends import CpuBackend, TorchMemorySaverBackend, memory_backend
+from specops.devserver.memory_layout import GIB, MemoryLayout, lay_out, memory_usage, model_bytes
 from specops.devserver.protocol import RequestError
 from specops.devserver.versions import DEFAULT_VERSION, VERSIONS, SGLangVersion
 
 logger = logging.getLogger("specops.devserver")
 
-TAGS = ("kv_cache", "weights", "weights_drafter", "cuda_graph")
+# Draft and target weights share `weights` (sglang 0.5.23 weight_updater.py:345-366): no tag of their own.
+TAGS = ("kv_cache", "weights", "cuda_graph")
 NEEDS_MEMORY_SAVER = "memory release/resume needs the server started with --enable-memory-saver"
 # The launcher's exit status after the scheduler's SIGQUIT (128 + 3), as a supervisor sees it.
 SCHEDULER_CRASH_EXIT = 131
@@ -47,9 +49,9 @@ def parse_tags(body: Any) -> set[str] | None:
         return None
     if not isinstance(tags, list) or not all(isinstance(t, str) for t in tags):
         raise RequestError(400, f"tags must be a list of strings, got {tags!r}")
-    unknown = sorted(set(tags) - set(TAGS))
-    if unknown:
-        raise RequestError(400, f"unknown memory tag(s) {', '.join(unknown)}: use {', '.join(TAGS)}")
+    # An unknown tag is accepted and frees nothing: both versions add every tag to `offload_tags` and
+    # act only on those they know (0.5.23 weight_updater.py:348-349; 0.5.4
+    # scheduler_update_weights_mixin.py:109-110), and a resume removes it again.
     return set(tags)
 
 
@@ -71,8 +73,13 @@ class MemorySaver:
         strict: bool = True,
         version: SGLangVersion = VERSIONS[DEFAULT_VERSION],
         backend: CpuBackend | TorchMemorySaverBackend | None = None,
+        mem_fraction_static: float = 0.88,
+        simulated_device_gib: float = 0.0,
     ):
         self.engine = engine
+        self.mem_fraction_static = mem_fraction_static
+        self.simulated_device_gib = simulated_device_gib
+        self.layout: MemoryLayout | None = None
         self.enabled = enabled
         self.cpu_backup = cpu_backup
         self.strict = strict
@@ -84,8 +91,29 @@ class MemorySaver:
         return self.backend.name if self.enabled else "disabled"
 
     def place(self, model: Any) -> Any:
-        """Put the loaded model on its device, inside the saver's regions when enabled."""
-        return self.backend.place(model) if self.enabled else model.to(self.engine.device)
+        """Put the loaded model on its device and lay out the KV cache and graphs after it, as SGLang does;
+        inside the saver's regions when enabled."""
+        self.layout = lay_out(self.device_bytes(), model_bytes(model), self.mem_fraction_static)
+        logger.info(
+            "memory: weights %.2f GiB, KV cache %.2f GiB, CUDA graphs %.2f GiB%s",
+            self.layout.weights_bytes / GIB,
+            self.layout.kv_cache_bytes / GIB,
+            self.layout.cuda_graph_bytes / GIB,
+            "" if self.layout.total_bytes is None else f" of a {self.layout.total_bytes / GIB:.1f} GiB device",
+        )
+        return self.backend.place(model, self.layout) if self.enabled else model.to(self.engine.device)
+
+    def device_bytes(self) -> int | None:
+        """The device's size: CUDA's own figure, the simulated one on the CPU, or None."""
+        if self.engine.device.startswith("cuda"):
+            import torch
+
+            return int(torch.cuda.mem_get_info(torch.device(self.engine.device))[1])
+        return int(self.simulated_device_gib * GIB) if self.simulated_device_gib else None
+
+    def memory_usage(self) -> dict[str, Any] | None:
+        """The scheduler's accounting in /server_info (None before the model is placed)."""
+        return None if self.layout is None else memory_usage(self.layout, self.version)
 
     def all_tags(self, tags: set[str] | None) -> set[str]:
         return set(tags) if tags else set(self.version.all_tags)
@@ -135,7 +163,8 @@ class MemorySaver:
         if not self.enabled:
             logger.warning("release without --enable-memory-saver: nothing is freed")
             return
-        for tag in sorted(tags - engine.released_tags):
+        # Only the version's own tags free anything (0.5.4 has no cuda_graph tag: its graphs stay).
+        for tag in sorted((tags - engine.released_tags) & set(self.version.all_tags)):
             self.backend.release(engine, tag)
         engine.released_tags |= tags
         logger.info("released memory: %s", ", ".join(sorted(tags)))
@@ -152,7 +181,7 @@ class MemorySaver:
             not_released = sorted(tags - engine.released_tags)
             if not_released and self.strict:
                 scheduler_crash(f"KeyError: {not_released[0]!r} (resume of a memory tag not released)")
-            for tag in sorted(tags & engine.released_tags):
+            for tag in sorted(tags & engine.released_tags & set(self.version.all_tags)):
                 self.backend.resume(engine, tag)
             engine.released_tags -= tags
         with engine.cond:

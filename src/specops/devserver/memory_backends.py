@@ -21,9 +21,6 @@ from typing import Any
 
 logger = logging.getLogger("specops.devserver")
 
-# Bytes of the stand-in KV cache allocated in the kv_cache region on CUDA.
-DEFAULT_KV_CACHE_BYTES = 256 << 20
-
 
 def _tensors(model: Any) -> list[tuple[str, Any]]:
     """The module's parameters and buffers by name (a tied tensor once)."""
@@ -51,7 +48,7 @@ class CpuBackend:
         self._backup: Any = None
         self._host: dict[str, Any] = {}  # name -> pinned host copy, kept across releases
 
-    def place(self, model: Any) -> Any:
+    def place(self, model: Any, layout: Any = None) -> Any:
         return model.to(self.device)
 
     def release(self, engine: Any, tag: str) -> None:
@@ -77,9 +74,10 @@ class CpuBackend:
 
 
 class TorchMemorySaverBackend:
-    """torch_memory_saver's regions: the weights and a KV cache buffer, paused and resumed by tag."""
+    """torch_memory_saver's regions, one per tag as SGLang makes them: the weights, a KV pool and the CUDA
+    graphs' memory sized by the layout (memory_layout.py), each paused and resumed on its own."""
 
-    def __init__(self, device: str, cpu_backup: bool, kv_cache_bytes: int = DEFAULT_KV_CACHE_BYTES):
+    def __init__(self, device: str, cpu_backup: bool):
         from torch_memory_saver import torch_memory_saver
 
         self.saver = torch_memory_saver
@@ -88,22 +86,28 @@ class TorchMemorySaverBackend:
             self.saver.hook_mode = "torch"
         self.device = device
         self.cpu_backup = cpu_backup
-        self.kv_cache_bytes = kv_cache_bytes
-        self.kv_cache: Any = None
+        self.buffers: dict[str, Any] = {}
         self.name = f"torch_memory_saver {importlib.metadata.version('torch-memory-saver')}"
         self._paused: set[str] = set()
 
-    def place(self, model: Any) -> Any:
+    def place(self, model: Any, layout: Any) -> Any:
         import torch
 
         with self.saver.region(tag="weights", enable_cpu_backup=self.cpu_backup):
             model = model.to(self.device)
+        # The KV cache needs no backup: SGLang flushes it at the release (weight_updater.py:365-366).
         with self.saver.region(tag="kv_cache", enable_cpu_backup=False):
-            self.kv_cache = torch.zeros(self.kv_cache_bytes, dtype=torch.uint8, device=self.device)
+            self.buffers["kv_cache"] = torch.zeros(layout.kv_cache_bytes, dtype=torch.uint8, device=self.device)
+        if layout.cuda_graph_bytes:
+            # SGLang always backs CUDA graphs up; a version without the tag keeps them where they are.
+            with self.saver.region(tag="cuda_graph", enable_cpu_backup=True):
+                self.buffers["cuda_graph"] = torch.zeros(
+                    layout.cuda_graph_bytes, dtype=torch.uint8, device=self.device
+                )
         return model
 
     def release(self, engine: Any, tag: str) -> None:
-        if tag in ("weights", "kv_cache") and tag not in self._paused:
+        if tag in ("weights", *self.buffers) and tag not in self._paused:
             self.saver.pause(tag)
             self._paused.add(tag)
 

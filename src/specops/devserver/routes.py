@@ -228,6 +228,7 @@ class Handler(BaseHTTPRequestHandler):
                         "waiting_requests": engine.count("waiting"),
                         "paused": engine.paused,
                         "released_memory_tags": sorted(engine.released_tags),
+                        "memory_usage": self.app.memory.memory_usage(),
                     }
                 ],
                 "version": self.app.version.name,

@@ -21,7 +21,15 @@ from specops.backend import BackendMonitor, modeling_module_for
 from specops.extract import start_signal
 from specops.extract.backend_guard import backend_plan, check_backend
 from specops.extract.capture import LayerCapture, decoder_body
-from specops.extract.devices import DevicePlan, describe_device, plan_for, resolve_device_dtype
+from specops.extract.devices import (
+    DevicePlan,
+    activation_reserve,
+    describe_device,
+    footprint,
+    plan_for,
+    resolve_device_dtype,
+    truncated_config,
+)
 from specops.extract.extraction import ExtractionSettings, extract_shards
 from specops.extract.host_memory import plan_host_memory, read_meminfo
 from specops.extract.outputs import stage_result, write_extraction_manifest
@@ -86,9 +94,24 @@ def plan(request: dict[str, Any]) -> dict[str, Any]:
         "dtype": prep.dtype_name,
         "require_backend": prep.require,
         "parallel": plan_for(prep, free=False).describe(),  # at run time the choice uses free memory
+        "gpu_need": gpu_need(prep),
         "estimated_bytes": needed,
         "estimated_seconds": round(estimated_seconds(prep, todo, needed), 1),
         "host_memory": memory,
+    }
+
+
+def gpu_need(prep: Prepared) -> dict[str, int]:
+    """What the extraction needs on the GPUs, for the server's memory plan: one copy of the target up to its
+    last captured layer (the head included, as it loads), the same without the head where split, and the
+    working memory of a forward at the planned batch."""
+    config = truncated_config(prep.target.path, max(prep.layer_ids))
+    measured = footprint(config, prep.dtype)
+    reserve = activation_reserve(config, prep.req["batch_tokens"], len(prep.layer_ids), prep.dtype.itemsize)
+    return {
+        "copy_bytes": measured.body_bytes + measured.lm_head_bytes,
+        "body_bytes": measured.body_bytes,
+        "reserve_bytes": reserve,
     }
 
 

@@ -20,9 +20,23 @@ from urllib.request import Request, urlopen
 # sglang 0.5.4 srt/entrypoints/http_server.py:1062 pause_generation takes no body: pause = abort all.
 FIRST_VERSION_WITH_PAUSE_MODES = (0, 5, 23)
 
-# Weights' tags: released without --enable-weights-cpu-backup their content is thrown away
-# (torch_memory_saver; sglang 0.5.23 srt/constants.py GPU_MEMORY_ALL_TYPES).
-WEIGHT_TAGS = ("weights", "weights_drafter")
+# What each SGLang release offers the window, newest first; a version not listed takes the newest
+# entry at or below it. The development server's own table (specops.devserver.versions) is held
+# against this one by a test.
+# - pause_modes: PauseGenerationReqInput.mode (0.5.23 srt/managers/io_struct.py:1927); 0.5.4's
+#   /pause_generation takes no body and aborts (srt/entrypoints/http_server.py:1062).
+# - all_tags: what `[]` releases, GPU_MEMORY_ALL_TYPES (0.5.23 srt/constants.py:6 and
+#   srt/managers/scheduler_components/weight_updater.py:345-346; 0.5.4
+#   srt/managers/scheduler_update_weights_mixin.py:107).
+RELEASES = (
+    ((0, 5, 23), {"pause_modes": True, "all_tags": ("kv_cache", "weights", "cuda_graph")}),
+    ((0, 5, 4), {"pause_modes": False, "all_tags": ("weights", "kv_cache")}),
+)
+
+# Draft and target weights share the `weights` tag (their backups are --enable-weights-cpu-backup and
+# --enable-draft-weights-cpu-backup); released without a backup their content is thrown away
+# (torch_memory_saver; sglang 0.5.23 srt/managers/scheduler_components/weight_updater.py:345-366).
+WEIGHT_TAGS = ("weights",)
 
 
 def parse_version(text) -> tuple[int, ...] | None:
@@ -36,6 +50,20 @@ def parse_version(text) -> tuple[int, ...] | None:
 def has_pause_modes(version) -> bool:
     parsed = parse_version(version)
     return parsed is not None and parsed >= FIRST_VERSION_WITH_PAUSE_MODES
+
+
+def release_facts(version) -> dict:
+    """RELEASES' entry for a version (the newest at or below it; the newest for a name it cannot read)."""
+    parsed = parse_version(version)
+    for first, facts in RELEASES:
+        if parsed is None or parsed >= first:
+            return facts
+    return RELEASES[-1][1]
+
+
+def release_tags_keeping_weights(version) -> tuple:
+    """The tags that free the GPU without moving the weights: every tag of the version but `weights`."""
+    return tuple(tag for tag in release_facts(version)["all_tags"] if tag not in WEIGHT_TAGS)
 
 
 def releases_weights(tags) -> bool:

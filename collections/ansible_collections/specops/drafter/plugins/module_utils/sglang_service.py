@@ -15,6 +15,7 @@ import os
 import time
 
 from ansible_collections.specops.drafter.plugins.module_utils import guard_control, procfs
+from ansible_collections.specops.drafter.plugins.module_utils.memory_plan import expected_used_after, plan_release
 from ansible_collections.specops.drafter.plugins.module_utils.memory_window import (
     ReleasedMarker,
     flush_until_idle,
@@ -255,24 +256,34 @@ class ServiceWindow(object):
             raise ServiceError("%s: %s/server_info (and /get_server_info) gave %s: the server is not serving (or "
                                "api_key is wrong), so it is not released"
                                % (self.name, self.api.url, self.api.server_info_answer().describe()))
-        tags = list(self.params.get("tags") or [])
         if not info.get("enable_memory_saver"):
             raise ServiceError(
                 "%s runs without --enable-memory-saver: a release would answer 200 and free nothing. Launch it with "
-                "--enable-memory-saver --enable-weights-cpu-backup (sglang_service_memory_saver: true) or use the "
-                "stop window (specops_gpu_window_mode: stop)" % self.name)
-        if releases_weights(tags) and not info.get("enable_weights_cpu_backup"):
+                "--enable-memory-saver (sglang_service_memory_saver: true) or use the stop window "
+                "(specops_gpu_window_mode: stop)" % self.name)
+        return info
+
+    def _memory_plan(self, info: dict, gpus) -> dict:
+        """What the release frees: the KV cache (weights resident) where the extraction fits, else every tag."""
+        explicit = list(self.params.get("tags") or [])
+        plan = plan_release(info, gpus, self.params.get("extraction_gpu") or {}, self.params["release"],
+                            int(self.params["gpu_reserve_mib"]), explicit)
+        if releases_weights(plan["tags"]) and not info.get("enable_weights_cpu_backup"):
             raise ServiceError(
                 "%s runs without --enable-weights-cpu-backup: releasing its weights (tags %s) throws their content "
                 "away, and after the resume it serves garbage while /health_generate says 200. Launch it with "
-                "--enable-weights-cpu-backup (sglang_service_memory_saver: true), or release only kv_cache and "
-                "cuda_graph (sglang_service_release_tags)" % (self.name, tags or "[] = every tag"))
-        return info
+                "--enable-weights-cpu-backup (sglang_service_memory_saver: true), or release only the KV cache "
+                "(sglang_service_release: kv_cache)" % (self.name, plan["tags"] or "[] = every tag"),
+                memory_plan=plan)
+        return plan
 
     def released(self) -> dict:
         info = self._memory_saver_info()  # before anything is touched
-        tags = list(self.params.get("tags") or [])
-        self.result.update(version=info.get("version"), released_tags=tags,
+        gpu_ids = self.params.get("gpu_ids") or []
+        gpu_before = gpu_memory_used(gpu_ids)
+        plan = self._memory_plan(info, gpu_before)
+        tags = plan["tags"]
+        self.result.update(version=info.get("version"), released_tags=tags, memory_plan=plan,
                            memory_saver_backend=info.get("memory_saver_backend"))
         self.lock.check(self.token)
         if is_released(self.state_dir):
@@ -283,7 +294,6 @@ class ServiceWindow(object):
             return self.result
         self._take_window()
         self._arm("resume")
-        gpu_before = gpu_memory_used(self.params.get("gpu_ids") or [])
         marker = ReleasedMarker(self.state_dir)
         released = False
         self.result["down_at"] = time.time()
@@ -296,9 +306,11 @@ class ServiceWindow(object):
             if not answer.ok:
                 raise ServiceError("POST %s/release_memory_occupation gave %s" % (self.api.url, answer.describe()))
             released = True
-            self.result["gpu_memory"] = wait_memory_dropped(gpu_before, self.params.get("gpu_ids") or [],
+            self.result["released_at"] = time.time()
+            self.result["gpu_memory"] = wait_memory_dropped(gpu_before, gpu_ids,
                                                             int(self.params["release_max_used_mib"]),
-                                                            float(self.params["drain_timeout"]))
+                                                            float(self.params["drain_timeout"]),
+                                                            expected_used_after(plan, gpu_before))
         except ServiceError as error:
             raise self._fail_ending_window(self._undo_release(error, marker, released, tags), "was not released")
         self.result["changed"] = True

@@ -277,6 +277,14 @@ host_memory:
     - A host without room for what the window needs fails the plan instead, its message naming the figures.
   returned: in check mode, when an extraction is needed
   type: dict
+gpu_need:
+  description:
+    - What the extraction needs on the GPUs, for the memory-saver window's plan (sglang_service's
+      O(specops.drafter.sglang_service#module:extraction_gpu)) - C(copy_bytes) (the target up to its last
+      captured layer, head included), C(body_bytes) (without the head, when split over GPUs),
+      C(reserve_bytes) (activations and workspace at the planned batch).
+  returned: in check mode, when an extraction is needed
+  type: dict
 estimated_seconds:
   description:
     - A pessimistic duration of the extraction (start, model load, forwards, writes), to size the

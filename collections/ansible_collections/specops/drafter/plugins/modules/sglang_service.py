@@ -89,10 +89,34 @@ options:
     description: Arm the guard before the server goes down.
     type: bool
     default: true
+  release:
+    description:
+      - What C(released) frees. C(kv_cache) - the KV cache (and the CUDA graphs where the version has the
+        tag); the weights stay on the GPU and nothing is copied, so the downtime does not grow with the model.
+        C(all) - every tag, the weights through their CPU backup (the server needs
+        C(--enable-weights-cpu-backup)). C(auto) - C(kv_cache) where the extraction (O(extraction_gpu)) fits
+        beside the server's weights, else C(all) where the server has the backup.
+      - The plan and its figures (the server's own memory accounting, nvidia-smi where present) are returned
+        as RV(memory_plan), also in check mode; a forced choice that cannot work is refused before the pause.
+    type: str
+    choices: [auto, kv_cache, all]
+    default: auto
+  extraction_gpu:
+    description:
+      - What the extraction needs on the GPUs, from its plan - C(copy_bytes) (one copy of the target up to its
+        last captured layer), C(body_bytes) (the same without the head, when split), C(reserve_bytes)
+        (activations and workspace).
+      - Empty - not known; C(auto) then releases every tag where the server has the weights' backup.
+    type: dict
+    default: {}
+  gpu_reserve_mib:
+    description: MiB per GPU the plan keeps free beyond what the extraction needs (allocator slack, other contexts).
+    type: int
+    default: 2048
   tags:
     description:
-      - Memory tags to release (empty - every tag). Weights are never released from a server without
-        C(enable_weights_cpu_backup).
+      - Expert - memory tags to release, overriding O(release) (empty - as O(release) decides). Weights are
+        never released from a server without C(enable_weights_cpu_backup).
     type: list
     elements: str
     default: []
@@ -198,6 +222,17 @@ released_tags:
   description: The tags released (empty - every tag).
   returned: released
   type: list
+memory_plan:
+  description:
+    - What the release frees and why - C(choice) (kv_cache, all or explicit), C(tags), C(reason), the server's
+      own accounting per rank (C(server) - weights, KV cache, CUDA graphs in MiB), the GPUs' figures (C(gpus)),
+      C(free_after_kv_release_mib), C(fits_beside_weights), and the extraction's needs.
+  returned: released
+  type: dict
+released_at:
+  description: When the release answered, on the host's clock.
+  returned: released, when it happened
+  type: float
 gpu_memory:
   description: The GPU memory check after the release (C(checked) false where nvidia-smi is absent).
   returned: released
@@ -253,6 +288,9 @@ ARGUMENT_SPEC = dict(
     state_dir=dict(type="path"),
     window=dict(type="dict", options=WINDOW_OPTIONS),
     guard=dict(type="bool", default=True),
+    release=dict(type="str", default="auto", choices=["auto", "kv_cache", "all"]),
+    extraction_gpu=dict(type="dict", default={}),
+    gpu_reserve_mib=dict(type="int", default=2048),
     tags=dict(type="list", elements="str", default=[]),
     ready_timeout=dict(type="float", default=900),
     ready_delay=dict(type="float", default=0.5),

@@ -17,6 +17,7 @@ from ansible_collections.specops.drafter.plugins.module_utils.sglang_api import 
     SglangApi,
     has_pause_modes,
     parse_version,
+    release_tags_keeping_weights,
     releases_weights,
 )
 
@@ -33,8 +34,15 @@ def test_only_versions_from_0_5_23_have_pause_modes():
 
 
 def test_an_empty_tag_list_releases_the_weights():
-    assert releases_weights([]) and releases_weights(["weights"]) and releases_weights(["weights_drafter"])
-    assert not releases_weights(["kv_cache", "cuda_graph"])
+    assert releases_weights([]) and releases_weights(["weights"])
+    # Draft and target weights share `weights` (sglang 0.5.23 weight_updater.py:345-366): no tag of their own.
+    assert not releases_weights(["kv_cache", "cuda_graph"]) and not releases_weights(["weights_drafter"])
+
+
+def test_the_tags_that_keep_the_weights_follow_the_version():
+    assert release_tags_keeping_weights("0.5.23") == ("kv_cache", "cuda_graph")
+    assert release_tags_keeping_weights("0.6.1") == ("kv_cache", "cuda_graph")
+    assert release_tags_keeping_weights("0.5.4") == ("kv_cache",)
 
 
 class Recorder(BaseHTTPRequestHandler):
