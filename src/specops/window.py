@@ -82,6 +82,7 @@ def extraction_figures(manifest: Mapping[str, Any] | None) -> dict[str, Any]:
         # The writers' tail after the last forward: the part of the loop that writing adds.
         "write_tail_s": progress.get("finish_s"),
         "prestart": progress.get("prestart"),
+        "loop_ended_at": progress.get("loop_ended_at"),
     }
 
 
@@ -133,6 +134,8 @@ def build_window(
         "memory_plan": memory_plan_summary((service or {}).get("memory_plan")),
         # The pause, flush and release, from the service's own moments (memory saver).
         "release_s": _span(down_at if moments else None, (service or {}).get("released_at")),
+        # Every second of the downtime by where it went, on the host's clock (memory saver, prestarted).
+        "accounted": account(down_at, ready_at, service, extraction) if moments else None,
         "play_span_s": round(play_span, 3),
         "stages": stages,
         "extraction": extraction,
@@ -143,11 +146,59 @@ def build_window(
     }
 
 
+def _moment(value: Any) -> float | None:
+    try:
+        return None if value is None or value == "" else float(value)
+    except (TypeError, ValueError):
+        return None
+
+
+def account(
+    down_at: float, ready_at: float, service: Mapping[str, Any] | None, extraction: Mapping[str, Any]
+) -> dict[str, Any] | None:
+    """The downtime split at the moments both sides recorded: pause + release, the GPU memory check, go
+    reaching the extraction, its set-up, the weights' copy, its loop (parity and forwards), from the loop's
+    end to the resume call (the extraction's exit, the play's tasks), and the resume to the first 200.
+    None where a moment is missing (stop mode, or an extraction not started ahead)."""
+    service = service or {}
+    prestart = extraction.get("prestart") or {}
+    released, go = _moment(service.get("released_at")), _moment(service.get("go_at"))
+    seen, ended = _moment(prestart.get("go_seen_at")), _moment(extraction.get("loop_ended_at"))
+    resume = _moment(service.get("resume_called_at"))
+    if None in (released, go, seen, ended, resume):
+        return None
+    assert released is not None and go is not None and seen is not None and ended is not None
+    assert resume is not None
+    setup = float(prestart.get("setup_s") or 0.0)
+    load = float(extraction.get("load_s") or 0.0)
+    parts = {
+        "pause_and_release_s": released - down_at,
+        "gpu_memory_check_s": go - released,
+        "go_to_extraction_s": seen - go,
+        "extraction_setup_s": setup,
+        "weights_to_device_s": load,
+        "extraction_loop_s": ended - seen - setup - load,
+        "loop_end_to_resume_s": resume - ended,
+        "resume_to_ready_s": ready_at - resume,
+    }
+    parts = {key: round(value, 3) for key, value in parts.items()}
+    parts["unexplained_s"] = round((ready_at - down_at) - sum(parts.values()), 3)
+    return parts
+
+
 def memory_plan_summary(plan: Mapping[str, Any] | None) -> dict[str, Any] | None:
     """The plan's choice, tags, reason and the figures a reader checks it against."""
     if not plan or not plan.get("choice"):
         return None
-    keys = ("choice", "tags", "reason", "fits_beside_weights", "free_after_kv_release_mib", "server", "source")
+    keys = (
+        "choice",
+        "tags",
+        "reason",
+        "fits_beside_weights",
+        "free_after_kv_release_mib",
+        "server",
+        "source",
+    )
     return {key: plan.get(key) for key in keys}
 
 
@@ -214,11 +265,23 @@ def render_markdown(window: Mapping[str, Any] | None) -> str:
         ]
     plan = window.get("memory_plan") or {}
     if plan:
-        kept = "the weights stayed on the GPU" if plan["choice"] == "kv_cache" else "the weights went to host memory"
+        kept = (
+            "the weights stayed on the GPU"
+            if plan["choice"] == "kv_cache"
+            else "the weights went to host memory"
+        )
         tags = ", ".join(plan.get("tags") or []) or "every tag"
         release = window.get("release_s")
         took = f", pause + release {release:.2f} s" if release is not None else ""
         lines += ["", f"Released: {tags} ({kept}{took}). Why: {plan.get('reason')}."]
+    accounted = window.get("accounted") or {}
+    if accounted:
+        named = ", ".join(
+            f"{key[:-2].replace('_', ' ')} {value:.2f} s"
+            for key, value in accounted.items()
+            if key != "unexplained_s"
+        )
+        lines += ["", f"Where the downtime went: {named}; unexplained {accounted['unexplained_s']:.2f} s."]
     if window.get("started_instead"):
         lines += [
             "",

@@ -27,6 +27,7 @@ def urlopen_text(url: str) -> str:
     with urlopen(url, timeout=30) as answer:
         return answer.read().decode()
 
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from sglang_service_site import FIXTURES, ML_PYTHON, Site, module_env, wait_for, window  # noqa: E402
 
@@ -147,7 +148,11 @@ def test_a_forced_kv_release_that_cannot_fit_is_refused_before_the_pause(site_fa
     assert not site.run("started")["failed"]
 
     refused = site.run(
-        "released", window=window("w-forced"), extraction_gpu=EXTRACTION, gpu_reserve_mib=512, release="kv_cache"
+        "released",
+        window=window("w-forced"),
+        extraction_gpu=EXTRACTION,
+        gpu_reserve_mib=512,
+        release="kv_cache",
     )
 
     assert refused["failed"] and "sglang_service_release=kv_cache cannot work" in refused["msg"]
@@ -169,13 +174,19 @@ def fake_nvidia_smi(bin_dir: Path, total_mib: int, used_mib: int) -> dict:
     return {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}"}
 
 
-@pytest.mark.parametrize(("version", "tags"), [("0.5.23", ["kv_cache", "cuda_graph"]), ("0.5.4", ["kv_cache"])])
-def test_each_sglang_version_releases_its_own_tags_that_keep_the_weights(site_factory, tmp_path, version, tags):
+@pytest.mark.parametrize(
+    ("version", "tags"), [("0.5.23", ["kv_cache", "cuda_graph"]), ("0.5.4", ["kv_cache"])]
+)
+def test_each_sglang_version_releases_its_own_tags_that_keep_the_weights(
+    site_factory, tmp_path, version, tags
+):
     site = site_factory(*MEMORY_SAVER, "--device-memory-gib", "24", "--sglang-version", version)
     assert not site.run("started")["failed"]
     gpu = fake_nvidia_smi(tmp_path / "bin", 24576, 23000)
 
-    plan = site.run("released", check=True, env=gpu, extraction_gpu=EXTRACTION, gpu_reserve_mib=512)["memory_plan"]
+    plan = site.run("released", check=True, env=gpu, extraction_gpu=EXTRACTION, gpu_reserve_mib=512)[
+        "memory_plan"
+    ]
 
     assert plan["choice"] == "kv_cache" and plan["tags"] == tags, plan
     assert plan["gpus"] == [{"index": "0", "total_mib": 24576, "used_mib": 23000}]

@@ -47,7 +47,9 @@ def test_each_version_reports_memory_usage_in_its_own_shape():
     assert isinstance(new["graph"], dict) and "startup_available" in new
     # 0.5.4 srt/managers/scheduler.py:2389-2399: graph is one number, no startup_available.
     assert isinstance(old["graph"], float) and "startup_available" not in old
-    assert new["weight"] == pytest.approx(2.0, abs=0.01) and new["kvcache"] == pytest.approx(24 * 0.88 - 2, abs=0.01)
+    assert new["weight"] == pytest.approx(2.0, abs=0.01) and new["kvcache"] == pytest.approx(
+        24 * 0.88 - 2, abs=0.01
+    )
 
 
 def test_an_unknown_tag_is_accepted_as_sglang_accepts_it():

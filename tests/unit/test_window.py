@@ -144,3 +144,46 @@ def test_a_prestarted_extraction_records_what_it_did_before_the_window_and_after
     text = window.render_markdown(record)
     assert "weights host -> device 0.8 s" in text and "the writers' tail 0.5 s" in text
     assert "process start, imports and inputs 14.5 s, weights into host memory 3.2 s, waiting 40.0 s" in text
+
+
+def test_every_second_of_a_memory_saver_window_is_accounted_for():
+    manifest = {
+        "progress": {
+            "device_busy_s": 2.0,
+            "total_s": 2.2,
+            "load_s": 0.5,
+            "loop_ended_at": 1013.9,
+            "prestart": {"go_seen_at": 1010.7, "setup_s": 0.4},
+        }
+    }
+    service = {
+        "down_at": 1000.0,
+        "released_at": 1010.5,
+        "go_at": 1010.6,
+        "resume_called_at": 1014.6,
+        "ready_at": 1015.0,
+        "memory_plan": {"choice": "kv_cache", "tags": ["kv_cache", "cuda_graph"], "reason": "fits"},
+    }
+    record = window.build_window([["stop-server", 999.0], ["ready", 1015.5]], "memory_saver", manifest, None, service)
+    parts = record["accounted"]
+    assert parts == {
+        "pause_and_release_s": 10.5,
+        "gpu_memory_check_s": 0.1,
+        "go_to_extraction_s": 0.1,
+        "extraction_setup_s": 0.4,
+        "weights_to_device_s": 0.5,
+        "extraction_loop_s": 2.3,
+        "loop_end_to_resume_s": 0.7,
+        "resume_to_ready_s": 0.4,
+        "unexplained_s": 0.0,
+    }
+    assert record["release_s"] == 10.5 and record["memory_plan"]["choice"] == "kv_cache"
+    text = window.render_markdown(record)
+    assert "Released: kv_cache, cuda_graph (the weights stayed on the GPU, pause + release 10.50 s)" in text
+    assert "Where the downtime went: pause and release 10.50 s" in text and "unexplained 0.00 s" in text
+
+
+def test_without_the_extractions_moments_nothing_is_accounted():
+    service = {"down_at": 1000.0, "ready_at": 1015.0, "released_at": 1001.0}
+    record = window.build_window([["stop-server", 999.0], ["ready", 1015.5]], "memory_saver", None, None, service)
+    assert record["accounted"] is None and record["memory_plan"] is None

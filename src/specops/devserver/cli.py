@@ -66,8 +66,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--device-memory-gib",
         type=float,
         default=0.0,
-        help="on the CPU: lay the weights, KV pool and CUDA graphs out on a simulated device of this size and "
-        "report them in /server_info as SGLang does (0: no device, no free memory reported)",
+        help="on the CPU: lay the weights, KV pool and CUDA graphs out on a simulated device of this size "
+        "and report them in /server_info as SGLang does (0: no device, no free memory reported)",
     )
     parser.add_argument(
         "--enable-weights-cpu-backup",

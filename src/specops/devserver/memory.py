@@ -99,7 +99,9 @@ class MemorySaver:
             self.layout.weights_bytes / GIB,
             self.layout.kv_cache_bytes / GIB,
             self.layout.cuda_graph_bytes / GIB,
-            "" if self.layout.total_bytes is None else f" of a {self.layout.total_bytes / GIB:.1f} GiB device",
+            ""
+            if self.layout.total_bytes is None
+            else f" of a {self.layout.total_bytes / GIB:.1f} GiB device",
         )
         return self.backend.place(model, self.layout) if self.enabled else model.to(self.engine.device)
 

@@ -97,7 +97,9 @@ class TorchMemorySaverBackend:
             model = model.to(self.device)
         # The KV cache needs no backup: SGLang flushes it at the release (weight_updater.py:365-366).
         with self.saver.region(tag="kv_cache", enable_cpu_backup=False):
-            self.buffers["kv_cache"] = torch.zeros(layout.kv_cache_bytes, dtype=torch.uint8, device=self.device)
+            self.buffers["kv_cache"] = torch.zeros(
+                layout.kv_cache_bytes, dtype=torch.uint8, device=self.device
+            )
         if layout.cuda_graph_bytes:
             # SGLang always backs CUDA graphs up; a version without the tag keeps them where they are.
             with self.saver.region(tag="cuda_graph", enable_cpu_backup=True):

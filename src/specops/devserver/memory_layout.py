@@ -50,11 +50,6 @@ class MemoryLayout:
         held = self.weights_bytes + self.kv_cache_bytes + self.cuda_graph_bytes + CONTEXT_BYTES
         return max(0, self.total_bytes - held)
 
-    def tag_bytes(self, tag: str) -> int:
-        return {"weights": self.weights_bytes, "kv_cache": self.kv_cache_bytes, "cuda_graph": self.cuda_graph_bytes}.get(
-            tag, 0
-        )
-
 
 def lay_out(total_bytes: int | None, weights_bytes: int, mem_fraction_static: float) -> MemoryLayout:
     """Weights, a KV pool filling mem-fraction-static of the device, then graphs in part of the rest."""

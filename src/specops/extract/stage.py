@@ -210,6 +210,9 @@ def run_single(
 ) -> dict[str, Any]:
     """Load the model on the one device, probe, extract every unfinished shard, write the manifest."""
     prep.device = resolve_device_dtype(devices.devices[0], prep.dtype_name)[0]
+    if held:
+        # From go to the weights' copy: the resume state, the disk check and the device plan.
+        held.figures["setup_s"] = round(time.time() - held.figures["go_seen_at"], 3)
     started = time.perf_counter()
     model = held.on_device(prep.device) if held else load_model(prep)
     load_s = time.perf_counter() - started
@@ -246,7 +249,7 @@ def run_single(
         state,
         backend,
         parity,
-        {**stats, "load_s": load_s, "prestart": held.figures if held else None},
+        {**stats, "load_s": load_s, "loop_ended_at": time.time(), "prestart": held.figures if held else None},
         devices.describe(),
     )
     log(f"wrote {len(prep.shards)} shards to {prep.out_dir} ({stats['tokens_per_second']:.0f} tok/s)")

@@ -311,6 +311,10 @@ class ServiceWindow(object):
                                                             int(self.params["release_max_used_mib"]),
                                                             float(self.params["drain_timeout"]),
                                                             expected_used_after(plan, gpu_before))
+            if self.params.get("go_file"):
+                # The waiting extraction starts the moment the memory is free, not a few tasks later.
+                write_json(self.params["go_file"], {"signal": "go", "at": time.time()})
+                self.result["go_at"] = time.time()
         except ServiceError as error:
             raise self._fail_ending_window(self._undo_release(error, marker, released, tags), "was not released")
         self.result["changed"] = True
@@ -333,6 +337,8 @@ class ServiceWindow(object):
         return ServiceError("%s; %s" % (error.msg, "; ".join(notes)), **error.fields)
 
     def resumed(self) -> dict:
+        # For the window's record: what the play spent before the resume began is not the resume's.
+        self.result["called_at"] = time.time()
         self.lock.check(self.token)
         if self.check_mode:
             self.result["changed"] = is_released(self.state_dir)

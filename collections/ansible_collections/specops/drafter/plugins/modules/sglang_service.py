@@ -113,6 +113,12 @@ options:
     description: MiB per GPU the plan keeps free beyond what the extraction needs (allocator slack, other contexts).
     type: int
     default: 2048
+  go_file:
+    description:
+      - C(released) only - the start signal of an extraction waiting for the GPUs (M(specops.drafter.start_signal));
+        V(go) is written to it as soon as the released memory is free, so the extraction starts inside the same
+        module call instead of a task later.
+    type: path
   tags:
     description:
       - Expert - memory tags to release, overriding O(release) (empty - as O(release) decides). Weights are
@@ -233,6 +239,14 @@ released_at:
   description: When the release answered, on the host's clock.
   returned: released, when it happened
   type: float
+called_at:
+  description: When C(resumed) began, on the host's clock (the window's record splits its downtime with it).
+  returned: resumed
+  type: float
+go_at:
+  description: When O(go_file) was told go, on the host's clock.
+  returned: released, with go_file
+  type: float
 gpu_memory:
   description: The GPU memory check after the release (C(checked) false where nvidia-smi is absent).
   returned: released
@@ -291,6 +305,7 @@ ARGUMENT_SPEC = dict(
     release=dict(type="str", default="auto", choices=["auto", "kv_cache", "all"]),
     extraction_gpu=dict(type="dict", default={}),
     gpu_reserve_mib=dict(type="int", default=2048),
+    go_file=dict(type="path"),
     tags=dict(type="list", elements="str", default=[]),
     ready_timeout=dict(type="float", default=900),
     ready_delay=dict(type="float", default=0.5),
