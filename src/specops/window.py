@@ -134,6 +134,8 @@ def build_window(
         "memory_plan": memory_plan_summary((service or {}).get("memory_plan")),
         # The pause, flush and release, from the service's own moments (memory saver).
         "release_s": _span(down_at if moments else None, (service or {}).get("released_at")),
+        # The guard resumed the server the moment the extraction's job ended (memory saver, prestarted).
+        "resumed_by": (service or {}).get("resumed_by") or None,
         # Every second of the downtime by where it went, on the host's clock (memory saver, prestarted).
         "accounted": account(down_at, ready_at, service, extraction) if moments else None,
         "play_span_s": round(play_span, 3),
@@ -158,7 +160,8 @@ def account(
 ) -> dict[str, Any] | None:
     """The downtime split at the moments both sides recorded: pause + release, the GPU memory check, go
     reaching the extraction, its set-up, the weights' copy, its loop (parity and forwards), from the loop's
-    end to the resume call (the extraction's exit, the play's tasks), and the resume to the first 200.
+    end to the resume's start (the manifest, the extraction's exit, and the play's tasks unless the guard
+    resumed at the work's end), and the resume to the first 200.
     None where a moment is missing (stop mode, or an extraction not started ahead)."""
     service = service or {}
     prestart = extraction.get("prestart") or {}
@@ -282,6 +285,8 @@ def render_markdown(window: Mapping[str, Any] | None) -> str:
             if key != "unexplained_s"
         )
         lines += ["", f"Where the downtime went: {named}; unexplained {accounted['unexplained_s']:.2f} s."]
+    if window.get("resumed_by"):
+        lines += ["", f"Resumed by the {window['resumed_by']}: the play's own tasks were not waited for."]
     if window.get("started_instead"):
         lines += [
             "",

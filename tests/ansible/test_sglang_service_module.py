@@ -130,6 +130,29 @@ def test_the_weights_stay_on_the_gpu_where_the_extraction_fits_beside_them(site_
     assert resumed["changed"] and not resumed["failed"], resumed.get("msg")
 
 
+def test_the_guard_resumes_the_moment_the_windows_work_has_ended_and_the_play_finds_it_serving(
+    serving, tmp_path
+):
+    """One step on the host: the release tells the waiting work to go, the guard resumes when its job's
+    result appears; the play's resume finds the server serving and reports the guard's first 200."""
+    go, job = tmp_path / "extract.start", tmp_path / "job.json"
+    go.write_text(json.dumps({"signal": "wait", "until": time.time() + 600}))
+    job.write_text(json.dumps({"started": 1, "finished": 0}))
+    released = serving.run("released", window=window("w-done"), go_file=str(go), resume_when_done=str(job))
+    assert not released["failed"], released.get("msg")
+    assert json.loads(go.read_text())["signal"] == "go" and released["go_at"] >= released["released_at"]
+    assert http_status(serving.url + "/health_generate", timeout=5) != 200  # paused and released
+
+    job.write_text(json.dumps({"changed": True, "finished": 1}))  # the work's end, as the async job writes it
+    assert wait_for(lambda: (serving.state_dir / "guard.result.json").exists(), 120)
+    assert http_status(serving.url + "/health_generate") == 200
+    resumed = serving.run("resumed", window=window("w-done"))
+
+    assert not resumed["failed"] and resumed["resumed_by"] == "guard, at the end of the window's work", resumed
+    assert released["go_at"] <= resumed["resume_started_at"] <= resumed["ready_at"] <= resumed["called_at"] + 60
+    assert not (serving.state_dir / "window.lock").exists() and not (serving.state_dir / "released.json").exists()
+
+
 def test_a_device_too_small_for_weights_and_extraction_releases_every_tag_and_says_why(site_factory):
     site = site_factory(*MEMORY_SAVER, "--device-memory-gib", "2")
     assert not site.run("started")["failed"]

@@ -7,10 +7,14 @@
 The module extracts this file and the stdlib-only files it imports into <state_dir>/guard_lib and
 starts it detached (systemd-run on systemd hosts). It fires after min(guard_after, max_downtime)
 seconds, or guard_grace seconds after the window's work (processes carrying
-SPECOPS_WINDOW_TOKEN=<token> under a live process that is not part of it) is gone, unless
-disarmed (<state_dir>/guard.armed removed or holding another arm id). Firing stops the window's
-work, brings the server back (start, or resume; a resume with nothing to resume starts a server
-that is gone), continues generation and gives the window lock back.
+SPECOPS_WINDOW_TOKEN=<token> under a live process that is not part of it) is gone, or, with
+resume_when_done (the job file of a memory-saver window's extraction), the moment that job has
+ended: the normal path, so that the service comes back without waiting for the play's next tasks
+(it then waits for the first /health_generate 200, records it in guard.result.json and leaves the
+window lock to the play). Disarmed (<state_dir>/guard.armed removed or holding another arm id), it
+exits without acting. Firing stops the window's work, brings the server back (start, or resume; a
+resume with nothing to resume starts a server that is gone), continues generation and gives the
+window lock back.
 """
 
 from __future__ import absolute_import, annotations, division, print_function
@@ -26,12 +30,13 @@ import sys
 import time
 
 from ansible_collections.specops.drafter.plugins.module_utils import procfs
+from ansible_collections.specops.drafter.plugins.module_utils.async_job import job_result
 from ansible_collections.specops.drafter.plugins.module_utils.memory_window import ReleasedMarker, resume_claimed
 from ansible_collections.specops.drafter.plugins.module_utils.service_errors import ServiceError
 from ansible_collections.specops.drafter.plugins.module_utils.service_process import ProcessServer, stop_processes
 from ansible_collections.specops.drafter.plugins.module_utils.service_systemd import SystemdUnit
 from ansible_collections.specops.drafter.plugins.module_utils.sglang_api import SglangApi
-from ansible_collections.specops.drafter.plugins.module_utils.state_files import read_json, remove
+from ansible_collections.specops.drafter.plugins.module_utils.state_files import read_json, remove, write_json
 from ansible_collections.specops.drafter.plugins.module_utils.window_lock import WindowLock
 
 
@@ -74,23 +79,44 @@ def log(message: str) -> None:
     sys.stderr.flush()
 
 
+# The reason the guard gives when the window's work has ended and it resumes at once: the normal path,
+# not a failure (the play's resume then finds the server resumed).
+WORK_ENDED = "the window's work has ended: the server is resumed at once, without waiting for the play"
+# How often the guard looks for the work's end; the process table is scanned once a second at most.
+WORK_END_POLL_S = 0.05
+
+
 def wait_for_reason(config: dict) -> str | None:
     """Why the guard fires, or None once it was disarmed."""
     started = time.monotonic()
     fire_after = float(config["fire_after"])
-    last_work = started
+    last_work = last_scan = started
+    done_file = config.get("resume_when_done") if config.get("action") == "resume" else None
     while True:
         if not is_armed(config["state_dir"], config["arm_id"]):
             return None
         now = time.monotonic()
+        if done_file and job_result(done_file) is not None:
+            return WORK_ENDED
         if now - started >= fire_after:
             return "the window's time of %.0f s is up (min of guard_after and max_downtime)" % fire_after
-        if config.get("watch_work"):
+        if config.get("watch_work") and (not done_file or now - last_scan >= 1.0):
+            last_scan = now
             if attended(config["token"]):
                 last_work = now
             elif now - last_work >= float(config["grace"]):
                 return "the window's work is gone and the play did not disarm within %.0f s" % float(config["grace"])
-        time.sleep(min(1.0, max(0.05, fire_after - (now - started))))
+        time.sleep(WORK_END_POLL_S if done_file else min(1.0, max(0.05, fire_after - (now - started))))
+
+
+def wait_until_serving(api, timeout: float) -> float | None:
+    """The moment the server first answers /health_generate 200 (host clock), or None within timeout."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if api.health_generate(min(api.timeout, max(1.0, deadline - time.monotonic()))).ok:
+            return time.time()
+        time.sleep(0.1)
+    return None
 
 
 def bring_back(config: dict) -> dict:
@@ -119,18 +145,33 @@ def bring_back(config: dict) -> dict:
     return result
 
 
+def result_path(state_dir: str) -> str:
+    return os.path.join(state_dir, "guard.result.json")
+
+
 def fire(config: dict, reason: str) -> dict:
     remove(armed_path(config["state_dir"]))
     # The configuration may hold the api key: it is not left on disk longer than the guard needs it.
     remove(os.path.join(config["state_dir"], "guard.json"))
-    stopped = stop_processes(procfs.token_processes(config["token"])) if config.get("watch_work") else []
+    ended = reason == WORK_ENDED
+    # At the work's end nothing of it is left to stop (the play's own tasks carry the token too).
+    stopped = stop_processes(procfs.token_processes(config["token"])) if config.get("watch_work") and not ended else []
     log("fired (%s): stopped the window's work %s, then %s" % (reason, stopped, config["action"]))
+    fired_at = time.time()
     try:
         result = bring_back(config)
+        if ended:
+            api = SglangApi(config["url"], config.get("api_key") or "", float(config.get("health_timeout", 30)))
+            result["ready_at"] = wait_until_serving(api, float(config.get("ready_timeout", 300)))
     except ServiceError as error:
         result = {"failed": True, "msg": error.msg}
-    WindowLock(config["state_dir"], config.get("server", "")).release(config["token"])
-    result.update({"reason": reason, "stopped_work": stopped})
+    if not ended:
+        # The play is gone (or out of time): the window is over. At the work's end the play still holds
+        # it, and its resume gives it back.
+        WindowLock(config["state_dir"], config.get("server", "")).release(config["token"])
+    result.update({"reason": reason, "stopped_work": stopped, "fired_at": fired_at, "token": config["token"],
+                   "work_ended": ended})
+    write_json(result_path(config["state_dir"]), result)
     log(json.dumps(result))
     return result
 

@@ -36,7 +36,7 @@ from ansible_collections.specops.drafter.plugins.module_utils.state_files import
 PACKAGE = "ansible_collections.specops.drafter.plugins.module_utils"
 # The guard and everything it imports; none of them imports Ansible.
 GUARD_FILES = ("guard", "procfs", "service_errors", "state_files", "sglang_api", "service_process",
-               "service_systemd", "memory_window", "window_lock")
+               "service_systemd", "memory_window", "window_lock", "async_job")
 
 
 def _source(name: str) -> bytes:
@@ -141,7 +141,9 @@ def disarm(state_dir: str) -> bool:
             except OSError:
                 pass
     remove(os.path.join(state_dir, "guard.json"))
-    remove(os.path.join(state_dir, "guard.pid.json"))
+    if armed or guard is None:
+        # A guard that fired keeps its pid file until it is done, so that wait_for_fired_guard can wait.
+        remove(os.path.join(state_dir, "guard.pid.json"))
     return armed or guard is not None
 
 

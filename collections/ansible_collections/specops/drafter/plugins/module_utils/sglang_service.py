@@ -30,7 +30,7 @@ from ansible_collections.specops.drafter.plugins.module_utils.service_errors imp
 from ansible_collections.specops.drafter.plugins.module_utils.service_process import ProcessServer, launch_problems
 from ansible_collections.specops.drafter.plugins.module_utils.service_systemd import SystemdUnit
 from ansible_collections.specops.drafter.plugins.module_utils.sglang_api import SglangApi, releases_weights
-from ansible_collections.specops.drafter.plugins.module_utils.state_files import ensure_dir, write_json
+from ansible_collections.specops.drafter.plugins.module_utils.state_files import ensure_dir, read_json, remove, write_json
 from ansible_collections.specops.drafter.plugins.module_utils.window_lock import NO_WINDOW_TOKEN, WindowLock
 
 WINDOW_DEFAULTS = {"token": NO_WINDOW_TOKEN, "owner": "sglang_service without a window", "guard_after": 7200,
@@ -93,7 +93,9 @@ class ServiceWindow(object):
                   "spec": self.params.get("spec"), "url": self.api.url, "api_key": self.api.api_key,
                   "action": action, "fire_after": fire_after, "grace": float(self.window["guard_grace"]),
                   "token": self.token, "watch_work": self.token != NO_WINDOW_TOKEN,
-                  "health_timeout": self.api.timeout, "stop_timeout": float(self.params["stop_timeout"])}
+                  "health_timeout": self.api.timeout, "stop_timeout": float(self.params["stop_timeout"]),
+                  "ready_timeout": float(self.params["ready_timeout"]),
+                  "resume_when_done": self.params.get("resume_when_done") if action == "resume" else None}
         try:
             identity = guard_control.arm(self.state_dir, config, use_systemd=self.params["backend"] == "systemd")
         except (ServiceError, OSError) as error:
@@ -361,11 +363,25 @@ class ServiceWindow(object):
                     self.api.continue_generation()
                     self.result["msg"] = "not released: nothing to resume"
                 self._ready()
+                self._take_guards_resume()
         except ServiceError as error:
             raise self._rearm_after_failure(
                 ServiceError("%s was not resumed: %s" % (self.name, error.msg), **error.fields), "resume")
         self._end_window()
         return self.result
+
+    def _take_guards_resume(self) -> None:
+        """The guard resumed at the work's end (resume_when_done): its first 200 is the service's return."""
+        path = os.path.join(self.state_dir, "guard.result.json")
+        fired = read_json(path)
+        if not isinstance(fired, dict) or fired.get("token") != self.token:
+            return
+        remove(path)
+        if fired.get("work_ended") and fired.get("resumed") and fired.get("ready_at"):
+            self.result.update(changed=True, resumed_by="guard, at the end of the window's work",
+                               resume_started_at=fired.get("fired_at"),
+                               ready_at=min(float(fired["ready_at"]), float(self.result.get("ready_at") or 1e18)))
+            self.result.pop("msg", None)
 
     def run(self) -> dict:
         return getattr(self, self.params["state"])()

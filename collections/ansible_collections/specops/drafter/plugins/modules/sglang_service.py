@@ -113,6 +113,13 @@ options:
     description: MiB per GPU the plan keeps free beyond what the extraction needs (allocator slack, other contexts).
     type: int
     default: 2048
+  resume_when_done:
+    description:
+      - C(released) only - the results file of the window's work (the extraction's async job). The guard, armed
+        to resume, resumes the server the moment that job has ended and waits for the first
+        C(/health_generate) 200, so the service comes back without waiting for the play's next tasks; C(resumed)
+        then finds it resumed and returns the guard's moment as RV(ready_at).
+    type: path
   go_file:
     description:
       - C(released) only - the start signal of an extraction waiting for the GPUs (M(specops.drafter.start_signal));
@@ -239,6 +246,14 @@ released_at:
   description: When the release answered, on the host's clock.
   returned: released, when it happened
   type: float
+resumed_by:
+  description: Who resumed the server when it was not this call (the guard, at the end of the window's work).
+  returned: resumed, when it happened
+  type: str
+resume_started_at:
+  description: When the guard began the resume, on the host's clock.
+  returned: resumed, when the guard resumed
+  type: float
 called_at:
   description: When C(resumed) began, on the host's clock (the window's record splits its downtime with it).
   returned: resumed
@@ -306,6 +321,7 @@ ARGUMENT_SPEC = dict(
     extraction_gpu=dict(type="dict", default={}),
     gpu_reserve_mib=dict(type="int", default=2048),
     go_file=dict(type="path"),
+    resume_when_done=dict(type="path"),
     tags=dict(type="list", elements="str", default=[]),
     ready_timeout=dict(type="float", default=900),
     ready_delay=dict(type="float", default=0.5),
