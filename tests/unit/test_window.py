@@ -164,7 +164,8 @@ def test_every_second_of_a_memory_saver_window_is_accounted_for():
         "ready_at": 1015.0,
         "memory_plan": {"choice": "kv_cache", "tags": ["kv_cache", "cuda_graph"], "reason": "fits"},
     }
-    record = window.build_window([["stop-server", 999.0], ["ready", 1015.5]], "memory_saver", manifest, None, service)
+    marks = [["stop-server", 999.0], ["ready", 1015.5]]
+    record = window.build_window(marks, "memory_saver", manifest, None, service)
     parts = record["accounted"]
     assert parts == {
         "pause_and_release_s": 10.5,
@@ -185,5 +186,6 @@ def test_every_second_of_a_memory_saver_window_is_accounted_for():
 
 def test_without_the_extractions_moments_nothing_is_accounted():
     service = {"down_at": 1000.0, "ready_at": 1015.0, "released_at": 1001.0}
-    record = window.build_window([["stop-server", 999.0], ["ready", 1015.5]], "memory_saver", None, None, service)
+    marks = [["stop-server", 999.0], ["ready", 1015.5]]
+    record = window.build_window(marks, "memory_saver", None, None, service)
     assert record["accounted"] is None and record["memory_plan"] is None
