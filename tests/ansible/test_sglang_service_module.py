@@ -130,11 +130,13 @@ def test_the_weights_stay_on_the_gpu_where_the_extraction_fits_beside_them(site_
     assert resumed["changed"] and not resumed["failed"], resumed.get("msg")
 
 
+@pytest.mark.parametrize("end", ["result written", "result read and removed"])
 def test_the_guard_resumes_the_moment_the_windows_work_has_ended_and_the_play_finds_it_serving(
-    serving, tmp_path
+    serving, tmp_path, end
 ):
     """One step on the host: the release tells the waiting work to go, the guard resumes when its job's
-    result appears; the play's resume finds the server serving and reports the guard's first 200."""
+    result appears (or, read by the play's wait first, is gone); the play's resume finds the server
+    serving and reports the guard's first 200."""
     go, job = tmp_path / "extract.start", tmp_path / "job.json"
     go.write_text(json.dumps({"signal": "wait", "until": time.time() + 600}))
     job.write_text(json.dumps({"started": 1, "finished": 0}))
@@ -143,7 +145,11 @@ def test_the_guard_resumes_the_moment_the_windows_work_has_ended_and_the_play_fi
     assert json.loads(go.read_text())["signal"] == "go" and released["go_at"] >= released["released_at"]
     assert http_status(serving.url + "/health_generate", timeout=5) != 200  # paused and released
 
-    job.write_text(json.dumps({"changed": True, "finished": 1}))  # the work's end, as the async job writes it
+    if end == "result written":
+        # The work's end, as the async job writes it.
+        job.write_text(json.dumps({"changed": True, "finished": 1}))
+    else:
+        job.unlink()  # job_wait's cleanup, when it read the end before the guard looked
     assert wait_for(lambda: (serving.state_dir / "guard.result.json").exists(), 120)
     assert http_status(serving.url + "/health_generate") == 200
     resumed = serving.run("resumed", window=window("w-done"))

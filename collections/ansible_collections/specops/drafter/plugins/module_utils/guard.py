@@ -92,12 +92,18 @@ def wait_for_reason(config: dict) -> str | None:
     fire_after = float(config["fire_after"])
     last_work = last_scan = started
     done_file = config.get("resume_when_done") if config.get("action") == "resume" else None
+    seen = False
     while True:
         if not is_armed(config["state_dir"], config["arm_id"]):
             return None
         now = time.monotonic()
-        if done_file and job_result(done_file) is not None:
-            return WORK_ENDED
+        if done_file:
+            # The play's wait removes the job's file once it has read the end: a file seen, then gone,
+            # is an end too (the guard may have been held up reading /proc of the exiting work).
+            present = os.path.exists(done_file)
+            if (present and job_result(done_file) is not None) or (seen and not present):
+                return WORK_ENDED
+            seen = seen or present
         if now - started >= fire_after:
             return "the window's time of %.0f s is up (min of guard_after and max_downtime)" % fire_after
         if config.get("watch_work") and (not done_file or now - last_scan >= 1.0):
