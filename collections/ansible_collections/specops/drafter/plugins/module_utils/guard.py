@@ -9,8 +9,9 @@ starts it detached (systemd-run on systemd hosts). It fires after min(guard_afte
 seconds, or guard_grace seconds after the window's work (processes carrying
 SPECOPS_WINDOW_TOKEN=<token> under a live process that is not part of it) is gone, unless
 disarmed (<state_dir>/guard.armed removed or holding another arm id). Firing stops the window's
-work, brings the server back (start, or resume; a resume with nothing to resume starts a server
-that is gone), continues generation and gives the window lock back.
+work and waits until its GPU memory is freed, brings the server back (start, or resume; a resume
+with nothing to resume starts a server that is gone, and a server that does not serve after the
+resume is started again), continues generation and gives the window lock back.
 """
 
 from __future__ import absolute_import, annotations, division, print_function
@@ -22,11 +23,13 @@ __metaclass__ = type
 
 import json
 import os
+import subprocess
 import sys
 import time
 
 from ansible_collections.specops.drafter.plugins.module_utils import procfs
 from ansible_collections.specops.drafter.plugins.module_utils.memory_window import ReleasedMarker, resume_claimed
+from ansible_collections.specops.drafter.plugins.module_utils.readiness import wait_ready
 from ansible_collections.specops.drafter.plugins.module_utils.service_errors import ServiceError
 from ansible_collections.specops.drafter.plugins.module_utils.service_process import ProcessServer, stop_processes
 from ansible_collections.specops.drafter.plugins.module_utils.service_systemd import SystemdUnit
@@ -93,21 +96,62 @@ def wait_for_reason(config: dict) -> str | None:
         time.sleep(min(1.0, max(0.05, fire_after - (now - started))))
 
 
+def gpu_process_pids() -> set[int] | None:
+    """Pids nvidia-smi lists as holding GPU memory; None where it is absent or fails."""
+    try:
+        done = subprocess.run(["nvidia-smi", "--query-compute-apps=pid", "--format=csv,noheader"],
+                              stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, check=False, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    if done.returncode != 0:
+        return None
+    return set(int(line.strip()) for line in done.stdout.decode("utf-8", "replace").splitlines()
+               if line.strip().isdigit())
+
+
+def wait_work_memory_freed(stopped: list[tuple[int, int | None]], timeout: float) -> dict:
+    """A killed process gives its GPU memory back only once the driver has torn its context down, after
+    the process has gone; a resume that cannot allocate kills SGLang's scheduler (sglang 0.5.23
+    srt/managers/scheduler_components/weight_updater.py:383-406). Wait (bounded) until none of the
+    window's stopped work runs and nvidia-smi, where there is one, lists none of it."""
+    started = time.monotonic()
+    pids = set(pid for pid, dummy in stopped)
+    while True:
+        running = [pid for pid, begun in stopped if procfs.is_same_process(pid, begun)]
+        on_gpu = gpu_process_pids()
+        holding = sorted(pids & on_gpu) if on_gpu is not None else []
+        waited = round(time.monotonic() - started, 2)
+        if not running and not holding:
+            return {"freed": True, "waited_s": waited, "gpu_checked": on_gpu is not None}
+        if waited >= timeout:
+            return {"freed": False, "waited_s": waited, "running": running, "holding_gpu": holding}
+        time.sleep(0.2)
+
+
 def bring_back(config: dict) -> dict:
-    """Start or resume the server; a resume with no server to resume starts one."""
+    """Start or resume the server; a resume with no server to resume starts one, and a server that does
+    not serve after the resume is started again."""
     server = backend_of(config)
     api = SglangApi(config["url"], config.get("api_key") or "", float(config.get("health_timeout", 30)))
     result: dict = {"action": config["action"]}
-    if config["action"] == "resume":
-        claimed = ReleasedMarker(config["state_dir"]).claim()
-        if claimed is not None and server.running_pid():
-            result.update(resume_claimed(api, claimed.get("tags") or [], api.timeout))
-            result["resumed"] = True
+    claimed = ReleasedMarker(config["state_dir"]).claim() if config["action"] == "resume" else None
+    if config["action"] == "resume" and server.running_pid():
+        try:
+            if claimed is not None:
+                result.update(resume_claimed(api, claimed.get("tags") or [], api.timeout))
+                result["resumed"] = True
+            else:
+                # Nothing to resume (the play did it): only make sure the server is not left paused.
+                result["continue_status"] = api.continue_generation().status
+            wait_ready(api, server, float(config.get("ready_timeout", 900)), 0.5, api.timeout)
             return result
-        if server.running_pid():
-            # Nothing to resume (the play did it): only make sure the server is not left paused.
-            result["continue_status"] = api.continue_generation().status
-            return result
+        except ServiceError as error:
+            if "port_holder" in error.fields:
+                raise  # another process holds the port: a new server could not serve there either
+            # A resume whose allocation fails kills the whole tree (weight_updater.py:383-406, then
+            # managers/scheduler.py:6370-6373): what is left is stopped and the server started from disk.
+            result["not_serving"] = error.msg.split(". ")[0]
+            server.stop(float(config.get("stop_timeout", 120)))
     # The play's stop may still be under way when the guard fires early: let it finish, then start.
     # The leader goes first; the process backend's launch then also waits for the stop to see the rest
     # of the old group go, and systemd queues a start behind a stop job.
@@ -123,14 +167,18 @@ def fire(config: dict, reason: str) -> dict:
     remove(armed_path(config["state_dir"]))
     # The configuration may hold the api key: it is not left on disk longer than the guard needs it.
     remove(os.path.join(config["state_dir"], "guard.json"))
-    stopped = stop_processes(procfs.token_processes(config["token"])) if config.get("watch_work") else []
-    log("fired (%s): stopped the window's work %s, then %s" % (reason, stopped, config["action"]))
+    work = procfs.token_processes(config["token"]) if config.get("watch_work") else []
+    known = [(pid, procfs.start_time(pid)) for pid in work]
+    stopped = stop_processes(work)
+    freed = wait_work_memory_freed(known, float(config.get("stop_timeout", 120))) if known else None
+    log("fired (%s): stopped the window's work %s (its memory: %s), then %s"
+        % (reason, stopped, json.dumps(freed), config["action"]))
     try:
         result = bring_back(config)
     except ServiceError as error:
         result = {"failed": True, "msg": error.msg}
     WindowLock(config["state_dir"], config.get("server", "")).release(config["token"])
-    result.update({"reason": reason, "stopped_work": stopped})
+    result.update({"reason": reason, "stopped_work": stopped, "work_memory": freed})
     log(json.dumps(result))
     return result
 
