@@ -110,6 +110,12 @@ def build_parser() -> argparse.ArgumentParser:
         "without --enable-weights-cpu-backup), refuse memory calls without --enable-memory-saver, and "
         "serve every info and load path; by default the server fails as SGLang fails",
     )
+    parser.add_argument(
+        "--release-fault-file",
+        default=None,
+        help="for tests: a file naming a fault (busy, unanswered, lost) to inject into each release, read at "
+        "each release (release_faults.py)",
+    )
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     return parser
 

@@ -320,6 +320,8 @@ class ServiceWindow(object):
             # released (sglang 0.5.23 srt/managers/scheduler_components/weight_updater.py:96, :349), a
             # resume of a tag that is not released kills the whole tree (:390, then managers/scheduler.py:
             # 6370-6373), and so may a second release: only a restart gives a known state back.
+            if self.server.running_pid() is None:
+                return self._restart_in_window(error, "the server died during the release")
             return self._restart_in_window(error, "the release was not answered, so whether it freed anything is "
                                                   "unknown and a resume could kill the server")
         undone = self._undo_release(error, marker, outcome == "released", tags)
@@ -409,7 +411,7 @@ class ServiceWindow(object):
                 raise
             self._stop()
             self._launch()
-            self.result.update(changed=True, started_instead=True, msg=(
+            self.result.update(changed=True, started_instead=True, restarted=True, msg=(
                 "the server did not serve after the resume (%s): started it again from disk"
                 % error.msg.split(". ")[0]))
 
