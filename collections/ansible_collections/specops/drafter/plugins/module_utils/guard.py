@@ -185,6 +185,14 @@ def fire(config: dict, reason: str) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
+    # Started by the process backend with PYTHONPATH pointing at its own copied code: a server it starts
+    # must see the environment the module would have launched it with, not the guard's.
+    if "SPECOPS_GUARD_OUTER_PYTHONPATH" in os.environ:
+        outer = os.environ.pop("SPECOPS_GUARD_OUTER_PYTHONPATH")
+        if outer:
+            os.environ["PYTHONPATH"] = outer
+        else:
+            os.environ.pop("PYTHONPATH", None)
     config = read_json(args[0])
     if not isinstance(config, dict):
         log("cannot read the guard's configuration %s" % args[0])
