@@ -181,7 +181,13 @@ def process_tree(work_dir: Path, *more: str) -> dict:
     devices = work_dir / "devices"
     devices.mkdir(exist_ok=True)
     return {
-        "sglang_service_extra_args": ["--tp-size", "2", "--device-file", str(devices / "nvidia{rank}"), *more],
+        "sglang_service_extra_args": [
+            "--tp-size",
+            "2",
+            "--device-file",
+            str(devices / "nvidia{rank}"),
+            *more,
+        ],
         "gpu_release_device_pattern": str(devices / "nvidia*"),
     }
 

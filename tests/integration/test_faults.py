@@ -402,8 +402,12 @@ def _release_with_fault(site, fault: str):
 def _hold(path: Path) -> subprocess.Popen:
     """A process outside the server that holds a device file: the device's memory is not free."""
     holder = subprocess.Popen(
-        [sys.executable, "-c", "import sys, time; f = open(sys.argv[1]); print('held', flush=True); time.sleep(3600)",
-         str(path)],
+        [
+            sys.executable,
+            "-c",
+            "import sys, time; f = open(sys.argv[1]); print('held', flush=True); time.sleep(3600)",
+            str(path),
+        ],
         stdout=subprocess.PIPE,
         text=True,
     )

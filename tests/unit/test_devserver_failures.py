@@ -113,7 +113,11 @@ def test_a_release_during_a_running_forward_pass_kills_the_whole_tree(fixture_mo
     # SIGKILLs every child and itself (managers/scheduler.py:6370-6373, utils/common.py:2507-2554).
     log = tmp_path / "server.log"
     with DevServerProcess(
-        fixture_models.target, "--enable-memory-saver", "--enable-weights-cpu-backup", "--tp-size", "2",
+        fixture_models.target,
+        "--enable-memory-saver",
+        "--enable-weights-cpu-backup",
+        "--tp-size",
+        "2",
         log_path=log,
     ) as server:
         server.wait_ready()
@@ -136,7 +140,11 @@ def test_the_tree_holds_one_device_per_scheduler_and_a_childs_death_takes_it_all
     devices = tmp_path / "devices"
     devices.mkdir()
     with DevServerProcess(
-        fixture_models.target, "--tp-size", "2", "--device-file", str(devices / "nvidia{rank}"),
+        fixture_models.target,
+        "--tp-size",
+        "2",
+        "--device-file",
+        str(devices / "nvidia{rank}"),
         log_path=tmp_path / "server.log",
     ) as server:
         server.wait_ready()
@@ -148,7 +156,9 @@ def test_the_tree_holds_one_device_per_scheduler_and_a_childs_death_takes_it_all
 
         def held(pid: int) -> set[str]:
             return {os.readlink(f"/proc/{pid}/fd/{fd}") for fd in os.listdir(f"/proc/{pid}/fd")} & {
-                str(devices / "nvidia0"), str(devices / "nvidia1")}
+                str(devices / "nvidia0"),
+                str(devices / "nvidia1"),
+            }
 
         assert held(titles["sglang::scheduler_TP0"]) == {str(devices / "nvidia0")}
         assert held(titles["sglang::scheduler_TP1"]) == {str(devices / "nvidia1")}

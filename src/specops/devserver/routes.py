@@ -368,7 +368,9 @@ class Handler(BaseHTTPRequestHandler):
         tags = parse_tags(self._body())
         fault = release_fault(self.app.server_args.get("release_fault_file"))
         if fault == "busy":
-            scheduler_crash("AssertionError: release_memory_occupation should be called only when server is idle.")
+            scheduler_crash(
+                "AssertionError: release_memory_occupation should be called only when server is idle."
+            )
         if fault == "lost":
             self.close_connection = True
             return
