@@ -337,12 +337,14 @@ def test_a_server_killed_inside_a_memory_saver_window_is_started_again_and_the_p
         env={**os.environ, "ANSIBLE_CONFIG": str(REPO / "ansible.cfg"), "ANSIBLE_NOCOLOR": "1"},
     )
     killed = False
+    children: list[int] = []
     output = ""
     try:
         for line in play.stdout:
             output += line
             # The release has answered: the server is paused with its memory released.
             if not killed and "TASK [Stage release-gpus:" in line:
+                children = _tree(pid_before)
                 os.kill(pid_before, signal.SIGKILL)
                 killed = True
         play.wait(timeout=600)
@@ -357,6 +359,8 @@ def test_a_server_killed_inside_a_memory_saver_window_is_started_again_and_the_p
     assert "a new server was started instead" in said(result)
     assert site.server_pid() not in (None, pid_before)
     assert site.health_generate_status() == 200
+    # The scheduler ranks and the detokenizer die with their launcher (PR_SET_PDEATHSIG), as SGLang's do.
+    assert len(children) == 3 and not any(_alive(pid) for pid in children)
     # The extraction finished in the window, and its record says the server was started again.
     assert (run_dir / "hidden_states" / "manifest.json").is_file()
     record = json.loads((run_dir / "hidden_states" / "window.json").read_text())
