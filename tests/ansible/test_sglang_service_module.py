@@ -370,4 +370,3 @@ def test_the_guard_waits_for_the_windows_work_to_leave_the_gpu(tmp_path, monkeyp
     began = time.monotonic()
     freed = wait_work_memory_freed(known, 120)
     assert freed["freed"] and freed["gpu_checked"] and time.monotonic() - began >= 1.5
-
