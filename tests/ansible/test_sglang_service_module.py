@@ -471,3 +471,28 @@ def test_a_start_with_settings_that_cannot_start_names_the_setting(site_factory,
         and "sglang_service_model_path" in refused["msg"]
         and "does not exist" in refused["msg"]
     )
+
+
+def test_the_guard_waits_for_the_windows_work_to_leave_the_gpu(tmp_path, monkeypatch):
+    """A killed CUDA process is listed by nvidia-smi until the driver has freed its memory: the guard's
+    resume waits for that (a resume that cannot allocate kills SGLang), and gives up at its bound."""
+    from ansible_collections.specops.drafter.plugins.module_utils import procfs
+    from ansible_collections.specops.drafter.plugins.module_utils.guard import wait_work_memory_freed
+
+    work = subprocess.Popen(SLEEPER)
+    known = [(work.pid, procfs.start_time(work.pid))]
+    listed = tmp_path / "listed"
+    listed.write_text("")
+    fake = tmp_path / "bin" / "nvidia-smi"
+    fake.parent.mkdir()
+    fake.write_text(f"#!/bin/sh\n[ -e {listed} ] && echo {work.pid}\nexit 0\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{fake.parent}:{os.environ['PATH']}")
+    work.kill()
+    work.wait()
+
+    assert wait_work_memory_freed(known, 0.5)["holding_gpu"] == [work.pid]
+    threading.Timer(1.5, listed.unlink).start()
+    began = time.monotonic()
+    freed = wait_work_memory_freed(known, 120)
+    assert freed["freed"] and freed["gpu_checked"] and time.monotonic() - began >= 1.5

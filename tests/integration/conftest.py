@@ -137,8 +137,11 @@ def host_cache_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def local_default(tmp_path_factory, host_cache_dir):
+    """The shared site; its server runs as SGLang's process tree, so the stop window's GPU release meets
+    scheduler children holding their devices."""
+    work_dir = tmp_path_factory.mktemp("eval")
     site = LocalDefault(
-        work_dir=tmp_path_factory.mktemp("eval"), port=free_port(), host_cache_dir=host_cache_dir
+        work_dir=work_dir, port=free_port(), host_cache_dir=host_cache_dir, settings=process_tree(work_dir)
     )
     yield site
     # The play leaves the service running, as production would: stop what the test started.
@@ -171,14 +174,34 @@ def served(local_default, finished_run) -> LocalDefault:
 MEMORY_SAVER = {"sglang_service_memory_saver": True, "specops_gpu_window_mode": "memory_saver"}
 
 
+def process_tree(work_dir: Path, *more: str) -> dict:
+    """Settings that run the development server as SGLang's process tree (--tp-size 2: a scheduler child
+    per rank, each holding its stand-in device file under work_dir/devices, and a detokenizer), with the
+    window's GPU check pointed at those files."""
+    devices = work_dir / "devices"
+    devices.mkdir(exist_ok=True)
+    return {
+        "sglang_service_extra_args": [
+            "--tp-size",
+            "2",
+            "--device-file",
+            str(devices / "nvidia{rank}"),
+            *more,
+        ],
+        "gpu_release_device_pattern": str(devices / "nvidia*"),
+    }
+
+
 @pytest.fixture(scope="session")
 def memory_saver_site(tmp_path_factory, host_cache_dir):
-    """A server of its own with the memory saver, serving, for the tests of the memory-saver window (each
-    in a run directory of its own); stopped at the end."""
+    """A server of its own with the memory saver, run as SGLang's process tree, serving, for the tests of
+    the memory-saver window (each in a run directory of its own); stopped at the end. Its releases read
+    the fault to inject from work_dir/release-fault (empty: none)."""
     work_dir = tmp_path_factory.mktemp("memory-saver")
-    site = LocalDefault(
-        work_dir=work_dir, port=free_port(), host_cache_dir=host_cache_dir, settings=MEMORY_SAVER
-    )
+    fault_file = work_dir / "release-fault"
+    fault_file.write_text("")
+    settings = {**MEMORY_SAVER, **process_tree(work_dir, "--release-fault-file", str(fault_file))}
+    site = LocalDefault(work_dir=work_dir, port=free_port(), host_cache_dir=host_cache_dir, settings=settings)
     started = site.play("service.yml", sglang_service_state="started")
     assert started.rc == 0, started.output[-4000:]
     yield site

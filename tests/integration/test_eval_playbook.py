@@ -7,7 +7,9 @@ one worker share its finished run."""
 from __future__ import annotations
 
 import json
+import os
 import re
+from pathlib import Path
 
 import pytest
 
@@ -36,6 +38,28 @@ def test_eval_reports_the_service_window_with_its_stages(first_run, local_defaul
     assert 0 < window["compute_s"] < window["downtime_s"] <= window["play_span_s"]
     assert window["server_start_s"] is not None and 0 < window["server_start_s"] < window["downtime_s"]
     assert "## Service window" in (local_default.run_dir / "score" / "report.md").read_text()
+
+
+def test_the_stop_window_took_down_sglangs_process_tree_and_freed_its_devices(first_run, local_default):
+    """The local default runs --tp-size 2: the window's stop recorded the launcher and its three children
+    (two scheduler ranks, each holding its device file, and the detokenizer), gpu_release found none of
+    them left, and the server started after the window is the same tree again."""
+    recorded = json.loads((local_default.work_dir / "sglang.pid.d" / "tree.json").read_text())
+    assert len(recorded) == 4, recorded
+    pid = local_default.server_pid()
+    children = {}
+    for entry in (p for p in os.listdir("/proc") if p.isdigit()):
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text()
+            if int(stat[stat.rfind(")") + 2 :].split()[1]) == pid:
+                children[Path(f"/proc/{entry}/cmdline").read_bytes().split(b"\0")[0].decode()] = int(entry)
+        except OSError:
+            continue
+    assert sorted(children) == ["sglang::detokenizer", "sglang::scheduler_TP0", "sglang::scheduler_TP1"]
+    for rank in (0, 1):
+        fds = Path(f"/proc/{children[f'sglang::scheduler_TP{rank}']}/fd")
+        held = {os.readlink(fd) for fd in fds.iterdir()}
+        assert str(local_default.work_dir / "devices" / f"nvidia{rank}") in held
 
 
 def test_check_mode_on_a_fresh_run_directory_says_what_a_run_would_do_and_touches_nothing(served, tmp_path):

@@ -337,12 +337,14 @@ def test_a_server_killed_inside_a_memory_saver_window_is_started_again_and_the_p
         env={**os.environ, "ANSIBLE_CONFIG": str(REPO / "ansible.cfg"), "ANSIBLE_NOCOLOR": "1"},
     )
     killed = False
+    children: list[int] = []
     output = ""
     try:
         for line in play.stdout:
             output += line
             # The release has answered: the server is paused with its memory released.
             if not killed and "TASK [Stage release-gpus:" in line:
+                children = _tree(pid_before)
                 os.kill(pid_before, signal.SIGKILL)
                 killed = True
         play.wait(timeout=600)
@@ -357,7 +359,148 @@ def test_a_server_killed_inside_a_memory_saver_window_is_started_again_and_the_p
     assert "a new server was started instead" in said(result)
     assert site.server_pid() not in (None, pid_before)
     assert site.health_generate_status() == 200
+    # The scheduler ranks and the detokenizer die with their launcher (PR_SET_PDEATHSIG), as SGLang's do.
+    assert len(children) == 3 and not any(_alive(pid) for pid in children)
     # The extraction finished in the window, and its record says the server was started again.
     assert (run_dir / "hidden_states" / "manifest.json").is_file()
     record = json.loads((run_dir / "hidden_states" / "window.json").read_text())
     assert record["mode"] == "memory_saver" and record["started_instead"] is True
+
+
+# -- a server that fails inside its release or resume (memory_saver_site runs SGLang's process tree) -------
+def _tree(pid: int) -> list[int]:
+    """pid's children, as /proc shows them."""
+    found = []
+    for entry in (p for p in os.listdir("/proc") if p.isdigit()):
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text()
+        except OSError:
+            continue
+        if int(stat[stat.rfind(")") + 2 :].split()[1]) == pid:
+            found.append(int(entry))
+    return found
+
+
+def _alive(pid: int) -> bool:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat[stat.rfind(")") + 2] not in "ZX"
+
+
+def _window_is_over(site) -> bool:
+    state_dir = site.work_dir / "sglang.pid.d"
+    return not any((state_dir / name).exists() for name in ("window.lock", "released.json", "guard.armed"))
+
+
+def _release_with_fault(site, fault: str):
+    fault_file = site.work_dir / "release-fault"
+    fault_file.write_text(fault)
+    try:
+        return site.play("service.yml", sglang_service_state="released")
+    finally:
+        fault_file.write_text("")
+
+
+def _hold(path: Path) -> subprocess.Popen:
+    """A process outside the server that holds a device file: the device's memory is not free."""
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import sys, time; f = open(sys.argv[1]); print('held', flush=True); time.sleep(3600)",
+            str(path),
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert holder.stdout.readline().strip() == "held"
+    return holder
+
+
+def test_a_server_that_dies_of_its_release_is_started_again_and_the_play_says_so(memory_saver_site):
+    """A release that finds the scheduler busy kills SGLang 0.5.23's whole tree: the module does not end the
+    window there (that would disarm the guard and leave the server dead) but starts the server again."""
+    site = memory_saver_site
+    pid_before = site.server_pid()
+    children = _tree(pid_before)
+    log = site.work_dir / "sglang.log"
+    crashes = log.read_text().count("Scheduler hit an exception")
+
+    result = _release_with_fault(site, "busy")
+
+    assert result.rc != 0
+    text = said(result)
+    assert "was not released" in text and "it was started again from disk and serves" in text, text[-3000:]
+    assert log.read_text().count("Scheduler hit an exception") == crashes + 1
+    assert len(children) == 3 and not any(_alive(pid) for pid in children), "the old tree died with it"
+    assert site.server_pid() not in (None, pid_before) and site.health_generate_status() == 200
+    assert _window_is_over(site)
+
+
+def test_an_unanswered_release_is_not_taken_as_not_released_the_server_is_started_again(memory_saver_site):
+    """The release happened but its answer was lost: continuing would leave the server serving from released
+    memory, and had it not happened a resume would kill the server (test_devserver.py::
+    test_a_second_resume_takes_the_whole_server_down), so it is started again, never resumed blindly."""
+    site = memory_saver_site
+    pid_before = site.server_pid()
+    log = site.work_dir / "sglang.log"
+    crashes = log.read_text().count("Scheduler hit an exception")
+
+    result = _release_with_fault(site, "unanswered")
+
+    assert result.rc != 0
+    text = said(result)
+    assert "the release was not answered" in text and "it was started again from disk" in text, text[-3000:]
+    assert log.read_text().count("Scheduler hit an exception") == crashes, "nothing was resumed blindly"
+    assert site.server_pid() not in (None, pid_before) and site.health_generate_status() == 200
+    assert _window_is_over(site)
+
+
+def test_a_resume_that_cannot_allocate_kills_the_server_and_the_play_starts_it_again(memory_saver_site):
+    """A resume whose allocation fails (the memory is still taken: here another process holds rank 1's
+    device) kills the tree; the play's resume sees the server not answering and starts it again."""
+    site = memory_saver_site
+    released = site.play("service.yml", sglang_service_state="released")
+    assert released.rc == 0, released.output[-3000:]
+    pid_before = site.server_pid()
+    holder = _hold(site.work_dir / "devices" / "nvidia1")
+    try:
+        resumed = site.play("service.yml", sglang_service_state="resumed")
+    finally:
+        holder.kill()
+        holder.wait()
+
+    assert resumed.rc == 0, resumed.output[-3000:]
+    assert "did not serve after its GPU memory was resumed" in said(resumed), said(resumed)[-3000:]
+    assert "CUDA out of memory" in (site.work_dir / "sglang.log").read_text()
+    assert site.server_pid() not in (None, pid_before) and site.health_generate_status() == 200
+    assert _window_is_over(site)
+
+
+def test_the_guards_resume_that_kills_the_server_is_followed_by_a_start(memory_saver_site):
+    """The guard resumes (the play is gone) while the memory is still taken: the server dies of it, and the
+    guard, which checks the server after its resume, starts it again."""
+    site = memory_saver_site
+    holder = _hold(site.work_dir / "devices" / "nvidia0")
+    try:
+        # The guard fires 8 s after it is armed, once the release is done and the play has ended.
+        released = site.play("service.yml", sglang_service_state="released", sglang_service_max_downtime=8)
+        assert released.rc == 0, released.output[-3000:]
+        pid_before = site.server_pid()
+        guard_log = site.work_dir / "sglang.pid.d" / "guard.log"
+        deadline = time.monotonic() + 600  # a bound, not an expectation
+        while site.server_pid() in (None, pid_before) and time.monotonic() < deadline:
+            time.sleep(1)
+    finally:
+        holder.kill()
+        holder.wait()
+    while site.health_generate_status() != 200 and time.monotonic() < deadline:
+        time.sleep(1)
+    assert site.health_generate_status() == 200, guard_log.read_text()[-3000:]
+    assert site.server_pid() not in (None, pid_before)
+    last = json.loads(guard_log.read_text().rstrip().splitlines()[-1].split("guard: ", 1)[1])
+    assert "not_serving" in last and last["started_pid"] == site.server_pid(), last
+    assert "CUDA out of memory" in (site.work_dir / "sglang.log").read_text()
+    assert _window_is_over(site)

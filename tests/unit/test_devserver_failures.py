@@ -8,9 +8,12 @@ managers/scheduler_update_weights_mixin.py:101, managers/scheduler.py:2341 and h
 
 from __future__ import annotations
 
+import os
+import signal
 import threading
 import time
 import urllib.error
+from pathlib import Path
 
 import pytest
 from devserver_client import call
@@ -85,21 +88,84 @@ def running(url: str, headers: dict | None = None) -> int:
     return body["loads"][0]["num_running_reqs"]
 
 
-def test_a_release_during_a_running_forward_pass_kills_the_whole_server(fixture_models, tmp_path):
-    # 0.5.23 asserts is_fully_idle before a release: the scheduler dies and SIGQUITs the launcher.
+def children_of(pid: int) -> list[int]:
+    found = []
+    for entry in (p for p in os.listdir("/proc") if p.isdigit()):
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text()
+        except OSError:
+            continue
+        if int(stat[stat.rfind(")") + 2 :].split()[1]) == pid:
+            found.append(int(entry))
+    return found
+
+
+def alive(pid: int) -> bool:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat[stat.rfind(")") + 2] not in "ZX"
+
+
+def test_a_release_during_a_running_forward_pass_kills_the_whole_tree(fixture_models, tmp_path):
+    # 0.5.23 asserts is_fully_idle before a release: the scheduler dies and SIGQUITs the launcher, which
+    # SIGKILLs every child and itself (managers/scheduler.py:6370-6373, utils/common.py:2507-2554).
     log = tmp_path / "server.log"
     with DevServerProcess(
-        fixture_models.target, "--enable-memory-saver", "--enable-weights-cpu-backup", log_path=log
+        fixture_models.target,
+        "--enable-memory-saver",
+        "--enable-weights-cpu-backup",
+        "--tp-size",
+        "2",
+        log_path=log,
     ) as server:
         server.wait_ready()
+        children = children_of(server.process.pid)
         worker, answer = in_background(server.url, request(2000))
         wait_until(lambda: running(server.url) == 1, "the request running")
         with pytest.raises((urllib.error.URLError, ConnectionError)):
             call(server.url, "/release_memory_occupation", {"tags": ["kv_cache"]})
-        assert server.process.wait(60) == 131
+        assert server.process.wait(60) == -signal.SIGKILL
         worker.join(60)
     assert "result" not in answer, "the request in flight must be lost with the server"
     assert "Scheduler hit an exception" in log.read_text()
+    assert len(children) == 3 and not any(alive(pid) for pid in children)
+
+
+def test_the_tree_holds_one_device_per_scheduler_and_a_childs_death_takes_it_all(fixture_models, tmp_path):
+    # --tp-size 2: sglang::scheduler_TP0/TP1, each holding its own device, and sglang::detokenizer, all
+    # under the launcher (which holds none). A scheduler killed from outside is seen by the launcher's
+    # watchdog (utils/watchdog.py:211-221), whose SIGQUIT ends the tree: signal 9, not 131.
+    devices = tmp_path / "devices"
+    devices.mkdir()
+    with DevServerProcess(
+        fixture_models.target,
+        "--tp-size",
+        "2",
+        "--device-file",
+        str(devices / "nvidia{rank}"),
+        log_path=tmp_path / "server.log",
+    ) as server:
+        server.wait_ready()
+        launcher = server.process.pid
+        titles = {}
+        for pid in children_of(launcher):
+            titles[Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0].decode()] = pid
+        assert sorted(titles) == ["sglang::detokenizer", "sglang::scheduler_TP0", "sglang::scheduler_TP1"]
+
+        def held(pid: int) -> set[str]:
+            return {os.readlink(f"/proc/{pid}/fd/{fd}") for fd in os.listdir(f"/proc/{pid}/fd")} & {
+                str(devices / "nvidia0"),
+                str(devices / "nvidia1"),
+            }
+
+        assert held(titles["sglang::scheduler_TP0"]) == {str(devices / "nvidia0")}
+        assert held(titles["sglang::scheduler_TP1"]) == {str(devices / "nvidia1")}
+        assert not held(launcher) and not held(titles["sglang::detokenizer"])
+        os.kill(titles["sglang::scheduler_TP1"], signal.SIGKILL)
+        assert server.process.wait(60) == -signal.SIGKILL
+    assert not any(alive(pid) for pid in titles.values())
 
 
 def test_under_0_5_4_a_release_during_a_forward_pass_waits_for_the_step_and_the_request_completes(old_server):

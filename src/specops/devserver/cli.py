@@ -13,6 +13,7 @@ from pathlib import Path
 
 from specops.devserver.engine import Engine
 from specops.devserver.memory import MemorySaver
+from specops.devserver.process_tree import ProcessTree, device_files_for
 from specops.devserver.routes import App, DevHTTPServer
 from specops.devserver.speculative import ALGORITHM
 from specops.devserver.versions import DEFAULT_VERSION, VERSIONS
@@ -49,7 +50,18 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--weight-version", default="default", help="reported by /get_model_info")
     parser.add_argument(
-        "--tp-size", type=int, default=1, help="recorded in server info; the model runs on one device"
+        "--tp-size",
+        "--tensor-parallel-size",
+        type=int,
+        default=1,
+        help="above 1: run SGLang's process tree, one scheduler child per rank holding its device and a "
+        "detokenizer (process_tree.py); the model computes in the launcher, on CPU only",
+    )
+    parser.add_argument(
+        "--device-file",
+        default=None,
+        help="with --tp-size > 1 on CPU: the file each scheduler rank holds as its GPU, with {rank} "
+        "in it (e.g. /tmp/devs/nvidia{rank}), as a GPU holder scan sees it",
     )
     parser.add_argument(
         "--enable-memory-saver",
@@ -110,6 +122,12 @@ def build_parser() -> argparse.ArgumentParser:
         "crashes (release while busy, resume of an unreleased tag) or serves garbage (weights released "
         "without --enable-weights-cpu-backup), refuse memory calls without --enable-memory-saver, and "
         "serve every info and load path; by default the server fails as SGLang fails",
+    )
+    parser.add_argument(
+        "--release-fault-file",
+        default=None,
+        help="for tests: a file naming a fault (busy, unanswered, lost) to inject into each release, read at "
+        "each release (release_faults.py)",
     )
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     return parser
@@ -187,6 +205,20 @@ def main(argv: list[str] | None = None) -> int:
         print(f"devserver: {problem}", file=sys.stderr)
         return 2
 
+    try:
+        device_files = device_files_for(args.device_file, args.tp_size)
+    except ValueError as error:
+        print(f"devserver: {error}", file=sys.stderr)
+        return 2
+    if args.tp_size > 1 and args.device.startswith("cuda"):
+        print(
+            f"devserver: --tp-size {args.tp_size} runs on CPU only: its scheduler children hold the devices "
+            "while the model computes in the launcher, which on CUDA would hold the GPU memory itself; "
+            "use --tp-size 1 on CUDA",
+            file=sys.stderr,
+        )
+        return 2
+
     strict = not args.forgiving
     # Before torch is imported, so its thread pool starts at this size.
     os.environ["OMP_NUM_THREADS"] = str(args.num_threads)
@@ -209,6 +241,9 @@ def main(argv: list[str] | None = None) -> int:
         simulated_device_gib=args.device_memory_gib,
     )
     engine.place_model = memory.place
+    # SGLang's launcher spawns its children before the weights load (entrypoints/engine.py).
+    tree = ProcessTree(args.tp_size, device_files) if args.tp_size > 1 else None
+    memory.ranks = tree
     if strict:
         # SGLang starts its HTTP server only after every scheduler has loaded its weights
         # (entrypoints/http_server.py `launch_server` at sgl-project/sglang 0025436e): a connection
@@ -255,6 +290,8 @@ def main(argv: list[str] | None = None) -> int:
     server.shutdown()
     serving.join()
     server.server_close()
+    if tree is not None:
+        tree.stop()
     if failure:
         print(f"devserver: {failure[0]}", file=sys.stderr)
         return 1

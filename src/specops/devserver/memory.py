@@ -7,7 +7,8 @@ Strict (the default) imitates SGLang's failure semantics, read in sglang 0.5.23 
   two steps of the running requests, which continue after the resume.
 - resume runs `offload_tags.remove(tag)` for every tag (weight_updater.py:390), so a tag that is
   not released raises KeyError. Either exception ends `run_scheduler_process` (managers/scheduler.py),
-  which logs "Scheduler hit an exception" and SIGQUITs the launcher: the whole server dies.
+  which logs "Scheduler hit an exception" and SIGQUITs the launcher: the launcher SIGKILLs its children
+  and itself (process_tree.py), so the server exits by signal 9.
 - `[]` or no tags means GPU_MEMORY_ALL_TYPES (constants.py; see versions.py).
 - Both endpoints return nothing on success: HTTP 200 with the body `null` (entrypoints/http_server.py:1577).
   Without --enable-memory-saver the no-op adapter frees nothing and the answer is the same.
@@ -19,13 +20,13 @@ Forgiving (`--forgiving`) keeps the older, lenient answers (400 instead of a cra
 from __future__ import annotations
 
 import logging
-import os
 import sys
 from typing import Any, NoReturn
 
 from specops.devserver.engine import Engine
 from specops.devserver.memory_backends import CpuBackend, TorchMemorySaverBackend, memory_backend
 from specops.devserver.memory_layout import GIB, MemoryLayout, lay_out, memory_usage, model_bytes
+from specops.devserver.process_tree import ProcessTree, kill_tree_and_exit
 from specops.devserver.protocol import RequestError
 from specops.devserver.versions import DEFAULT_VERSION, VERSIONS, SGLangVersion
 
@@ -34,8 +35,6 @@ logger = logging.getLogger("specops.devserver")
 # Draft and target weights share `weights` (sglang 0.5.23 weight_updater.py:345-366): no tag of their own.
 TAGS = ("kv_cache", "weights", "cuda_graph")
 NEEDS_MEMORY_SAVER = "memory release/resume needs the server started with --enable-memory-saver"
-# The launcher's exit status after the scheduler's SIGQUIT (128 + 3), as a supervisor sees it.
-SCHEDULER_CRASH_EXIT = 131
 
 
 def parse_tags(body: Any) -> set[str] | None:
@@ -59,11 +58,14 @@ def scheduler_crash(reason: str) -> NoReturn:
     """End the whole server at once, as SGLang's scheduler does on an exception."""
     logger.error("Scheduler hit an exception: %s", reason)
     sys.stderr.flush()
-    os._exit(SCHEDULER_CRASH_EXIT)
+    kill_tree_and_exit()
 
 
 class MemorySaver:
     """Releases and resumes the model's memory by tag, through a backend (memory_backends.py)."""
+
+    # The scheduler ranks of a --tp-size > 1 tree, which take their part in every release and resume.
+    ranks: ProcessTree | None = None
 
     def __init__(
         self,
@@ -165,6 +167,8 @@ class MemorySaver:
         if not self.enabled:
             logger.warning("release without --enable-memory-saver: nothing is freed")
             return
+        if self.ranks is not None:
+            self.ranks.every_scheduler("release", sorted(tags - engine.released_tags))
         # Only the version's own tags free anything (0.5.4 has no cuda_graph tag: its graphs stay).
         for tag in sorted((tags - engine.released_tags) & set(self.version.all_tags)):
             self.backend.release(engine, tag)
@@ -183,6 +187,8 @@ class MemorySaver:
             not_released = sorted(tags - engine.released_tags)
             if not_released and self.strict:
                 scheduler_crash(f"KeyError: {not_released[0]!r} (resume of a memory tag not released)")
+            if self.ranks is not None:
+                self.ranks.every_scheduler("resume", sorted(tags & engine.released_tags))
             for tag in sorted(tags & engine.released_tags & set(self.version.all_tags)):
                 self.backend.resume(engine, tag)
             engine.released_tags -= tags

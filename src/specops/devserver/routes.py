@@ -16,8 +16,9 @@ from urllib.parse import parse_qs, urlsplit
 
 from specops.devserver.auth import UNAUTHORIZED, is_authorized
 from specops.devserver.engine import Engine
-from specops.devserver.memory import MemorySaver, parse_tags
+from specops.devserver.memory import MemorySaver, parse_tags, scheduler_crash
 from specops.devserver.protocol import Item, RequestError, error_body, parse_generate
+from specops.devserver.release_faults import release_fault
 from specops.devserver.streaming import DONE, ClientGone, TokenStream, error_event
 from specops.devserver.versions import DEFAULT_VERSION, VERSIONS, SGLangVersion
 
@@ -365,8 +366,20 @@ class Handler(BaseHTTPRequestHandler):
         self._send(200, {"message": "Generation continued successfully.", "status": "ok"})
 
     def release_memory(self) -> None:
-        self.app.memory.release(parse_tags(self._body()))
+        tags = parse_tags(self._body())
+        fault = release_fault(self.app.server_args.get("release_fault_file"))
+        if fault == "busy":
+            scheduler_crash(
+                "AssertionError: release_memory_occupation should be called only when server is idle."
+            )
+        if fault == "lost":
+            self.close_connection = True
+            return
+        self.app.memory.release(tags)
         self.app.engine.note_scheduler_message()
+        if fault == "unanswered":
+            self.close_connection = True
+            return
         self._send(200, None if self.app.strict else {"success": True})
 
     def resume_memory(self) -> None:

@@ -10,11 +10,12 @@ seconds, or guard_grace seconds after the window's work (processes carrying
 SPECOPS_WINDOW_TOKEN=<token> under a live process that is not part of it) is gone, or, with
 resume_when_done (the job file of a memory-saver window's extraction), the moment that job has
 ended: the normal path, so that the service comes back without waiting for the play's next tasks
-(it then waits for the first /health_generate 200, records it in guard.result.json and leaves the
-window lock to the play). Disarmed (<state_dir>/guard.armed removed or holding another arm id), it
-exits without acting. Firing stops the window's work, brings the server back (start, or resume; a
-resume with nothing to resume starts a server that is gone), continues generation and gives the
-window lock back.
+(it records its first /health_generate 200 in guard.result.json and leaves the window lock to the
+play). Disarmed (<state_dir>/guard.armed removed or holding another arm id), it exits without
+acting. Firing stops the window's work and waits until its GPU memory is freed, brings the server
+back (start, or resume; a resume with nothing to resume starts a server that is gone, and a server
+that does not serve after the resume is started again), continues generation and gives the window
+lock back.
 """
 
 from __future__ import absolute_import, annotations, division, print_function
@@ -26,12 +27,14 @@ __metaclass__ = type
 
 import json
 import os
+import subprocess
 import sys
 import time
 
 from ansible_collections.specops.drafter.plugins.module_utils import procfs
 from ansible_collections.specops.drafter.plugins.module_utils.async_job import job_result
 from ansible_collections.specops.drafter.plugins.module_utils.memory_window import ReleasedMarker, resume_claimed
+from ansible_collections.specops.drafter.plugins.module_utils.readiness import wait_ready
 from ansible_collections.specops.drafter.plugins.module_utils.service_errors import ServiceError
 from ansible_collections.specops.drafter.plugins.module_utils.service_process import ProcessServer, stop_processes
 from ansible_collections.specops.drafter.plugins.module_utils.service_systemd import SystemdUnit
@@ -115,31 +118,64 @@ def wait_for_reason(config: dict) -> str | None:
         time.sleep(WORK_END_POLL_S if done_file else min(1.0, max(0.05, fire_after - (now - started))))
 
 
-def wait_until_serving(api, timeout: float) -> float | None:
-    """The moment the server first answers /health_generate 200 (host clock), or None within timeout."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if api.health_generate(min(api.timeout, max(1.0, deadline - time.monotonic()))).ok:
-            return time.time()
-        time.sleep(0.1)
-    return None
+def gpu_process_pids() -> set[int] | None:
+    """Pids nvidia-smi lists as holding GPU memory; None where it is absent or fails."""
+    try:
+        done = subprocess.run(["nvidia-smi", "--query-compute-apps=pid", "--format=csv,noheader"],
+                              stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, check=False, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    if done.returncode != 0:
+        return None
+    return set(int(line.strip()) for line in done.stdout.decode("utf-8", "replace").splitlines()
+               if line.strip().isdigit())
+
+
+def wait_work_memory_freed(stopped: list[tuple[int, int | None]], timeout: float) -> dict:
+    """A killed process gives its GPU memory back only once the driver has torn its context down, after
+    the process has gone; a resume that cannot allocate kills SGLang's scheduler (sglang 0.5.23
+    srt/managers/scheduler_components/weight_updater.py:383-406). Wait (bounded) until none of the
+    window's stopped work runs and nvidia-smi, where there is one, lists none of it."""
+    started = time.monotonic()
+    pids = set(pid for pid, dummy in stopped)
+    while True:
+        running = [pid for pid, begun in stopped if procfs.is_same_process(pid, begun)]
+        on_gpu = gpu_process_pids()
+        holding = sorted(pids & on_gpu) if on_gpu is not None else []
+        waited = round(time.monotonic() - started, 2)
+        if not running and not holding:
+            return {"freed": True, "waited_s": waited, "gpu_checked": on_gpu is not None}
+        if waited >= timeout:
+            return {"freed": False, "waited_s": waited, "running": running, "holding_gpu": holding}
+        time.sleep(0.2)
 
 
 def bring_back(config: dict) -> dict:
-    """Start or resume the server; a resume with no server to resume starts one."""
+    """Start or resume the server; a resume with no server to resume starts one, and a server that does
+    not serve after the resume is started again."""
     server = backend_of(config)
     api = SglangApi(config["url"], config.get("api_key") or "", float(config.get("health_timeout", 30)))
     result: dict = {"action": config["action"]}
-    if config["action"] == "resume":
-        claimed = ReleasedMarker(config["state_dir"]).claim()
-        if claimed is not None and server.running_pid():
-            result.update(resume_claimed(api, claimed.get("tags") or [], api.timeout))
-            result["resumed"] = True
+    claimed = ReleasedMarker(config["state_dir"]).claim() if config["action"] == "resume" else None
+    if config["action"] == "resume" and server.running_pid():
+        try:
+            if claimed is not None:
+                result.update(resume_claimed(api, claimed.get("tags") or [], api.timeout))
+                result["resumed"] = True
+            else:
+                # Nothing to resume (the play did it): only make sure the server is not left paused.
+                result["continue_status"] = api.continue_generation().status
+            # Polled finely: at the work's end this is the downtime's last part.
+            ready = wait_ready(api, server, float(config.get("ready_timeout", 900)), 0.1, api.timeout)
+            result["ready_at"] = ready.get("ready_at")
             return result
-        if server.running_pid():
-            # Nothing to resume (the play did it): only make sure the server is not left paused.
-            result["continue_status"] = api.continue_generation().status
-            return result
+        except ServiceError as error:
+            if "port_holder" in error.fields:
+                raise  # another process holds the port: a new server could not serve there either
+            # A resume whose allocation fails kills the whole tree (weight_updater.py:383-406, then
+            # managers/scheduler.py:6370-6373): what is left is stopped and the server started from disk.
+            result["not_serving"] = error.msg.split(". ")[0]
+            server.stop(float(config.get("stop_timeout", 120)))
     # The play's stop may still be under way when the guard fires early: let it finish, then start.
     # The leader goes first; the process backend's launch then also waits for the stop to see the rest
     # of the old group go, and systemd queues a start behind a stop job.
@@ -161,22 +197,23 @@ def fire(config: dict, reason: str) -> dict:
     remove(os.path.join(config["state_dir"], "guard.json"))
     ended = reason == WORK_ENDED
     # At the work's end nothing of it is left to stop (the play's own tasks carry the token too).
-    stopped = stop_processes(procfs.token_processes(config["token"])) if config.get("watch_work") and not ended else []
-    log("fired (%s): stopped the window's work %s, then %s" % (reason, stopped, config["action"]))
+    work = procfs.token_processes(config["token"]) if config.get("watch_work") and not ended else []
+    known = [(pid, procfs.start_time(pid)) for pid in work]
+    stopped = stop_processes(work)
+    freed = wait_work_memory_freed(known, float(config.get("stop_timeout", 120))) if known else None
+    log("fired (%s): stopped the window's work %s (its memory: %s), then %s"
+        % (reason, stopped, json.dumps(freed), config["action"]))
     fired_at = time.time()
     try:
         result = bring_back(config)
-        if ended:
-            api = SglangApi(config["url"], config.get("api_key") or "", float(config.get("health_timeout", 30)))
-            result["ready_at"] = wait_until_serving(api, float(config.get("ready_timeout", 300)))
     except ServiceError as error:
         result = {"failed": True, "msg": error.msg}
     if not ended:
         # The play is gone (or out of time): the window is over. At the work's end the play still holds
         # it, and its resume gives it back.
         WindowLock(config["state_dir"], config.get("server", "")).release(config["token"])
-    result.update({"reason": reason, "stopped_work": stopped, "fired_at": fired_at, "token": config["token"],
-                   "work_ended": ended})
+    result.update({"reason": reason, "stopped_work": stopped, "work_memory": freed, "fired_at": fired_at,
+                   "token": config["token"], "work_ended": ended})
     write_json(result_path(config["state_dir"]), result)
     log(json.dumps(result))
     return result
@@ -184,6 +221,14 @@ def fire(config: dict, reason: str) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
+    # Started by the process backend with PYTHONPATH pointing at its own copied code: a server it starts
+    # must see the environment the module would have launched it with, not the guard's.
+    if "SPECOPS_GUARD_OUTER_PYTHONPATH" in os.environ:
+        outer = os.environ.pop("SPECOPS_GUARD_OUTER_PYTHONPATH")
+        if outer:
+            os.environ["PYTHONPATH"] = outer
+        else:
+            os.environ.pop("PYTHONPATH", None)
     config = read_json(args[0])
     if not isinstance(config, dict):
         log("cannot read the guard's configuration %s" % args[0])

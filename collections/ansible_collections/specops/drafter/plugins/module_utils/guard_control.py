@@ -36,7 +36,7 @@ from ansible_collections.specops.drafter.plugins.module_utils.state_files import
 PACKAGE = "ansible_collections.specops.drafter.plugins.module_utils"
 # The guard and everything it imports; none of them imports Ansible.
 GUARD_FILES = ("guard", "procfs", "service_errors", "state_files", "sglang_api", "service_process",
-               "service_systemd", "memory_window", "window_lock", "async_job")
+               "service_systemd", "memory_window", "window_lock", "readiness", "async_job")
 
 
 def _source(name: str) -> bytes:
@@ -95,7 +95,8 @@ def arm(state_dir: str, config: dict, use_systemd: bool) -> dict:
     write_json(config_path, config, mode=0o600)
     write_atomic(armed_path(state_dir), arm_id + "\n")
     argv = [sys.executable, "-m", PACKAGE + ".guard", config_path]
-    env = dict(os.environ, PYTHONPATH=lib)
+    # The guard's PYTHONPATH is its copied code; a server it starts gets the module's (guard.main).
+    env = dict(os.environ, PYTHONPATH=lib, SPECOPS_GUARD_OUTER_PYTHONPATH=os.environ.get("PYTHONPATH", ""))
     env.pop(procfs.WINDOW_TOKEN_VARIABLE, None)  # the guard is not the window's work it watches
     log_path = os.path.join(state_dir, "guard.log")
     unit = None

@@ -37,6 +37,14 @@ WINDOW_DEFAULTS = {"token": NO_WINDOW_TOKEN, "owner": "sglang_service without a 
                    "max_downtime": 7200, "guard_grace": 60, "wait": 0}
 
 
+def release_outcome(answer) -> str:
+    """"released" (200); "refused" (SGLang answered otherwise: its tokenizer refused before the scheduler
+    saw the release); "unknown" (nothing answered: it may have happened, or the server died of it)."""
+    if answer.ok:
+        return "released"
+    return "unknown" if answer.status == -1 else "refused"
+
+
 def default_state_dir(params: dict) -> str:
     if params["backend"] == "systemd":
         return "/run/specops/%s" % params["unit"]
@@ -297,7 +305,7 @@ class ServiceWindow(object):
         self._take_window()
         self._arm("resume")
         marker = ReleasedMarker(self.state_dir)
-        released = False
+        outcome = "not sent"
         self.result["down_at"] = time.time()
         try:
             self.result["pause_mode"] = pause_without_losing_requests(
@@ -305,9 +313,9 @@ class ServiceWindow(object):
             flush_until_idle(self.api, float(self.params["drain_timeout"]), float(self.params["ready_delay"]))
             marker.write(tags, self.result["down_at"])
             answer = self.api.release(tags)
-            if not answer.ok:
+            outcome = release_outcome(answer)
+            if outcome != "released":
                 raise ServiceError("POST %s/release_memory_occupation gave %s" % (self.api.url, answer.describe()))
-            released = True
             self.result["released_at"] = time.time()
             self.result["gpu_memory"] = wait_memory_dropped(gpu_before, gpu_ids,
                                                             int(self.params["release_max_used_mib"]),
@@ -318,9 +326,50 @@ class ServiceWindow(object):
                 write_json(self.params["go_file"], {"signal": "go", "at": time.time()})
                 self.result["go_at"] = time.time()
         except ServiceError as error:
-            raise self._fail_ending_window(self._undo_release(error, marker, released, tags), "was not released")
+            raise self._release_failed(error, marker, outcome, tags)
         self.result["changed"] = True
         return self.result
+
+    def _release_failed(self, error: ServiceError, marker: ReleasedMarker, outcome: str, tags: list) -> ServiceError:
+        """Whatever failed, the server must serve again; the window ends only once it does."""
+        if outcome == "unknown":
+            # Nothing answered: the release may have happened. SGLang says nowhere which tags it holds
+            # released (sglang 0.5.23 srt/managers/scheduler_components/weight_updater.py:96, :349), a
+            # resume of a tag that is not released kills the whole tree (:390, then managers/scheduler.py:
+            # 6370-6373), and so may a second release: only a restart gives a known state back.
+            if self.server.running_pid() is None:
+                return self._restart_in_window(error, "the server died during the release")
+            return self._restart_in_window(error, "the release was not answered, so whether it freed anything is "
+                                                  "unknown and a resume could kill the server")
+        undone = self._undo_release(error, marker, outcome == "released", tags)
+        try:
+            self._ready()
+        except ServiceError as not_ready:
+            if "port_holder" in not_ready.fields:
+                return self._fail_ending_window(undone, "was not released")
+            # sglang 0.5.23 kills the whole tree on a release that finds the scheduler busy
+            # (weight_updater.py:339, then managers/scheduler.py:6370-6373).
+            return self._restart_in_window(undone, "it did not serve afterwards (%s)" % not_ready.msg.split(". ")[0])
+        return self._fail_ending_window(undone, "was not released")
+
+    def _restart_in_window(self, error: ServiceError, why: str) -> ServiceError:
+        """Start the server again from disk (stopping what is left of it), as the window's holder; the error
+        to fail with, saying so. Should that fail too, the guard is armed again to start it."""
+        down_at = self.result.get("down_at")
+        try:
+            self._take_over_from_guard()  # an armed guard would resume what this restarts
+            ReleasedMarker(self.state_dir).drop()
+            self._stop()
+            self._launch()
+        except ServiceError as restart_error:
+            return self._rearm_after_failure(
+                ServiceError("%s was not released: %s; %s, and starting it again failed: %s"
+                             % (self.name, error.msg, why, restart_error.msg), **error.fields), "start")
+        self.result.update(changed=True, restarted=True, down_at=down_at)
+        self._end_window()
+        return ServiceError("%s was not released: %s; %s: it was started again from disk and serves (pid %s); any "
+                            "request it held was lost" % (self.name, error.msg, why, self.result.get("pid")),
+                            **dict(error.fields, **self.result))
 
     def _undo_release(self, error: ServiceError, marker: ReleasedMarker, released: bool, tags: list) -> ServiceError:
         """Leave the server serving: resume what was released (once), then continue generation."""
@@ -355,14 +404,7 @@ class ServiceWindow(object):
                                    msg="the server was gone: started it instead of resuming")
                 self._launch()
             else:
-                if claimed is not None:
-                    answers = resume_claimed(self.api, claimed.get("tags") or [], self.api.timeout)
-                    self.result.update(changed=True, **answers)
-                else:
-                    # Nothing to resume (the guard did it, or nothing was released): never left paused.
-                    self.api.continue_generation()
-                    self.result["msg"] = "not released: nothing to resume"
-                self._ready()
+                self._resume_and_check(claimed)
                 self._take_guards_resume()
         except ServiceError as error:
             raise self._rearm_after_failure(
@@ -382,6 +424,29 @@ class ServiceWindow(object):
                                resume_started_at=fired.get("fired_at"),
                                ready_at=min(float(fired["ready_at"]), float(self.result.get("ready_at") or 1e18)))
             self.result.pop("msg", None)
+
+    def _resume_and_check(self, claimed: dict | None) -> None:
+        """Resume (once) or continue, then make sure the server answers: a resume whose allocation fails
+        kills the scheduler and the whole tree (sglang 0.5.23 srt/managers/scheduler_components/
+        weight_updater.py:383-406, managers/scheduler.py:6370-6373), so a server that does not serve
+        afterwards is started again from disk."""
+        try:
+            if claimed is not None:
+                answers = resume_claimed(self.api, claimed.get("tags") or [], self.api.timeout)
+                self.result.update(changed=True, **answers)
+            else:
+                # Nothing to resume (the guard did it, or nothing was released): never left paused.
+                self.api.continue_generation()
+                self.result["msg"] = "not released: nothing to resume"
+            self._ready()
+        except ServiceError as error:
+            if "port_holder" in error.fields:
+                raise
+            self._stop()
+            self._launch()
+            self.result.update(changed=True, started_instead=True, restarted=True, msg=(
+                "the server did not serve after the resume (%s): started it again from disk"
+                % error.msg.split(". ")[0]))
 
     def run(self) -> dict:
         return getattr(self, self.params["state"])()

@@ -280,8 +280,15 @@ guard:
   returned: when armed or disarmed
   type: dict
 started_instead:
-  description: resumed found no server process (killed inside the window) and started it.
+  description: resumed found no server process (killed inside the window), or one that did not answer after the
+    resume, and started it.
   returned: resumed, when it happened
+  type: bool
+restarted:
+  description: The server did not serve after a failed release or after the resume (SGLang kills its tree on a
+    release that finds the scheduler busy, or a resume that cannot allocate), or a release was not answered; it
+    was stopped and started again from disk.
+  returned: released (with the failure), resumed, when it happened
   type: bool
 window_holder:
   description: The run holding this server's window when this call was refused.
