@@ -200,7 +200,9 @@ def memory_saver_site(tmp_path_factory, host_cache_dir):
     work_dir = tmp_path_factory.mktemp("memory-saver")
     fault_file = work_dir / "release-fault"
     fault_file.write_text("")
-    settings = {**MEMORY_SAVER, **process_tree(work_dir, "--release-fault-file", str(fault_file))}
+    # A simulated 16 GiB device, as the local inventory's: the memory plan keeps the weights resident.
+    more = ("--release-fault-file", str(fault_file), "--device-memory-gib", "16")
+    settings = {**MEMORY_SAVER, **process_tree(work_dir, *more)}
     site = LocalDefault(work_dir=work_dir, port=free_port(), host_cache_dir=host_cache_dir, settings=settings)
     started = site.play("service.yml", sglang_service_state="started")
     assert started.rc == 0, started.output[-4000:]
