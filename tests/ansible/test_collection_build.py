@@ -290,3 +290,30 @@ def test_configure_yml_applies_every_field_of_controller_yml():
             assert read == set(item), f"{module}: reads {sorted(read)}, {kind} has {sorted(item)}"
     assert used["awx.awx.job_template"] == "controller_templates"
     assert used["awx.awx.schedule"] == "controller_schedules"
+
+
+# --- what `make collection` needs ------------------------------------------------------------
+
+
+def locked(lock: Path) -> dict[str, str]:
+    return dict(re.findall(r"^([a-z0-9_.-]+)==(\S+)", lock.read_text(), re.MULTILINE))
+
+
+def test_make_collection_builds_in_an_environment_of_the_build_lock_alone():
+    done = run(["make", "-n", "-B", "collection", "BUILD_VENV=/nonexistent/build-env"], cwd=ROOT)
+    commands = done.stdout
+    assert "-r requirements/build.lock" in commands
+    assert "/nonexistent/build-env/bin/python tools/build_collection.py" in commands
+    # Neither the test environment nor its lock, nor the collections taken from the `ansible` wheel.
+    for needless in ("test.lock", ".venv/", "install_collections.py", "collection-sources.lock", "ml.lock"):
+        assert needless not in commands, needless
+
+
+def test_the_build_lock_holds_ansible_core_and_the_build_backend_at_the_control_nodes_versions():
+    build = locked(ROOT / "requirements" / "build.lock")
+    control = locked(ROOT / "requirements" / "control.lock")
+    assert {"ansible-core", "setuptools"} <= set(build) and "ansible" not in build
+    assert len(build) <= 12, sorted(build)
+    assert {name: version for name, version in build.items() if name in control} == {
+        name: control[name] for name in build if name in control
+    }
