@@ -14,8 +14,11 @@ with set_stats) and as the user sees it (the report on disk, the service back, t
 
 from __future__ import annotations
 
+import ast
 import json
 import os
+import re
+import shlex
 import shutil
 import socket
 import subprocess
@@ -34,6 +37,9 @@ ROOT = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
 ROLES = sorted(p.name for p in (ROOT / "roles").iterdir() if (p / "meta" / "argument_specs.yml").is_file())
 LOCAL_DEFAULT = ROOT / "inventory" / "local" / "group_vars" / "gpu_hosts.yml"
+GALAXY_VERSION = yaml.safe_load(
+    (ROOT / "collections" / "ansible_collections" / "specops" / "drafter" / "galaxy.yml").read_text()
+)["version"]
 # The checkout's ML environment provides torch and transformers (seen through a .pth file, as a GPU
 # image's venv would be); specops itself must come from the collection's wheel.
 ML_BASE_PYTHON = ROOT / ".venv-ml" / "bin" / "python"
@@ -396,3 +402,172 @@ def test_the_ml_environment_runs_specops_from_the_collections_wheel(eval_job):
         json.loads(direct_url)["url"].endswith(".whl")
         and "/ansible_collections/specops/drafter/" in direct_url
     )
+
+
+# -- the docs that ship: every path they cite ships too, and their examples run as written ------------
+
+# A path of the project's source tree or of the collection, as docs cite them (`docs/window.md`,
+# `awx/configure.yml`); a path inside a longer path or a URL is not a citation of its own.
+CITED = re.compile(
+    r"(?<![\w/.~<-])((?:docs|benchmarks|tests|tools|molecule|awx|inventory|prompts|requirements|playbooks"
+    r"|roles|plugins|meta|wheels|defaults|templates)/[\w.<>*-]+(?:/[\w.<>*-]+)*/?)"
+)
+# fla_env documents the layout of a specops checkout that fla_env_specops_source may name.
+CHECKOUT_LAYOUT = {"requirements/ml.lock"}
+HTML_COMMENT = re.compile(r"<!--.*?-->", re.DOTALL)
+
+
+def module_docs(source: str) -> str:
+    """A module's DOCUMENTATION, EXAMPLES and RETURN: what ansible-doc shows of it."""
+    tree = ast.parse(source)
+    return "\n".join(
+        node.value.value
+        for node in tree.body
+        if isinstance(node, ast.Assign)
+        and isinstance(node.value, ast.Constant)
+        and any(getattr(t, "id", "") in ("DOCUMENTATION", "EXAMPLES", "RETURN") for t in node.targets)
+    )
+
+
+def strings(value) -> list[str]:
+    if isinstance(value, dict):
+        return [s for v in value.values() for s in strings(v)]
+    if isinstance(value, list):
+        return [s for v in value for s in strings(v)]
+    return [value] if isinstance(value, str) else []
+
+
+@pytest.fixture(scope="module")
+def shipped(user, tmp_path_factory) -> Path:
+    """The tarball extracted alone."""
+    root = tmp_path_factory.mktemp("shipped")
+    with tarfile.open(user["tarball"]) as tar:
+        tar.extractall(root, filter="data")
+    return root
+
+
+def shipped_docs(root: Path) -> dict[Path, str]:
+    """Every shipped document as its reader sees it (the changelog is history and is left out)."""
+    docs = {p: HTML_COMMENT.sub("", p.read_text()) for p in root.rglob("*.md")}
+    for spec in root.glob("roles/*/meta/argument_specs.yml"):
+        docs[spec] = "\n".join(strings(yaml.safe_load(spec.read_text())))
+    for module in root.glob("plugins/modules/*.py"):
+        docs[module] = module_docs(module.read_text())
+    for path in [*root.glob("awx/**/*.yml"), *root.glob("inventory/**/*.yml")]:
+        docs[path] = path.read_text()
+    return docs
+
+
+def test_every_path_a_shipped_doc_cites_ships_too(shipped):
+    missing = []
+    for doc, text in shipped_docs(shipped).items():
+        for found in set(CITED.findall(text)):
+            # "<a copy of awx/project/>": the placeholder's closing bracket is not part of the path.
+            cited = found if "<" in found else found.rstrip(">")
+            if cited in CHECKOUT_LAYOUT:
+                continue
+            pattern = re.sub(r"<[^>]*>", "*", cited.rstrip("/"))
+            # Relative to the document (a role's README citing its defaults/) or to the collection.
+            if not (list(doc.parent.glob(pattern)) or list(shipped.glob(pattern))):
+                missing.append(f"{doc.relative_to(shipped)}: {cited}")
+    assert sorted(missing) == []
+
+
+def blocks(text: str, language: str) -> list[str]:
+    return re.findall(rf"^```{language}\n(.*?)^```", text, re.DOTALL | re.MULTILINE)
+
+
+README = "README.md"
+
+
+def readme_inventory(shipped: Path, home: Path) -> Path:
+    """The README's inventory of two development servers, as written, in the user's directory."""
+    (inventory,) = [
+        b for b in blocks((shipped / README).read_text(), "yaml") if "gpu_hosts" in yaml.safe_load(b)
+    ]
+    path = home / "readme-hosts.yml"
+    path.write_text(inventory)
+    return path
+
+
+def test_the_readme_inventory_parses_into_two_stand_ins_on_their_own_ports_and_files(user, shipped):
+    path = readme_inventory(shipped, user["home"])
+    proc = run([BIN / "ansible-inventory", "-i", path, "--list"], user["env"], user["home"])
+    hostvars = json.loads(proc.stdout)["_meta"]["hostvars"]
+    assert sorted(hostvars) == ["standin1", "standin2"]
+    assert len({h["sglang_service_port"] for h in hostvars.values()}) == 2
+    # Each host's own name in its unit name: its own pid, log and state files.
+    assert all("{{ inventory_hostname }}" in h["sglang_service_unit_name"] for h in hostvars.values())
+    assert hostvars["standin2"]["specops_gpu_window_mode"] == "memory_saver"
+
+
+def test_the_readme_commands_run_as_written(user, shipped, tmp_path):
+    """Every ansible-playbook line is syntax-checked against the README's inventory, every ansible-doc
+    line runs, and the tarball installs as the README says; installing by name needs a server."""
+    inventory = readme_inventory(shipped, tmp_path)
+    shutil.copy(user["tarball"], tmp_path)
+    env = dict(user["env"], ANSIBLE_COLLECTIONS_PATH=str(tmp_path / "collections"))
+    ran = []
+    for block in blocks((shipped / README).read_text(), "sh"):
+        for line in block.splitlines():
+            words = shlex.split(line, comments=True)
+            if (
+                not words
+                or words[:3] == ["ansible-galaxy", "collection", "install"]
+                and "specops.drafter" in line
+            ):
+                continue  # by name: from a Galaxy server or Automation Hub, none reachable here
+            words = [str(inventory) if w in ("hosts.yml", "my-inventory") else w for w in words]
+            if words[0] == "ansible-galaxy":
+                words += ["-p", str(tmp_path / "collections")]
+            if words[0] == "ansible-playbook":
+                words.append("--syntax-check")
+            run([BIN / words[0], *words[1:]], env if words[0] == "ansible-galaxy" else user["env"], tmp_path)
+            ran.append(words[0])
+    assert {"ansible-galaxy", "ansible-playbook", "ansible-doc"} <= set(ran)
+    assert (
+        tmp_path / "collections" / "ansible_collections" / "specops" / "drafter" / "MANIFEST.json"
+    ).is_file()
+
+
+def test_the_readme_requirements_name_the_collection_and_install_the_tarball(user, shipped, tmp_path):
+    found = [yaml.safe_load(b) for b in blocks((shipped / README).read_text(), "yaml")]
+    requirements = [r["collections"] for r in found if "collections" in r]
+    by_name = [c for r in requirements for c in r if c["name"] == "specops.drafter"]
+    assert by_name and by_name[0]["version"] == f"=={GALAXY_VERSION}"
+    (from_file,) = [r for r in requirements if r[0].get("type") == "file"]
+    (tmp_path / "requirements.yml").write_text(yaml.safe_dump({"collections": from_file}))
+    shutil.copy(user["tarball"], tmp_path)
+    # Only this directory's collections: the user's installed copy would make the install a no-op.
+    env = dict(user["env"], ANSIBLE_COLLECTIONS_PATH=str(tmp_path / "cols"))
+    run(
+        [
+            BIN / "ansible-galaxy",
+            "collection",
+            "install",
+            "--offline",
+            "-r",
+            "requirements.yml",
+            "-p",
+            "cols",
+        ],
+        env,
+        tmp_path,
+    )
+    assert (tmp_path / "cols" / "ansible_collections" / "specops" / "drafter" / "MANIFEST.json").is_file()
+
+
+def test_every_readme_play_and_task_example_passes_the_syntax_check(user, shipped, tmp_path):
+    """Task examples (the roles' "Use", the sglang_service window) run in one play; plays as they are."""
+    tasks, plays = [], []
+    for readme in sorted(shipped.rglob("*.md")):
+        for block in blocks(readme.read_text(), "yaml"):
+            loaded = yaml.safe_load(block)
+            if isinstance(loaded, list) and loaded and isinstance(loaded[0], dict):
+                (plays if "hosts" in loaded[0] else tasks).extend(loaded)
+    assert len(tasks) >= len(ROLES)
+    path = tmp_path / "examples.yml"
+    path.write_text(
+        yaml.safe_dump([*plays, {"name": "README examples", "hosts": "localhost", "tasks": tasks}])
+    )
+    run([BIN / "ansible-playbook", "--syntax-check", "-i", "localhost,", path], user["env"], user["home"])
