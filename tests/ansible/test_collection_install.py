@@ -34,7 +34,6 @@ import pytest
 import yaml
 
 ROOT = Path(__file__).resolve().parents[2]
-BIN = Path(sys.executable).parent
 ROLES = sorted(p.name for p in (ROOT / "roles").iterdir() if (p / "meta" / "argument_specs.yml").is_file())
 LOCAL_DEFAULT = ROOT / "inventory" / "local" / "group_vars" / "gpu_hosts.yml"
 GALAXY_VERSION = yaml.safe_load(
@@ -74,9 +73,33 @@ def run(cmd, env, cwd, timeout=COMMAND_DEADLINE_S, check=True):
     return proc
 
 
+def fresh_control_venv(path: Path) -> Path:
+    """A virtual environment of requirements/control.lock alone, as a user makes one; its bin/."""
+    run([sys.executable, "-m", "venv", path], os.environ, path.parent)
+    uv = ROOT / ".work" / "uv" / "bin" / "uv"  # make's installer, where the checkout has one; else pip
+    lock = ROOT / "requirements" / "control.lock"
+    install = (
+        [
+            uv,
+            "pip",
+            "install",
+            "--quiet",
+            "--require-hashes",
+            "--no-deps",
+            "--python",
+            path / "bin" / "python",
+        ]
+        if uv.is_file()
+        else [path / "bin" / "pip", "install", "--quiet", "--require-hashes", "--no-deps"]
+    )
+    run([*install, "-r", lock], os.environ, path.parent)
+    return path / "bin"
+
+
 @pytest.fixture(scope="module")
 def user(tmp_path_factory):
-    """A user's directory outside the checkout: the collection built, then installed there alone."""
+    """A user's directory outside the checkout: a fresh control environment from control.lock, and the
+    collection built, then installed there alone with that environment's ansible-galaxy."""
     home = tmp_path_factory.mktemp("user")
     assert ROOT not in home.parents
     dist = home / "dist"
@@ -86,9 +109,11 @@ def user(tmp_path_factory):
         timeout=COMMAND_DEADLINE_S,
     )
     (tarball,) = dist.glob("specops-drafter-*.tar.gz")
+    bin_dir = fresh_control_venv(home / "venv")
     collections = home / "collections"
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("ANSIBLE_", "PYTHONPATH"))}
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("ANSIBLE_", "PYTHONPATH", "VIRTUAL_ENV"))}
     env.update(
+        PATH=f"{bin_dir}{os.pathsep}{env['PATH']}",
         ANSIBLE_CONFIG=str(home / "ansible.cfg"),
         ANSIBLE_COLLECTIONS_PATH=str(collections),
         ANSIBLE_ROLES_PATH=str(home / "roles"),
@@ -98,8 +123,12 @@ def user(tmp_path_factory):
         ANSIBLE_RETRY_FILES_ENABLED="0",
     )
     (home / "ansible.cfg").write_text(f"[defaults]\ncollections_path = {collections}\n")
-    run([BIN / "ansible-galaxy", "collection", "install", "--offline", tarball, "-p", collections], env, home)
-    return {"home": home, "tarball": tarball, "env": env}
+    run(
+        [bin_dir / "ansible-galaxy", "collection", "install", "--offline", tarball, "-p", collections],
+        env,
+        home,
+    )
+    return {"home": home, "tarball": tarball, "env": env, "bin": bin_dir}
 
 
 def test_the_tarball_ships_the_roles_playbooks_wheel_and_license_but_no_development_files(user):
@@ -115,7 +144,9 @@ def test_the_tarball_ships_the_roles_playbooks_wheel_and_license_but_no_developm
 
 def test_ansible_doc_lists_every_role_of_the_installed_collection(user):
     proc = run(
-        [BIN / "ansible-doc", "-t", "role", "-l", "specops.drafter", "--json"], user["env"], user["home"]
+        [user["bin"] / "ansible-doc", "-t", "role", "-l", "specops.drafter", "--json"],
+        user["env"],
+        user["home"],
     )
     assert sorted(json.loads(proc.stdout)) == [f"specops.drafter.{role}" for role in ROLES]
 
@@ -124,7 +155,7 @@ def test_ansible_doc_lists_every_role_of_the_installed_collection(user):
 def role_docs(user) -> dict:
     """ansible-doc's JSON for every role of the installed collection, from one call."""
     names = [f"specops.drafter.{role}" for role in ROLES]
-    proc = run([BIN / "ansible-doc", "-t", "role", *names, "--json"], user["env"], user["home"])
+    proc = run([user["bin"] / "ansible-doc", "-t", "role", *names, "--json"], user["env"], user["home"])
     return json.loads(proc.stdout)
 
 
@@ -135,49 +166,40 @@ def test_ansible_doc_renders_each_role_from_the_installed_collection(user, role_
     assert doc["entry_points"]["main"]["options"]
 
 
-# -- the evaluation, run once by its FQCN through ansible-runner -------------------------------------
+# -- the evaluation by its FQCN through ansible-runner, on the README's two development servers ----------
+# The collection's README says how to try the evaluation on one machine: two stand-ins, one taking its
+# window by stopping its server, the other by releasing and resuming its memory. Its inventory is used
+# as written, with this test's directory and free ports; then, as the README lists them, --check, the run
+# (both window modes), a rerun that changes nothing (the fleet merge included) and a forced rescore.
 
 
-def user_inventory(home: Path, port: int) -> Path:
-    """The local default's settings, every path moved into the user's directory."""
-    settings = yaml.safe_load(LOCAL_DEFAULT.read_text())
-    # The checkout's own package and paths: the installed collection must do without them.
-    settings.pop("fla_env_specops_source", None)
-    shutil.copy(ROOT / "prompts" / "coding.jsonl", home / "prompts.jsonl")
-    work = home / "work"
-    # specops_models_dir keeps its default inside the work directory: the play builds the models.
-    settings.update(
-        specops_root=str(home),
-        specops_work_dir=str(work),
-        specops_prompts=str(home / "prompts.jsonl"),
-        fla_env_venv=str(home / "ml"),
-        fla_env_python=str(ML_BASE_PYTHON),
-        fla_env_system_site_packages=True,
-        sglang_service_port=port,
-        # The play builds the demo models; what this job checks needs no trained reference drafter.
-        specops_demo_models_train_reference=False,
-        # The development server is ready within seconds: look every second.
-        sglang_service_ready_delay=1,
-    )
+def user_inventory(home: Path, shipped: Path, ports: list[int]) -> tuple[Path, Path]:
+    """The README's inventory in the user's directory, with what this machine needs beside it
+    (group_vars: the ML environment's torch, a quick demo); (inventory, work directory)."""
+    work = home / "try"
+    work.mkdir()
+    text = readme_inventory(shipped, home).read_text().replace("/tmp/specops-try", str(work))
+    for written, port in zip(("31001", "31002"), ports, strict=True):
+        text = text.replace(written, str(port))
     inventory = home / "inventory"
     (inventory / "group_vars").mkdir(parents=True)
-    (inventory / "group_vars" / "gpu_hosts.yml").write_text(yaml.safe_dump(settings))
-    hosts = {
-        "all": {
-            "children": {
-                "gpu_hosts": {
-                    "hosts": {
-                        "localhost": {
-                            "ansible_connection": "local",
-                            "ansible_python_interpreter": sys.executable,
-                        }
-                    }
-                }
+    (inventory / "hosts.yml").write_text(text)
+    (inventory / "group_vars" / "gpu_hosts.yml").write_text(
+        yaml.safe_dump(
+            {
+                "ansible_python_interpreter": str(home / "venv" / "bin" / "python"),
+                "fla_env_python": str(ML_BASE_PYTHON),
+                "fla_env_system_site_packages": True,
+                "fla_env_torch": yaml.safe_load(LOCAL_DEFAULT.read_text())["fla_env_torch"],
+                # What this job checks needs no trained reference drafter.
+                "specops_demo_models_train_reference": False,
+                # The development server is ready within seconds: look every second.
+                "sglang_service_ready_delay": 1,
             }
-        }
-    }
-    (inventory / "hosts.yml").write_text(yaml.safe_dump(hosts))
-    return inventory
+        )
+    )
+    shutil.copy(ROOT / "prompts" / "coding.jsonl", work / "prompts.jsonl")
+    return inventory, work
 
 
 @contextmanager
@@ -191,45 +213,66 @@ def only_the_users_environment(env: dict):
         yield
 
 
-def run_job(ansible_runner, user, inventory: Path, playbook: str, ident: str, **extravars):
-    """A job as AWX runs one: the user's project directory, its inventory, a private data directory."""
-    # The control venv's ansible-playbook comes first on PATH, as the execution environment's would.
-    env = dict(user["env"], PATH=f"{BIN}{os.pathsep}{user['env']['PATH']}")
-    with only_the_users_environment(env):
+def run_job(ansible_runner, user, inventory: Path, playbook: str, ident: str, cmdline: str = "", **extravars):
+    """A job as AWX runs one: the user's project directory, its inventory, a private data directory;
+    ansible-playbook from the user's fresh environment (first on PATH, as the execution environment's)."""
+    with only_the_users_environment(user["env"]):
         return ansible_runner.run(
             private_data_dir=str(user["home"] / "job"),
             project_dir=str(user["home"]),
             playbook=playbook,
             inventory=str(inventory),
             extravars=extravars,
-            envvars=env,
+            envvars=user["env"],
             ident=ident,
+            cmdline=cmdline or None,
             quiet=True,
             timeout=EVAL_DEADLINE_S,
         )
 
 
+def paths_under(root: Path) -> set[str]:
+    return {str(p.relative_to(root)) for p in root.rglob("*")}
+
+
 @pytest.fixture(scope="module")
-def eval_job(user):
+def eval_jobs(user, shipped):
+    """--check, the run, the rerun and the forced rescore, in that order, each read as AWX reads a job."""
     if not ML_BASE_PYTHON.exists():
         pytest.fail("no ML environment to take torch from: run `make ml-env` first")
     ansible_runner = pytest.importorskip("ansible_runner")
     home = user["home"]
     (home / "job").mkdir()  # ansible-runner's private data dir must exist
-    port = free_port()
-    inventory = user_inventory(home, port)
+    ports = [free_port(), free_port()]
+    inventory, work = user_inventory(home, shipped, ports)
+    jobs = {}
     try:
-        finished = run_job(ansible_runner, user, inventory, "specops.drafter.eval", "eval")
+        before = paths_under(work)
+        jobs["check"] = run_job(ansible_runner, user, inventory, "specops.drafter.eval", "check", "--check")
+        jobs["check_left"] = paths_under(work) - before
+        jobs["eval"] = run_job(ansible_runner, user, inventory, "specops.drafter.eval", "eval")
+        jobs["rerun"] = run_job(ansible_runner, user, inventory, "specops.drafter.eval", "rerun")
+        jobs["rescore"] = run_job(
+            ansible_runner,
+            user,
+            inventory,
+            "specops.drafter.eval",
+            "rescore",
+            "--tags score",
+            score_drafter_force=True,
+        )
         yield {
-            "job": finished,
+            **jobs,
+            "job": jobs["eval"],
             "artifacts": home / "job" / "artifacts" / "eval",
-            "work": home / "work",
-            "port": port,
-            "venv": home / "ml",
+            "job_dir": home / "job" / "artifacts",
+            "work": work,
+            "ports": ports,
+            "venv": work / "ml",
         }
     finally:
-        # eval.yml leaves the service running, as production wants; stop this test's server.
-        # No guard: nothing should bring it back.
+        # eval.yml leaves the service running, as production wants; stop this test's servers as the
+        # README says. No guard: nothing should bring them back.
         stop = run_job(
             ansible_runner,
             user,
@@ -240,9 +283,16 @@ def eval_job(user):
             sglang_service_guard=False,
         )
         deadline = time.monotonic() + PORT_CLOSED_DEADLINE_S
-        while port_is_open(port) and time.monotonic() < deadline:
+        while any(port_is_open(port) for port in ports) and time.monotonic() < deadline:
             time.sleep(2)
-        assert not port_is_open(port), f"port {port} still open after the stop job ({stop.status})"
+        assert not any(port_is_open(port) for port in ports), (
+            f"ports {ports} still open after the stop job ({stop.status})"
+        )
+
+
+@pytest.fixture(scope="module")
+def eval_job(eval_jobs):
+    return eval_jobs
 
 
 def events(eval_job, kind=None):
@@ -276,7 +326,7 @@ def test_the_job_is_successful_with_rc_0(eval_job):
 def test_no_host_failed_or_was_unreachable(eval_job):
     stats = eval_job["job"].stats
     assert stats["failures"] == {} and stats["dark"] == {}
-    assert stats["ok"].get("localhost", 0) > 0
+    assert stats["ok"].get("standin1", 0) > 0 and stats["ok"].get("standin2", 0) > 0
 
 
 @pytest.mark.slow
@@ -302,8 +352,8 @@ def test_the_job_events_cover_every_stage(eval_job):
 @pytest.mark.slow
 def test_gathered_facts_land_in_the_fact_cache(eval_job):
     # The jsonfile cache names each host's file with a prefix of its own (e.g. "s1_localhost").
-    caches = sorted((eval_job["artifacts"] / "fact_cache").glob("*localhost"))
-    assert caches, "no cached facts for localhost"
+    caches = sorted((eval_job["artifacts"] / "fact_cache").glob("*standin1"))
+    assert caches, "no cached facts for standin1"
     facts = json.loads(caches[0].read_text())
     if isinstance(facts.get("__payload__"), str):  # ansible-core 2.19+ wraps the facts as a JSON string
         facts = json.loads(facts["__payload__"])
@@ -364,20 +414,23 @@ def test_the_service_answers_again_after_the_gpu_window(eval_job):
 @pytest.mark.slow
 def test_eval_by_fqcn_from_the_installed_collection_writes_the_report(eval_job):
     assert eval_job["job"].rc == 0, stdout_tail(eval_job)
-    assert (eval_job["work"] / "run" / "score" / "report.md").is_file()
-    assert json.loads((eval_job["work"] / "run" / "score" / "report.json").read_text())
+    for host in ("standin1", "standin2"):
+        assert (eval_job["work"] / host / "run" / "score" / "report.md").is_file(), host
+        assert json.loads((eval_job["work"] / host / "run" / "score" / "report.json").read_text())
+    # One report merges both hosts' shares, on the first host.
+    fleet = json.loads((eval_job["work"] / "standin1" / "run" / "fleet" / "report.json").read_text())
+    assert sorted(row["host"] for row in fleet["per_host"]) == ["standin1", "standin2"]
 
 
 @pytest.mark.slow
 def test_the_service_is_back_and_ready_after_the_run(eval_job):
-    try:
-        with urllib.request.urlopen(
-            f"http://127.0.0.1:{eval_job['port']}/health_generate", timeout=300
-        ) as answer:
-            status = answer.status
-    except urllib.error.HTTPError as error:
-        status = error.code
-    assert status == 200
+    for port in eval_job["ports"]:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health_generate", timeout=300) as answer:
+                status = answer.status
+        except urllib.error.HTTPError as error:
+            status = error.code
+        assert status == 200, port
 
 
 @pytest.mark.slow
@@ -401,6 +454,66 @@ def test_the_ml_environment_runs_specops_from_the_collections_wheel(eval_job):
     assert (
         json.loads(direct_url)["url"].endswith(".whl")
         and "/ansible_collections/specops/drafter/" in direct_url
+    )
+
+
+# The README's sequence around the run: --check before it, a rerun and a forced rescore after it.
+
+
+def job_output(eval_jobs, ident: str) -> str:
+    stdout = eval_jobs["job_dir"] / ident / "stdout"
+    return stdout.read_text()[-8000:] if stdout.exists() else ""
+
+
+def changed_counts(job) -> dict[str, int]:
+    return {host: job.stats.get("changed", {}).get(host, 0) for host in ("standin1", "standin2")}
+
+
+@pytest.mark.slow
+def test_check_mode_on_the_fresh_stand_ins_succeeds_and_writes_no_report(eval_jobs):
+    check = eval_jobs["check"]
+    assert check.status == "successful" and check.rc == 0, job_output(eval_jobs, "check")
+    assert "the ML environment is not built yet" in job_output(eval_jobs, "check")
+    assert not [p for p in eval_jobs["check_left"] if p.endswith("report.md")], eval_jobs["check_left"]
+
+
+@pytest.mark.slow
+def test_each_stand_in_took_its_window_in_its_own_mode(eval_jobs):
+    modes = {
+        host: json.loads((eval_jobs["work"] / host / "run" / "hidden_states" / "window.json").read_text())[
+            "mode"
+        ]
+        for host in ("standin1", "standin2")
+    }
+    assert modes == {"standin1": "stop", "standin2": "memory_saver"}
+
+
+@pytest.mark.slow
+def test_a_rerun_changes_nothing_on_either_host_the_fleet_merge_included(eval_jobs):
+    rerun = eval_jobs["rerun"]
+    assert rerun.status == "successful" and rerun.rc == 0, job_output(eval_jobs, "rerun")
+    assert changed_counts(rerun) == {"standin1": 0, "standin2": 0}, job_output(eval_jobs, "rerun")
+    merged = [
+        e
+        for e in events({"artifacts": eval_jobs["job_dir"] / "rerun"}, "runner_on_ok")
+        if e["event_data"].get("task") == "Merge them into one report"
+    ]
+    assert merged and merged[0]["event_data"]["res"]["changed"] is False
+
+
+@pytest.mark.slow
+def test_a_forced_rescore_scores_both_hosts_again_and_merges(eval_jobs):
+    rescore = eval_jobs["rescore"]
+    assert rescore.status == "successful" and rescore.rc == 0, job_output(eval_jobs, "rescore")
+    scored = {
+        e["event_data"]["host"]
+        for e in events({"artifacts": eval_jobs["job_dir"] / "rescore"}, "runner_on_ok")
+        if e["event_data"].get("role") == "score_drafter" and e["event_data"]["res"].get("changed")
+    }
+    assert scored == {"standin1", "standin2"}
+    assert any(
+        e["event_data"].get("task") == "Merge them into one report"
+        for e in events({"artifacts": eval_jobs["job_dir"] / "rescore"}, "runner_on_ok")
     )
 
 
@@ -492,7 +605,7 @@ def readme_inventory(shipped: Path, home: Path) -> Path:
 
 def test_the_readme_inventory_parses_into_two_stand_ins_on_their_own_ports_and_files(user, shipped):
     path = readme_inventory(shipped, user["home"])
-    proc = run([BIN / "ansible-inventory", "-i", path, "--list"], user["env"], user["home"])
+    proc = run([user["bin"] / "ansible-inventory", "-i", path, "--list"], user["env"], user["home"])
     hostvars = json.loads(proc.stdout)["_meta"]["hostvars"]
     assert sorted(hostvars) == ["standin1", "standin2"]
     assert len({h["sglang_service_port"] for h in hostvars.values()}) == 2
@@ -522,7 +635,11 @@ def test_the_readme_commands_run_as_written(user, shipped, tmp_path):
                 words += ["-p", str(tmp_path / "collections")]
             if words[0] == "ansible-playbook":
                 words.append("--syntax-check")
-            run([BIN / words[0], *words[1:]], env if words[0] == "ansible-galaxy" else user["env"], tmp_path)
+            run(
+                [user["bin"] / words[0], *words[1:]],
+                env if words[0] == "ansible-galaxy" else user["env"],
+                tmp_path,
+            )
             ran.append(words[0])
     assert {"ansible-galaxy", "ansible-playbook", "ansible-doc"} <= set(ran)
     assert (
@@ -542,7 +659,7 @@ def test_the_readme_requirements_name_the_collection_and_install_the_tarball(use
     env = dict(user["env"], ANSIBLE_COLLECTIONS_PATH=str(tmp_path / "cols"))
     run(
         [
-            BIN / "ansible-galaxy",
+            user["bin"] / "ansible-galaxy",
             "collection",
             "install",
             "--offline",
@@ -570,4 +687,8 @@ def test_every_readme_play_and_task_example_passes_the_syntax_check(user, shippe
     path.write_text(
         yaml.safe_dump([*plays, {"name": "README examples", "hosts": "localhost", "tasks": tasks}])
     )
-    run([BIN / "ansible-playbook", "--syntax-check", "-i", "localhost,", path], user["env"], user["home"])
+    run(
+        [user["bin"] / "ansible-playbook", "--syntax-check", "-i", "localhost,", path],
+        user["env"],
+        user["home"],
+    )
