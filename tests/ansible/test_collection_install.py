@@ -214,11 +214,14 @@ def only_the_users_environment(env: dict):
 
 
 def run_job(ansible_runner, user, inventory: Path, playbook: str, ident: str, cmdline: str = "", **extravars):
-    """A job as AWX runs one: the user's project directory, its inventory, a private data directory;
-    ansible-playbook from the user's fresh environment (first on PATH, as the execution environment's)."""
+    """A job as AWX runs one: the user's project directory, its inventory, a private data directory of
+    its own (ansible-runner keeps a job's command line there for the next), ansible-playbook from the
+    user's fresh environment (first on PATH, as the execution environment's)."""
+    private = user["home"] / "jobs" / ident
+    private.mkdir(parents=True)  # ansible-runner's private data dir must exist
     with only_the_users_environment(user["env"]):
         return ansible_runner.run(
-            private_data_dir=str(user["home"] / "job"),
+            private_data_dir=str(private),
             project_dir=str(user["home"]),
             playbook=playbook,
             inventory=str(inventory),
@@ -229,6 +232,10 @@ def run_job(ansible_runner, user, inventory: Path, playbook: str, ident: str, cm
             quiet=True,
             timeout=EVAL_DEADLINE_S,
         )
+
+
+def job_artifacts(home: Path, ident: str) -> Path:
+    return home / "jobs" / ident / "artifacts" / ident
 
 
 def paths_under(root: Path) -> set[str]:
@@ -242,7 +249,6 @@ def eval_jobs(user, shipped):
         pytest.fail("no ML environment to take torch from: run `make ml-env` first")
     ansible_runner = pytest.importorskip("ansible_runner")
     home = user["home"]
-    (home / "job").mkdir()  # ansible-runner's private data dir must exist
     ports = [free_port(), free_port()]
     inventory, work = user_inventory(home, shipped, ports)
     jobs = {}
@@ -264,8 +270,7 @@ def eval_jobs(user, shipped):
         yield {
             **jobs,
             "job": jobs["eval"],
-            "artifacts": home / "job" / "artifacts" / "eval",
-            "job_dir": home / "job" / "artifacts",
+            "artifacts": job_artifacts(home, "eval"),
             "work": work,
             "ports": ports,
             "venv": work / "ml",
@@ -461,7 +466,7 @@ def test_the_ml_environment_runs_specops_from_the_collections_wheel(eval_job):
 
 
 def job_output(eval_jobs, ident: str) -> str:
-    stdout = eval_jobs["job_dir"] / ident / "stdout"
+    stdout = job_artifacts(eval_jobs["work"].parent, ident) / "stdout"
     return stdout.read_text()[-8000:] if stdout.exists() else ""
 
 
@@ -495,7 +500,7 @@ def test_a_rerun_changes_nothing_on_either_host_the_fleet_merge_included(eval_jo
     assert changed_counts(rerun) == {"standin1": 0, "standin2": 0}, job_output(eval_jobs, "rerun")
     merged = [
         e
-        for e in events({"artifacts": eval_jobs["job_dir"] / "rerun"}, "runner_on_ok")
+        for e in events({"artifacts": job_artifacts(eval_jobs["work"].parent, "rerun")}, "runner_on_ok")
         if e["event_data"].get("task") == "Merge them into one report"
     ]
     assert merged and merged[0]["event_data"]["res"]["changed"] is False
@@ -507,13 +512,13 @@ def test_a_forced_rescore_scores_both_hosts_again_and_merges(eval_jobs):
     assert rescore.status == "successful" and rescore.rc == 0, job_output(eval_jobs, "rescore")
     scored = {
         e["event_data"]["host"]
-        for e in events({"artifacts": eval_jobs["job_dir"] / "rescore"}, "runner_on_ok")
+        for e in events({"artifacts": job_artifacts(eval_jobs["work"].parent, "rescore")}, "runner_on_ok")
         if e["event_data"].get("role") == "score_drafter" and e["event_data"]["res"].get("changed")
     }
     assert scored == {"standin1", "standin2"}
     assert any(
         e["event_data"].get("task") == "Merge them into one report"
-        for e in events({"artifacts": eval_jobs["job_dir"] / "rescore"}, "runner_on_ok")
+        for e in events({"artifacts": job_artifacts(eval_jobs["work"].parent, "rescore")}, "runner_on_ok")
     )
 
 
