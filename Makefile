@@ -104,6 +104,7 @@ lock: $(UV_ENV)/.stamp
 	$(LOCK) requirements/bootstrap.lock --universal --python-version 3.12 requirements/bootstrap.in
 	$(LOCK) requirements/control.lock --universal --python-version 3.12 requirements/control.in
 	$(LOCK) requirements/test.lock --universal --python-version 3.12 requirements/test.in
+	$(LOCK) requirements/build.lock --universal --python-version 3.12 requirements/build.in
 	$(LOCK) requirements/collection-sources.lock --python-version 3.12 --no-deps requirements/collection-sources.in
 	$(LOCK) requirements/ml.lock --python-version 3.11 --python-platform x86_64-manylinux_2_28 --no-emit-package torch \
 	  $(foreach dir,$(PIP_WHEELHOUSES),--find-links $(dir)) pyproject.toml --extra ml requirements/ml.in
@@ -227,10 +228,19 @@ test-systemd: system-deps $(VENV)/.stamp $(ML_VENV)/.stamp
 	PYTEST_DEBUG_TEMPROOT=/tmp/specops-pytest-systemd $(HEARTBEAT) systemd $(VENV)/bin/pytest $(PYTEST_FLAGS) tests/systemd
 
 # The collection as users install it (dist/specops-drafter-<version>.tar.gz): modules, roles,
-# playbooks and the specops wheel that the fla_env role installs by default.
+# playbooks and the specops wheel that the fla_env role installs by default. Built in an environment of
+# its own that holds only what the build needs (requirements/build.lock: ansible-galaxy and the wheel's
+# build backend, about 10 packages), installed by pip, hash-checked: not the test environment.
+BUILD_VENV := .work/build-env
+$(BUILD_VENV)/.stamp: requirements/build.lock
+	@test -n "$(PYTHON_CONTROL)" || { echo "Python 3.12 is required for ansible-core 2.21 (set PYTHON_CONTROL)"; exit 1; }
+	$(PYTHON_CONTROL) -m venv --clear $(BUILD_VENV)
+	$(BUILD_VENV)/bin/pip install --quiet --require-hashes --no-deps -r requirements/build.lock
+	touch $@
+
 .PHONY: collection
-collection: $(VENV)/.stamp
-	$(VENV)/bin/python tools/build_collection.py --output-path dist
+collection: $(BUILD_VENV)/.stamp
+	$(BUILD_VENV)/bin/python tools/build_collection.py --output-path dist
 
 clean:
 	rm -rf .work

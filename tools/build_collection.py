@@ -4,7 +4,8 @@ The checkout keeps one copy of the roles and playbooks: the collection's roles/ 
 links to the top-level directories. `ansible-galaxy collection build` skips links to directories
 outside the collection, so the build assembles the collection with those links followed in a
 temporary directory, together with the specops wheel (wheels/, what the fla_env role installs by
-default), and builds the tarball from there.
+default) and the files of the checkout that the collection's docs cite (FROM_THE_CHECKOUT), and
+builds the tarball from there.
 
 Usage: python tools/build_collection.py [--output-path DIR]
 """
@@ -25,6 +26,16 @@ WHEELS = COLLECTION / "wheels"
 # (and stale files in an old build/ out of the wheel).
 PACKAGE_SOURCES = ("pyproject.toml", "README.md", "LICENSE", "src")
 NOT_SHIPPED = shutil.ignore_patterns("__pycache__", "*.pyc", "*.egg-info", "output", ".plugin-cache.yaml")
+# What the collection's docs cite from outside the collection directory, shipped at these paths in it
+# (tests/ansible/test_collection_build.py checks that every path a shipped doc cites is in the tarball):
+# the window's interface, the production inventory to start from, and the AWX material, whose
+# execution environment builds from the collection alone (with the control node's lock beside it).
+FROM_THE_CHECKOUT = {
+    "docs/window.md": "docs/window.md",
+    "inventory/production.example": "inventory/production.example",
+    "awx": "awx",
+    "requirements/control.lock": "awx/control.lock",
+}
 
 
 def build_wheel(work: Path) -> Path:
@@ -61,6 +72,13 @@ def assemble(work: Path) -> Path:
     """The collection with its linked roles/ and playbooks/ copied in, links followed."""
     staged = work / "ansible_collections" / "specops" / "drafter"
     shutil.copytree(COLLECTION, staged, symlinks=False, ignore=NOT_SHIPPED)
+    for source, target in FROM_THE_CHECKOUT.items():
+        path, dest = ROOT / source, staged / target
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        if path.is_dir():
+            shutil.copytree(path, dest, ignore=NOT_SHIPPED)
+        else:
+            shutil.copy2(path, dest)
     return staged
 
 

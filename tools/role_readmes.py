@@ -90,7 +90,12 @@ def generated(role: str, specs: dict) -> str:
         "## Variables",
         "",
         f"`ansible-doc -t role {COLLECTION}.{role}` shows the same. Every variable is validated against",
-        "`meta/argument_specs.yml` when the role runs; defaults live in `defaults/main.yml`.",
+        "`meta/argument_specs.yml` when the role runs; "
+        + (
+            "defaults live in `defaults/main.yml`."
+            if (ROLES / role / "defaults" / "main.yml").is_file()
+            else "the role has no defaults of its own: the playbook applies the ones shown."
+        ),
         "",
     ]
     for name, spec in specs.items():

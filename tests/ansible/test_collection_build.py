@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
 import subprocess
 import sys
 import tarfile
@@ -158,41 +157,51 @@ EE_FILE = ROOT / "awx" / "execution-environment.yml"
 EE = yaml.safe_load(EE_FILE.read_text())
 
 
-def test_the_execution_environment_is_ansible_builder_v3_with_the_collection_tarball():
+def test_the_execution_environment_installs_the_collection_it_ships_in_with_the_lock_beside_it():
     assert EE["version"] == 3
-    collections = EE["dependencies"]["galaxy"]["collections"]
-    assert [c["name"] for c in collections] == [f"collections/{TARBALL_NAME}"], (
-        "the EE must install the tarball that galaxy.yml's version builds"
-    )
-    assert [f["src"] for f in EE["additional_build_files"]] == [
-        f"../dist/{TARBALL_NAME}",
-        "../requirements/control.lock",
+    assert EE["dependencies"]["galaxy"]["collections"] == [
+        {"name": "collections/specops/drafter", "type": "dir"}
+    ]
+    assert [(f["src"], f["dest"]) for f in EE["additional_build_files"]] == [
+        ("..", "collections/specops/drafter"),
+        ("control.lock", "locks"),
     ]
 
 
 @pytest.fixture(scope="module")
-def ee_context(built, tmp_path_factory):
-    """`ansible-builder create` on a copy of awx/ beside a dist/ holding the built tarball."""
+def ee_build(built, tmp_path_factory):
+    """`ansible-builder create` on the execution environment of the tarball alone, extracted into an
+    empty directory: nothing of the checkout is there."""
     work = tmp_path_factory.mktemp("ee")
-    shutil.copytree(ROOT / "awx", work / "awx")
-    (work / "requirements").mkdir()
-    shutil.copy(ROOT / "requirements" / "control.lock", work / "requirements")
-    (work / "dist").mkdir()
-    shutil.copy(built, work / "dist" / TARBALL_NAME)
+    collection = work / "ansible_collections" / "specops" / "drafter"
+    collection.mkdir(parents=True)
+    with tarfile.open(built) as tar:
+        tar.extractall(collection, filter="data")
     context = work / "context"
-    run(
+    proc = run(
         [
             BIN / "ansible-builder",
             "create",
             "-f",
-            work / "awx" / "execution-environment.yml",
+            collection / "awx" / "execution-environment.yml",
             "--context",
             context,
             "--output-filename",
             "Containerfile",
-        ]
+        ],
+        cwd=work,
     )
-    return context
+    return {"context": context, "output": proc.stdout + proc.stderr}
+
+
+@pytest.fixture(scope="module")
+def ee_context(ee_build):
+    return ee_build["context"]
+
+
+def test_ansible_builder_finds_every_input_in_the_collection_alone(ee_build):
+    # ansible-builder only warns about an input it cannot find, and says "Complete!" all the same.
+    assert "No matches" not in ee_build["output"], ee_build["output"]
 
 
 def test_ansible_builder_create_writes_a_containerfile_from_the_base_image(ee_context):
@@ -204,12 +213,35 @@ def test_ansible_builder_create_writes_a_containerfile_from_the_base_image(ee_co
 
 def test_the_build_context_holds_the_collection_and_the_requirements(ee_context):
     build = ee_context / "_build"
-    assert (build / "collections" / TARBALL_NAME).is_file()
+    manifest = json.loads((build / "collections" / "specops" / "drafter" / "MANIFEST.json").read_text())
+    assert manifest["collection_info"]["version"] == GALAXY["version"]
     galaxy = yaml.safe_load((build / "requirements.yml").read_text())
-    assert galaxy["collections"] == [{"name": f"collections/{TARBALL_NAME}", "type": "file"}]
+    assert galaxy["collections"] == [{"name": "collections/specops/drafter", "type": "dir"}]
     assert (build / "requirements.txt").read_text().split() == EE["dependencies"]["python"]
     assert "openssh-clients [platform:rpm]" in (build / "bindep.txt").read_text()
-    assert (build / "locks" / "control.lock").is_file()
+    assert (build / "locks" / "control.lock").read_text() == (
+        ROOT / "requirements" / "control.lock"
+    ).read_text()
+
+
+def test_the_image_s_collection_step_installs_the_collection_from_the_build_context(ee_context, tmp_path):
+    # What the Containerfile runs in _build: ansible-galaxy collection install -r requirements.yml.
+    env = dict(os.environ, ANSIBLE_COLLECTIONS_PATH=str(tmp_path), ANSIBLE_HOME=str(tmp_path / "home"))
+    run(
+        [
+            BIN / "ansible-galaxy",
+            "collection",
+            "install",
+            "--offline",
+            "-r",
+            "requirements.yml",
+            "-p",
+            tmp_path,
+        ],
+        env=env,
+        cwd=ee_context / "_build",
+    )
+    assert (tmp_path / "ansible_collections" / "specops" / "drafter" / "playbooks" / "eval.yml").is_file()
 
 
 def test_introspection_finds_the_collections_own_python_and_system_dependencies(installed):
@@ -231,6 +263,9 @@ def names(kind):
 
 def test_the_job_template_runs_eval_yml_from_the_project():
     assert (ROOT / TEMPLATE["playbook"]).is_file()
+    # A project made of a copy of awx/project/ runs the collection's playbook by name.
+    imported = yaml.safe_load((ROOT / "awx" / "project" / TEMPLATE["playbook"]).read_text())
+    assert imported[0]["ansible.builtin.import_playbook"] == "specops.drafter.eval"
     assert TEMPLATE["project"] in names("controller_projects")
     assert TEMPLATE["execution_environment"] in names("controller_execution_environments")
 
@@ -266,6 +301,7 @@ def test_privilege_is_escalated_only_where_the_roles_ask_for_it():
 @pytest.mark.parametrize("template", AWX["controller_templates"], ids=lambda t: t["name"])
 def test_a_weekly_schedule_launches_each_job_template(template):
     assert (ROOT / template["playbook"]).is_file()
+    assert (ROOT / "awx" / "project" / template["playbook"]).is_file(), "a project of awx/project/ lacks it"
     schedules = [s for s in AWX["controller_schedules"] if s["unified_job_template"] == template["name"]]
     assert len(schedules) == 1
     rrule = schedules[0]["rrule"]
@@ -290,3 +326,30 @@ def test_configure_yml_applies_every_field_of_controller_yml():
             assert read == set(item), f"{module}: reads {sorted(read)}, {kind} has {sorted(item)}"
     assert used["awx.awx.job_template"] == "controller_templates"
     assert used["awx.awx.schedule"] == "controller_schedules"
+
+
+# --- what `make collection` needs ------------------------------------------------------------
+
+
+def locked(lock: Path) -> dict[str, str]:
+    return dict(re.findall(r"^([a-z0-9_.-]+)==(\S+)", lock.read_text(), re.MULTILINE))
+
+
+def test_make_collection_builds_in_an_environment_of_the_build_lock_alone():
+    done = run(["make", "-n", "-B", "collection", "BUILD_VENV=/nonexistent/build-env"], cwd=ROOT)
+    commands = done.stdout
+    assert "-r requirements/build.lock" in commands
+    assert "/nonexistent/build-env/bin/python tools/build_collection.py" in commands
+    # Neither the test environment nor its lock, nor the collections taken from the `ansible` wheel.
+    for needless in ("test.lock", ".venv/", "install_collections.py", "collection-sources.lock", "ml.lock"):
+        assert needless not in commands, needless
+
+
+def test_the_build_lock_holds_ansible_core_and_the_build_backend_at_the_control_nodes_versions():
+    build = locked(ROOT / "requirements" / "build.lock")
+    control = locked(ROOT / "requirements" / "control.lock")
+    assert {"ansible-core", "setuptools"} <= set(build) and "ansible" not in build
+    assert len(build) <= 12, sorted(build)
+    assert {name: version for name, version in build.items() if name in control} == {
+        name: control[name] for name in build if name in control
+    }

@@ -27,7 +27,15 @@ def plan(tmp_path: Path, hosts: int, serial, router: str = "") -> subprocess.Com
             }
         )
     )
-    extra = {"specops_serial": serial, "sglang_router_url": router, "specops_run_dir": str(tmp_path / "none")}
+    # The variables the play checks first (roles/eval_vars): never read, the plan runs alone.
+    extra = {
+        "specops_serial": serial,
+        "sglang_router_url": router,
+        **{
+            f"specops_{name}": str(tmp_path / "none")
+            for name in ("run_dir", "prompts", "target_model", "drafter")
+        },
+    }
     return subprocess.run(
         [
             str(PLAYBOOK),

@@ -119,8 +119,8 @@ options:
     default: [acceptance, layer_offset, backend, vocabulary]
   step_costs:
     description:
-      - The cost of a drafter step and of a target verify step, in target decode steps, as measured by
-        C(benchmarks/speedup_h200.py) (keys C(draft_cost), C(verify_cost)). The expected speedup is
+      - The cost of a drafter step and of a target verify step, in target decode steps, as timed on the
+        target GPUs (keys C(draft_cost), C(verify_cost)). The expected speedup is
         tau / (draft_cost + verify_cost). Empty to estimate them from the weights each step reads.
     type: dict
   history:
