@@ -43,9 +43,12 @@ def fuse_linears(linears: tuple[nn.Linear, ...]) -> tuple[torch.Tensor, torch.Te
     first = 0
     for linear in linears:
         rows = linear.weight.shape[0]
-        linear.weight = nn.Parameter(weight[first : first + rows], requires_grad=False)
-        if bias is not None:
-            linear.bias = nn.Parameter(bias[first : first + rows], requires_grad=False)
+        # Trainable stays trainable: under autograd the separate linears run (`fused_linears`).
+        trainable = linear.weight.requires_grad
+        linear.weight = nn.Parameter(weight[first : first + rows], requires_grad=trainable)
+        if bias is not None and linear.bias is not None:
+            trainable = linear.bias.requires_grad
+            linear.bias = nn.Parameter(bias[first : first + rows], requires_grad=trainable)
         first += rows
     return weight, bias
 

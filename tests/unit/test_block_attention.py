@@ -142,11 +142,18 @@ def test_fused_projections_and_mask_rows_once_give_the_plain_forward():
     assert torch.allclose(again.float(), plain, atol=1e-5)
 
 
-def test_the_fused_matrix_is_not_used_where_gradients_are_wanted():
+def test_a_fused_drafter_still_trains():
+    # load_drafter fuses, and the reference drafter fixture is trained from a loaded one.
     drafter = build(*RULES["full"]).fuse_projections()
     with torch.inference_mode():
         assert drafter.decoder_layers[0].self_attn.fused_qkv() is not None
-    assert drafter.decoder_layers[0].self_attn.fused_qkv() is None  # grad mode: the separate linears
+    attn = drafter.decoder_layers[0].self_attn
+    assert attn.fused_qkv() is None  # grad mode: the separate linears
+    features, blocks, starts = inputs()
+    drafter(blocks, starts, drafter.context_kv(features)).square().mean().backward()
+    for linear in (attn.q_proj, attn.k_proj, attn.v_proj, drafter.decoder_layers[0].mlp.up_proj):
+        assert linear.weight.requires_grad and linear.weight.grad is not None
+        assert linear.weight.grad.abs().sum() > 0
 
 
 @pytest.mark.parametrize("chunk", [1, 3, 7, 16, 64, 1000])
