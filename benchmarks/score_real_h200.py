@@ -61,7 +61,9 @@ import torch
 import torch.nn.functional as F
 from score_h200 import build_models, logit_noise, plant_tokens, timed
 
+import specops.block_attention as block_attention
 import specops.leading_matches as matching
+import specops.target_head as target_head
 from specops.acceptance import SequenceInput, offline_acceptance, overall_tau, sequential_acceptance
 from specops.step_timer import StepTimer
 
@@ -97,6 +99,10 @@ SMOKE = dict(
     dtype="float32",
 )
 POSITIONS_PER_PASS = 3
+# Attention calls the engine makes at each batch size: 5 layers x about 7 forwards (the frontier drops
+# finished sequences an eighth of the batch at a time). An attention kernel is chosen by
+# CALLS_PER_BATCH_SIZE x its time per call + what its first call at a new batch size costs.
+CALLS_PER_BATCH_SIZE = 35
 
 
 def matmul_rate(device: str) -> float | None:
@@ -160,12 +166,16 @@ def _quantiles(values: torch.Tensor) -> dict[str, float]:
     return {"min": float(q[0]), "p10": float(q[1]), "median": float(q[2]), "p90": float(q[3])}
 
 
-def flops_per_completion(shape: dict, results, positions_of: Callable[[int], int]) -> dict[str, float]:
+def flops_per_completion(
+    shape: dict, results, positions_of: Callable[[int], int], exact: bool = False
+) -> dict[str, float]:
     """Matrix-product FLOPs per completion of the steps the walk took.
 
     positions_of(a): the draft positions the last layer's rest (o_proj, MLP) and the head run at, in a
     step of accept length a. Attention counts the scores and their mix over the whole padded context
-    (the engine masks the context after a block's start, it does not shorten it).
+    (the engine masks the context after a block's start, it does not shorten it). exact: the work no
+    exact engine can skip: attention over the context before each block only, and the first layer's
+    q/k/v of the mask rows once (they are the same in every block before RoPE).
     """
     h, heads, kv, d = shape["hidden"], shape["heads"], shape["kv_heads"], shape["head_dim"]
     bs, layers, T = shape["block"], shape["layers"], shape["length"]
@@ -173,17 +183,95 @@ def flops_per_completion(shape: dict, results, positions_of: Callable[[int], int
     steps = sum(r.steps for r in results)
     positions = sum(positions_of(a) for r in results for a in r.accept_lengths)
     n = len(results)
+    first_layer_rows = 1 if exact else bs
+    keys = sum(s + bs for r in results for s in r.block_starts) if exact else (T + bs) * steps
     parts = {
-        "drafter_layers": 2 * bs * ((layers - 1) * (q + kvp + o + mlp) + q + kvp) * steps / n,
+        "drafter_layers": 2
+        * (bs * ((layers - 1) * (q + kvp + o + mlp) + q + kvp) - (bs - first_layer_rows) * (q + kvp))
+        * steps
+        / n,
         "last_layer_rest": 2 * (o + mlp) * positions / n,
         "head": 2 * h * shape["vocab"] * positions / n,
-        "attention": 4 * layers * heads * d * bs * (T + bs) * steps / n,
+        "attention": 4 * layers * heads * d * bs * keys / n,
         "context": 2 * T * (N_FEATURES * h * h + layers * kvp),
     }
     parts["total"] = sum(parts.values())
     parts["head_positions_per_step"] = positions / steps
     parts["steps"] = steps / n
     return parts
+
+
+@torch.inference_mode()
+def choose_kernels(drafter, head, sequences, device: str, rows_per_pass: int) -> dict:
+    """Time every attention kernel (specops.block_attention) on one layer of the engine's largest step,
+    and the head's argmax with several vocabulary chunks on one pass's rows; keep the fastest of each.
+
+    Same inputs for all: the attention outputs are compared with the reference's, the head's tokens
+    with those of one product over the whole vocabulary (they must be equal).
+    """
+    B, bs = len(sequences), drafter.block_size
+    T = sequences[0].input_ids.shape[0]
+    features = torch.stack([s.features for s in sequences]).to(device)
+    context = drafter.context_kv(features, block_slots=True)
+    del features
+    generator = torch.Generator(device=device).manual_seed(7)
+    starts = torch.randint(T // 2, T - 1, (B, 1), device=device, generator=generator)
+    anchors = torch.randint(0, head.vocab_size, (B, 1), device=device, generator=generator)
+    layer = drafter.decoder_layers[0]
+    x = layer.input_layernorm(drafter.block_embeddings(head.embed, anchors))
+    cos, sin = drafter.rope(starts[..., None] + torch.arange(bs, device=device), x)
+    q, k_blk, v_blk = layer.self_attn.qkv(x, cos, sin)
+    attention = {}
+    outputs = {}
+    for i, (name, kernel) in enumerate(block_attention.KERNELS.items()):
+
+        def call(rows=B, kernel=kernel, keys=context[0]):
+            k, v = keys
+            args = (q[:rows], k_blk[:rows], v_blk[:rows], starts[:rows], k[:rows], v[:rows], T)
+            return kernel(layer.self_attn, *args)
+
+        # A batch size this kernel has not met yet: what a new size costs (cuDNN builds a plan).
+        _, first = timed(lambda call=call, i=i: call(B - 1 - i), device)
+        outputs[name] = call()
+        _, seconds = timed(lambda call=call: [call() for _ in range(10)], device)
+        attention[name] = {"ms": seconds / 10 * 1e3, "first_call_at_a_new_batch_size_ms": first * 1e3}
+        attention[name]["score_ms"] = CALLS_PER_BATCH_SIZE * attention[name]["ms"] + first * 1e3
+    reference = outputs["reference"].float()
+    for name, out in outputs.items():
+        attention[name]["max_abs_diff_vs_reference"] = float((out.float() - reference).abs().max())
+    del context, outputs
+    fastest_attention = min(attention, key=lambda n: attention[n]["score_ms"])
+    block_attention.KERNEL = fastest_attention
+
+    hidden = torch.randn(rows_per_pass, drafter.hidden_size, device=device, generator=generator)
+    hidden = hidden.to(head.dtype)
+    chunks: dict[str, dict] = {}
+    whole = None
+    saved = head.vocab_chunk
+    for chunk in (head.vocab_size, 65536, 32768, 16384, 8192):
+        head.vocab_chunk = chunk
+        tokens = head.argmax(hidden)
+        whole = tokens if whole is None else whole
+        _, seconds = timed(lambda: [head.argmax(hidden) for _ in range(10)], device)
+        chunks[str(chunk)] = {
+            "ms": seconds / 10 * 1e3,
+            "tokens_equal_whole_vocab": bool((tokens == whole).all()),
+        }
+    head.vocab_chunk = saved
+    fastest_chunk = int(min(chunks, key=lambda c: chunks[c]["ms"]))
+    target_head.DEFAULT_VOCAB_CHUNK = fastest_chunk
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    return {
+        "attention_kernels": {
+            "batch": B,
+            "context": T,
+            "rule": f"least {CALLS_PER_BATCH_SIZE} x ms + first_call_at_a_new_batch_size_ms",
+            "per_kernel": attention,
+            "chosen": fastest_attention,
+        },
+        "head_vocab_chunks": {"rows": rows_per_pass, "per_chunk": chunks, "chosen": fastest_chunk},
+    }
 
 
 def kernel_profile(drafter, head, sequences, rows: int = 30) -> list[dict]:
@@ -292,6 +380,7 @@ def main() -> None:
 
     record.begin("models, decisive head, logit noise")
     drafter, head = build_models(shape, device, dtype, args.seed)
+    drafter.fuse_projections()
     generator = torch.Generator(device=device).manual_seed(args.seed + 1)
     features = torch.randn(B, L, N_FEATURES, shape["hidden"], device=device, generator=generator, dtype=dtype)
     ids = torch.randint(0, shape["vocab"] - 1, (B, L), device=device, generator=generator)
@@ -350,6 +439,10 @@ def main() -> None:
     sequential_acceptance(drafter, head, cut(P + 3 * bs)[0])
     record.stage("inputs pinned, warm-up")
 
+    record.begin("kernels")
+    record.stage("kernels", kernels=choose_kernels(drafter, head, sequences, device, B * POSITIONS_PER_PASS))
+    offline_acceptance(drafter, head, cut(P + 3 * bs))
+
     def engine(per_pass: int, timer: StepTimer | None = None):
         matching.DEFAULT_POSITIONS_PER_PASS = per_pass
         if device == "cuda":
@@ -369,7 +462,9 @@ def main() -> None:
     results, runs["where_needed"] = engine(POSITIONS_PER_PASS)
     arithmetic = {
         "engine": flops_per_completion(shape, results, where_needed),
-        "minimum (up to each first mismatch)": flops_per_completion(shape, results, lambda a: min(a, bs - 1)),
+        "minimum (up to each first mismatch, real context, mask rows once)": flops_per_completion(
+            shape, results, lambda a: min(a, bs - 1), exact=True
+        ),
         "all positions": flops_per_completion(shape, results, lambda a: bs - 1),
     }
     ceiling = {k: rate / v["total"] if rate else None for k, v in arithmetic.items()}
@@ -381,6 +476,7 @@ def main() -> None:
         flops_per_completion=arithmetic,
         ceiling_completions_per_s=ceiling,
         fraction_of_ceiling=measured / ceiling["engine"] if rate else None,
+        fraction_of_each_ceiling={k: measured / c if c else None for k, c in ceiling.items()},
         identical={"planted_accept_lengths": [r.accept_lengths for r in results] == planted.accept_lengths},
     )
     identical = record.data["identical"]
@@ -427,6 +523,16 @@ def main() -> None:
             },
         )
 
+    if time_left():
+        # The plain attention and one head product over the whole vocabulary: the engine before the
+        # fused kernels (with its fused projections and norms), on the same inputs.
+        record.begin("engine, reference kernels")
+        chosen = (block_attention.KERNEL, target_head.DEFAULT_VOCAB_CHUNK)
+        block_attention.KERNEL, target_head.DEFAULT_VOCAB_CHUNK = "reference", None
+        plain, runs["reference_kernels"] = engine(POSITIONS_PER_PASS)
+        block_attention.KERNEL, target_head.DEFAULT_VOCAB_CHUNK = chosen
+        identical["reference_kernels_vs_chosen"] = same(plain, results)
+        record.stage("engine, reference kernels")
     if time_left():
         record.begin("engine, head over all positions")
         full_head, runs["all_positions"] = engine(bs - 1)

@@ -55,6 +55,9 @@ from specops.target_head import TargetHead
 
 MODES = ("frontier", "all-anchors")
 DEFAULT_MODE = "frontier"
+# On the CPU a group may take this share of the host's available memory (at least CPU_MEMORY_BUDGET):
+# the larger the group, the fewer times each step reads the head and the drafter's weights.
+CPU_MEMORY_SHARE = 0.5
 CPU_MEMORY_BUDGET = 2 << 30
 MAX_ANCHORS_PER_FORWARD = 128
 
@@ -202,11 +205,26 @@ def _block_bytes(drafter: DFlashDrafter, context_len: int) -> int:
     return scores + activations
 
 
+def available_host_memory(meminfo: str = "/proc/meminfo") -> int | None:
+    """MemAvailable in bytes (the kernel's estimate of what can be taken without swapping), or None."""
+    try:
+        with open(meminfo) as handle:
+            for line in handle:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
 def default_memory_budget(device: torch.device) -> int:
+    """70% of the GPU's free memory; on the CPU, CPU_MEMORY_SHARE of the host's available memory
+    (at least CPU_MEMORY_BUDGET, which is also the budget where the host does not say)."""
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
         return int(free * 0.7)
-    return CPU_MEMORY_BUDGET
+    available = available_host_memory()
+    return max(CPU_MEMORY_BUDGET, int(CPU_MEMORY_SHARE * available)) if available else CPU_MEMORY_BUDGET
 
 
 class _Group:
@@ -236,7 +254,9 @@ class _Group:
                 # From pinned host memory these copies overlap; from pageable memory they are plain copies.
                 self.ids[b, : it.input_ids.shape[0]] = it.input_ids.to(device, non_blocking=True)
                 features[b, : it.features.shape[0]] = it.features.to(device=device, non_blocking=True)
-            self.context = drafter.context_kv(features)
+            # Spare slots after the context take each step's block keys (the fused attention's input).
+            self.context = drafter.context_kv(features, block_slots=True)
+            self.context_len = longest
             del features
         self.offsets = torch.arange(1, bs, device=device)
 
@@ -252,7 +272,9 @@ class _Group:
         anchors = self.ids.gather(1, starts)
         with timer.span("drafter"):
             embeds = drafter.block_embeddings(head.embed, anchors.clamp_min(0))
-            residual, mixed = drafter.trunk(embeds, starts, self.context)
+            residual, mixed = drafter.trunk(
+                embeds, starts, self.context, self.context_len, mask_rows_alike=True
+            )
         # Draft positions 1..bs-1, one row per block; the rest of the last layer runs per head pass,
         # on the blocks and positions the pass needs.
         residual = residual[:, :, 1:].reshape(B * m, bs - 1, -1)
@@ -362,9 +384,9 @@ def offline_acceptance(
 
     sequences: SequenceInput, or mappings / objects with id, input_ids [L], features [L, n, hidden],
     prompt_len. Runs on head.device (the drafter must be there too). memory_budget_bytes bounds what
-    a group of sequences and its working set take (default: 70% of free GPU memory, or 2 GiB on
-    CPU). progress(done, total) is called after each group; timer (a StepTimer) records where the
-    time goes. Results come back in input order.
+    a group of sequences and its working set take (default: `default_memory_budget`).
+    progress(done, total) is called after each group; timer (a StepTimer) records where the time
+    goes. Results come back in input order.
     """
     if mode not in MODES:
         raise ValueError(f"mode {mode!r} is not one of {list(MODES)}")

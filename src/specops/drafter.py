@@ -23,11 +23,14 @@ from pathlib import Path
 from typing import Any, cast
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from transformers import Qwen3Config
-from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RMSNorm, Qwen3RotaryEmbedding, rotate_half
+from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RotaryEmbedding
 
+from specops.block_attention import block_attention, slots_length
 from specops.dflash_config import DrafterError, dflash_value, target_layer_ids
+from specops.drafter_ops import RMSNorm, apply_rope, fuse_linears, fused_linears
 
 SUPPORTED_ARCHITECTURES = ("DFlashDraftModel",)
 SUPPORTED_LAYER_TYPES = ("full_attention", "sliding_attention")
@@ -46,10 +49,6 @@ def select_target_features(hidden_states: Sequence[torch.Tensor], layer_ids: Seq
                 f"target layer {k} out of range: the model has {n_layers} layers (0-{n_layers - 1})"
             )
     return torch.stack([hidden_states[k + 1] for k in layer_ids], dim=-2)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    return x * cos + rotate_half(x) * sin
 
 
 def _config_int(config: Qwen3Config, name: str) -> int:
@@ -73,8 +72,9 @@ class DFlashAttention(nn.Module):
         self.k_proj = nn.Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
         self.v_proj = nn.Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=bias)
-        self.q_norm = Qwen3RMSNorm(self.head_dim, eps=config.rms_norm_eps)
-        self.k_norm = Qwen3RMSNorm(self.head_dim, eps=config.rms_norm_eps)
+        self.q_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps)
+        self.k_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps)
+        self._qkv: tuple[torch.Tensor, torch.Tensor | None] | None = None
         layer_type = (getattr(config, "layer_types", None) or ["full_attention"] * (layer_idx + 1))[layer_idx]
         is_causal = getattr(config, "is_causal", None)
         # SGLang's rule, which the scorer must match (tests/unit/test_drafter_sliding.py cites the source):
@@ -86,8 +86,15 @@ class DFlashAttention(nn.Module):
     def kv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys (normed, rotated) and values of x [..., T, hidden] -> [..., kv_heads, T, head_dim]."""
         shape = (*x.shape[:-1], self.num_kv_heads, self.head_dim)
-        k = self.k_norm(self.k_proj(x).view(shape)).transpose(-2, -3)
-        v = self.v_proj(x).view(shape).transpose(-2, -3)
+        fused = self.fused_qkv()
+        if fused is None:
+            k, v = self.k_proj(x), self.v_proj(x)
+        else:
+            weight, bias = fused
+            first = self.num_heads * self.head_dim
+            k, v = F.linear(x, weight[first:], None if bias is None else bias[first:]).chunk(2, dim=-1)
+        k = self.k_norm(k.reshape(shape)).transpose(-2, -3)
+        v = v.reshape(shape).transpose(-2, -3)
         return apply_rope(k, cos.unsqueeze(-3), sin.unsqueeze(-3)), v
 
     def visibility(self, queries: torch.Tensor, keys: torch.Tensor) -> torch.Tensor | None:
@@ -105,53 +112,53 @@ class DFlashAttention(nn.Module):
                 visible &= k - q < self.sliding_window
         return visible
 
-    def forward(self, x, cos, sin, starts, ctx_k, ctx_v):
+    def fused_qkv(self) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+        """The q/k/v weights (and biases) as one matrix where `fuse_projections` made the three
+        projections views of it and no gradient is wanted; None otherwise (the three products run)."""
+        return fused_linears(self._qkv, (self.q_proj, self.k_proj, self.v_proj))
+
+    def projections(self, x: torch.Tensor, rows_alike: bool = False) -> torch.Tensor:
+        """q, k and v of x [..., bs, hidden] side by side, [..., bs, (heads + 2 kv_heads) * head_dim].
+
+        rows_alike: rows 1.. of every block are the same (the first layer's mask rows): they are
+        projected once per block and repeated.
+        """
+        bs = x.shape[-2]
+        if rows_alike and bs > 2:
+            two = self.projections(x[..., :2, :])
+            rest = two[..., 1:, :].expand(*two.shape[:-2], bs - 1, two.shape[-1])
+            return torch.cat([two[..., :1, :], rest], dim=-2)
+        fused = self.fused_qkv()
+        if fused is None:
+            return torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
+        return F.linear(x, *fused)
+
+    def qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rows_alike: bool = False):
+        """Queries [..., bs, kv_heads, groups, head_dim] (normed, rotated, not scaled) and the block's
+        own keys and values [..., kv_heads, bs, head_dim] of x [..., bs, hidden]."""
+        h, g, d = self.num_kv_heads, self.groups, self.head_dim
+        q, k, v = self.projections(x, rows_alike).split([h * g * d, h * d, h * d], dim=-1)
+        # Query heads are grouped as kv_head * groups + g (transformers' repeat_kv order).
+        q = self.q_norm(q.view(*x.shape[:-1], h, g, d))
+        q = apply_rope(q, cos[..., None, None, :], sin[..., None, None, :])
+        shape = (*x.shape[:-1], h, d)
+        k = apply_rope(self.k_norm(k.view(shape)).transpose(-2, -3), cos.unsqueeze(-3), sin.unsqueeze(-3))
+        return q, k, v.view(shape).transpose(-2, -3)
+
+    def forward(self, x, cos, sin, starts, ctx_k, ctx_v, context_len=None, rows_alike=False):
         """Attention for blocks x [B, m, bs, hidden] against their sequence's context and themselves.
 
         ctx_k/ctx_v [B, kv_heads, T, head_dim] hold the context at positions 0..T-1; block (b, i)
-        starts at starts[b, i] and sees context positions < starts[b, i] only.
+        starts at starts[b, i] and sees context positions < starts[b, i] only. context_len: where the
+        context ends in buffers made with block slots (`DFlashDrafter.context_kv`). rows_alike: see
+        `projections`.
         """
-        return self.o_proj(self.mix(x, cos, sin, starts, ctx_k, ctx_v))
+        return self.o_proj(self.mix(x, cos, sin, starts, ctx_k, ctx_v, context_len, rows_alike))
 
-    def mix(self, x, cos, sin, starts, ctx_k, ctx_v):
+    def mix(self, x, cos, sin, starts, ctx_k, ctx_v, context_len=None, rows_alike=False):
         """The attention's output before o_proj, [B, m, bs, heads * head_dim] (see `forward`)."""
-        B, m, bs, _ = x.shape
-        T = ctx_k.shape[-2]
-        h, g, d = self.num_kv_heads, self.groups, self.head_dim
-        # Query heads are grouped as kv_head * groups + g (transformers' repeat_kv order).
-        q = self.q_norm(self.q_proj(x).view(B, m, bs, h, g, d))
-        # The scale goes on the queries: one product over bs positions instead of one over every score.
-        q = apply_rope(q, cos[:, :, :, None, None], sin[:, :, :, None, None]) * self.scaling
-        q = q.permute(0, 3, 1, 4, 2, 5).contiguous()  # [B, h, m, g, bs, d]
-        k_blk, v_blk = self.kv(x, cos, sin)  # [B, m, h, bs, d]
-        k_blk, v_blk = k_blk.transpose(1, 2), v_blk.transpose(1, 2)  # [B, h, m, bs, d]
-
-        # Context part: every block of a sequence shares its context, so one matmul per (sequence, head).
-        s_ctx = torch.matmul(q.view(B, h, m * g * bs, d), ctx_k.transpose(-1, -2)).view(B, h, m, g, bs, T)
-        s_blk = torch.matmul(q.view(B, h, m, g * bs, d), k_blk.transpose(-1, -2)).view(B, h, m, g, bs, bs)
-        # The scores stay in the compute dtype (the products above already round them to it); the
-        # mask goes in in place and softmax accumulates in float32: the scores are the largest
-        # tensor of a step, and each float32 copy of them costs more memory traffic than the matmuls.
-        scores = torch.cat([s_ctx, s_blk], dim=-1)
-
-        key_pos = torch.arange(T, device=x.device)
-        starts_ = starts[:, None, :, None, None, None]
-        ctx_hidden = key_pos >= starts_  # [B, 1, m, 1, 1, T]
-        if self.sliding_window is not None:
-            query_pos = starts_ + torch.arange(bs, device=x.device)[:, None]
-            ctx_hidden = ctx_hidden | (query_pos - key_pos >= self.sliding_window)
-        ctx_hidden = ctx_hidden.expand(B, 1, m, 1, bs, T)
-        block = torch.arange(bs, device=x.device)
-        blk_visible = self.visibility(block, block)
-        blk_hidden = (
-            torch.zeros(bs, bs, dtype=torch.bool, device=x.device) if blk_visible is None else ~blk_visible
-        ).expand(B, 1, m, 1, bs, bs)
-        mask = torch.cat([ctx_hidden, blk_hidden], dim=-1)
-        probs = scores.masked_fill_(mask, float("-inf")).softmax(dim=-1)
-
-        out = torch.matmul(probs[..., :T].reshape(B, h, m * g * bs, T), ctx_v).view(B, h, m, g, bs, d)
-        out = out + torch.matmul(probs[..., T:].reshape(B, h, m, g * bs, bs), v_blk).view(B, h, m, g, bs, d)
-        return out.permute(0, 2, 4, 1, 3, 5).reshape(B, m, bs, h * g * d)
+        q, k_blk, v_blk = self.qkv(x, cos, sin, rows_alike)
+        return block_attention(self, q, k_blk, v_blk, starts, ctx_k, ctx_v, context_len)
 
 
 class DFlashLayer(nn.Module):
@@ -159,12 +166,24 @@ class DFlashLayer(nn.Module):
         super().__init__()
         self.self_attn = DFlashAttention(config, layer_idx)
         self.mlp = Qwen3MLP(config)
-        self.input_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        self.post_attention_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self._gate_up: tuple[torch.Tensor, torch.Tensor | None] | None = None
 
-    def forward(self, x, cos, sin, starts, ctx_k, ctx_v):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, starts, ctx_k, ctx_v)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def feed_forward(self, x: torch.Tensor) -> torch.Tensor:
+        """The MLP: one product for gate and up where they are fused, the activation and the product
+        with up in two in-place passes; Qwen3MLP's own forward otherwise."""
+        mlp = self.mlp
+        fused = fused_linears(self._gate_up, (mlp.gate_proj, mlp.up_proj))
+        if fused is None:
+            return mlp(x)
+        gate, up = F.linear(x, *fused).chunk(2, dim=-1)
+        return mlp.down_proj(mlp.act_fn(gate).mul_(up))
+
+    def forward(self, x, cos, sin, starts, ctx_k, ctx_v, context_len=None, rows_alike=False):
+        y = self.input_layernorm(x)
+        x = x + self.self_attn(y, cos, sin, starts, ctx_k, ctx_v, context_len, rows_alike)
+        return x + self.feed_forward(self.post_attention_layernorm(x))
 
 
 class DFlashDrafter(nn.Module):
@@ -184,10 +203,30 @@ class DFlashDrafter(nn.Module):
         self.logit_softcap = float(softcap) if softcap is not None and float(softcap) > 0 else None
         hidden = config.hidden_size
         self.fc = nn.Linear(len(self.target_layer_ids) * hidden, hidden, bias=False)
-        self.hidden_norm = Qwen3RMSNorm(hidden, eps=config.rms_norm_eps)
+        self.hidden_norm = RMSNorm(hidden, eps=config.rms_norm_eps)
         self.layers = nn.ModuleList(DFlashLayer(config, i) for i in range(config.num_hidden_layers))
-        self.norm = Qwen3RMSNorm(hidden, eps=config.rms_norm_eps)
+        self.norm = RMSNorm(hidden, eps=config.rms_norm_eps)
         self.rotary_emb = Qwen3RotaryEmbedding(config)
+
+    def fuse_projections(self) -> DFlashDrafter:
+        """Concatenate every layer's q/k/v and gate/up weights once (see `fuse_linears`): one matrix product
+        each instead of three and two. A later .to() keeps them fused; training uses the plain path."""
+        for layer in self.decoder_layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            attn._qkv = fuse_linears((attn.q_proj, attn.k_proj, attn.v_proj))
+            layer._gate_up = fuse_linears((mlp.gate_proj, mlp.up_proj))
+        return self
+
+    def _apply(self, fn, recurse=True):
+        # .to() and friends convert each parameter alone: unfuse first and fuse again after, so the
+        # model never holds a stale copy of its weights.
+        fused = any(layer._gate_up is not None for layer in self.decoder_layers)
+        for layer in self.decoder_layers:
+            layer.self_attn._qkv = layer._gate_up = None
+        result = super()._apply(fn, recurse)
+        if fused:
+            self.fuse_projections()
+        return result
 
     @property
     def decoder_layers(self) -> list[DFlashLayer]:
@@ -216,16 +255,29 @@ class DFlashDrafter(nn.Module):
         return self.hidden_norm(self.fc(features))
 
     def context_kv(
-        self, features: torch.Tensor, first_position: int = 0
+        self, features: torch.Tensor, first_position: int = 0, block_slots: bool = False
     ) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Per layer (k, v) [B, kv_heads, T, head_dim] of the context at positions first_position.. .
 
         features: [B, T, n, hidden] target features. These K/V do not depend on any block.
+        block_slots: leave spare positions after the context (zeros) for a block's own keys and
+        values, so the fused attention needs no concatenation (`specops.block_attention`); pass
+        `context_len=T` to `trunk` then.
         """
         ctx = self.project_context(features)
-        positions = torch.arange(first_position, first_position + ctx.shape[-2], device=ctx.device)
+        T = ctx.shape[-2]
+        positions = torch.arange(first_position, first_position + T, device=ctx.device)
         cos, sin = self.rope(positions, ctx)
-        return [layer.self_attn.kv(ctx, cos, sin) for layer in self.decoder_layers]
+        found = []
+        for layer in self.decoder_layers:
+            k, v = layer.self_attn.kv(ctx, cos, sin)
+            if block_slots:
+                shape = (*k.shape[:-2], slots_length(T, self.block_size), k.shape[-1])
+                k_slots, v_slots = k.new_zeros(shape), v.new_zeros(shape)
+                k_slots[..., :T, :], v_slots[..., :T, :] = k, v
+                k, v = k_slots, v_slots
+            found.append((k, v))
+        return found
 
     def block_embeddings(self, embed, anchor_tokens: torch.Tensor) -> torch.Tensor:
         """[token at s, MASK x (bs-1)] through the target's embedding: anchors [...] -> [..., bs, hidden]."""
@@ -253,6 +305,8 @@ class DFlashDrafter(nn.Module):
         block_embeds: torch.Tensor,
         starts: torch.Tensor,
         context: list[tuple[torch.Tensor, torch.Tensor]],
+        context_len: int | None = None,
+        mask_rows_alike: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The blocks up to the last layer's attention: (residual, mix), both [B, m, bs, ...].
 
@@ -260,23 +314,28 @@ class DFlashDrafter(nn.Module):
         from them), and so does the last layer's attention; what follows it (`finish`: o_proj, MLP,
         final norm) acts on each position alone, so it can run later on only the positions whose
         drafts are needed. residual is the last layer's input, mix its attention before o_proj.
+        context_len: where the context ends when it was built with block slots (`context_kv`).
+        mask_rows_alike: rows 1.. of every block are the mask token's embedding (`block_embeddings`
+        makes them so): the first layer projects q/k/v of those rows once per block.
         """
         bs = block_embeds.shape[-2]
         positions = starts[..., None] + torch.arange(bs, device=starts.device)
         cos, sin = self.rope(positions, block_embeds)
         layers = self.decoder_layers
         x = block_embeds
-        for layer, (ctx_k, ctx_v) in zip(layers[:-1], context[:-1], strict=True):
-            x = layer(x, cos, sin, starts, ctx_k, ctx_v)
+        for i, (layer, (ctx_k, ctx_v)) in enumerate(zip(layers[:-1], context[:-1], strict=True)):
+            x = layer(x, cos, sin, starts, ctx_k, ctx_v, context_len, mask_rows_alike and i == 0)
         last = layers[-1]
-        mixed = last.self_attn.mix(last.input_layernorm(x), cos, sin, starts, *context[-1])
+        alike = mask_rows_alike and len(layers) == 1
+        y = last.input_layernorm(x)
+        mixed = last.self_attn.mix(y, cos, sin, starts, *context[-1], context_len, alike)
         return x, mixed
 
     def finish(self, residual: torch.Tensor, mixed: torch.Tensor) -> torch.Tensor:
         """Draft hidden states from `trunk`'s (residual, mix) of any positions [..., hidden]."""
         last = self.decoder_layers[-1]
         x = residual + last.self_attn.o_proj(mixed)
-        x = x + last.mlp(last.post_attention_layernorm(x))
+        x = x + last.feed_forward(last.post_attention_layernorm(x))
         return self.norm(x)
 
 
@@ -394,4 +453,4 @@ def load_drafter(
     model.load_state_dict({k: v.to(dtype) for k, v in tensors.items()}, assign=True)
     # The rotary buffer was created on the meta device: rebuild it for real.
     model.rotary_emb = Qwen3RotaryEmbedding(config)
-    return model.to(device=device).eval()
+    return model.to(device=device).fuse_projections().eval()

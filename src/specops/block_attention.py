@@ -1,0 +1,163 @@
+"""A drafted block's attention over its sequence's context before the block and over itself.
+
+Two kernels compute the same thing, chosen through one function (`block_attention`):
+
+- `reference`: the plain statement: scores of the block's queries against the whole (padded) context
+  and against the block, the hidden keys masked, softmax, the mix of the values. It materialises the
+  scores, [B, kv_heads, m, groups, bs, T + bs], and passes over them several times. It handles any
+  number of blocks per sequence and is what the fast kernel is checked against (tests/unit).
+- `sdpa`: torch's scaled_dot_product_attention over the context buffer with the block's own keys and
+  values written into spare slots at its end (`context_kv(..., block_slots=True)`), and an additive
+  mask that hides the context at and after each block's start and the unused slots. The fused kernels
+  never write the scores out. It needs one block per sequence (the frontier walk) and a context built
+  with the slots; otherwise the reference runs. Torch picks the backend: cuDNN's on the H200 (which
+  builds a plan for every new batch size, and the frontier's batch shrinks as sequences finish), flash
+  on the CPU. `sdpa-efficient` and `sdpa-cudnn` hold a CUDA device to one backend (elsewhere they are
+  `sdpa`).
+
+The query heads of one key/value head are folded into the query length (g x bs queries against one
+key/value head), so no kernel needs grouped-query support and each key is read once per group.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+if TYPE_CHECKING:
+    from specops.drafter import DFlashAttention
+
+# Spare positions after the context hold the block's keys and values; the buffer's length is rounded up
+# to this multiple (the memory-efficient kernel wants its mask's rows aligned to 16 elements).
+SLOT_ALIGNMENT = 16
+
+# kernel(attn, q, k_blk, v_blk, starts, ctx_k, ctx_v, context_len) -> [B, m, bs, heads * head_dim]
+# q [B, m, bs, kv_heads, groups, head_dim] (normed and rotated, not scaled); k_blk, v_blk
+# [B, m, kv_heads, bs, head_dim]; starts [B, m]; ctx_k, ctx_v [B, kv_heads, T', head_dim] with the
+# context at positions 0..context_len-1 (T' >= context_len; the rest spare slots).
+Kernel = Callable[..., torch.Tensor]
+
+# The kernel used where it applies, chosen by measurement on the H200 at the real drafter's shape
+# (benchmarks/score_real_h200.json, kernels.attention_kernels: per call at 256 x 1,128 tokens,
+# reference 2.02 ms, sdpa-efficient 0.95 ms, cuDNN 0.71-0.74 ms, but cuDNN's first call at each new
+# batch size costs 74 ms, and the frontier meets a new one every few steps). On the CPU it is `sdpa`
+# (flash). "reference" forces the plain path everywhere.
+KERNEL = "sdpa-efficient"
+
+
+def slots_length(context_len: int, block_size: int) -> int:
+    """The context buffer's length with room for one block after the context, aligned."""
+    need = context_len + block_size
+    return -(-need // SLOT_ALIGNMENT) * SLOT_ALIGNMENT
+
+
+def reference(attn: DFlashAttention, q, k_blk, v_blk, starts, ctx_k, ctx_v, context_len=None):
+    """The plain path (module docstring); spare slots past the context are hidden like any key
+    at or after a block's start."""
+    B, m, bs, h, g, d = q.shape
+    T = ctx_k.shape[-2]
+    # The scale goes on the queries: one product over bs positions instead of one over every score.
+    q = (q * attn.scaling).permute(0, 3, 1, 4, 2, 5).contiguous()  # [B, h, m, g, bs, d]
+    k_blk, v_blk = k_blk.transpose(1, 2), v_blk.transpose(1, 2)  # [B, h, m, bs, d]
+    s_ctx = torch.matmul(q.view(B, h, m * g * bs, d), ctx_k.transpose(-1, -2)).view(B, h, m, g, bs, T)
+    s_blk = torch.matmul(q.view(B, h, m, g * bs, d), k_blk.transpose(-1, -2)).view(B, h, m, g, bs, bs)
+    # The scores stay in the compute dtype; softmax accumulates in float32.
+    scores = torch.cat([s_ctx, s_blk], dim=-1)
+
+    key_pos = torch.arange(T, device=q.device)
+    starts_ = starts[:, None, :, None, None, None]
+    ctx_hidden = key_pos >= starts_  # [B, 1, m, 1, 1, T]
+    if attn.sliding_window is not None:
+        query_pos = starts_ + torch.arange(bs, device=q.device)[:, None]
+        ctx_hidden = ctx_hidden | (query_pos - key_pos >= attn.sliding_window)
+    ctx_hidden = ctx_hidden.expand(B, 1, m, 1, bs, T)
+    block = torch.arange(bs, device=q.device)
+    blk_visible = attn.visibility(block, block)
+    blk_hidden = (
+        torch.zeros(bs, bs, dtype=torch.bool, device=q.device) if blk_visible is None else ~blk_visible
+    ).expand(B, 1, m, 1, bs, bs)
+    mask = torch.cat([ctx_hidden, blk_hidden], dim=-1)
+    probs = scores.masked_fill_(mask, float("-inf")).softmax(dim=-1)
+
+    out = torch.matmul(probs[..., :T].reshape(B, h, m * g * bs, T), ctx_v).view(B, h, m, g, bs, d)
+    out = out + torch.matmul(probs[..., T:].reshape(B, h, m, g * bs, bs), v_blk).view(B, h, m, g, bs, d)
+    return out.permute(0, 2, 4, 1, 3, 5).reshape(B, m, bs, h * g * d)
+
+
+def slot_mask(attn: DFlashAttention, starts: torch.Tensor, context_len: int, slots: int, bs: int, dtype):
+    """Additive mask [B, 1, 1 or groups * bs, slots]: 0 where a query sees the key, -inf elsewhere.
+
+    Keys 0..context_len-1 are the context (seen before the block's start, and within the sliding
+    window), context_len..context_len+bs-1 the block (the layer's rule inside a block), the rest unused.
+    """
+    device = starts.device
+    key = torch.arange(slots, device=device)
+    start = starts[:, :1]  # [B, 1]
+    in_block = key - context_len
+    block_rule = attn.visibility(torch.arange(bs, device=device), torch.arange(bs, device=device))
+    if block_rule is None and attn.sliding_window is None:
+        visible = (key < start) | ((in_block >= 0) & (in_block < bs))  # [B, slots]
+        visible = visible[:, None, None, :]
+    else:
+        query = torch.arange(bs, device=device)[:, None]  # [bs, 1]
+        ctx = key[None, None, :] < start[:, :, None]  # [B, 1, slots]
+        if attn.sliding_window is not None:
+            ctx = ctx & (start[:, :, None] + query - key < attn.sliding_window)
+        rule = torch.ones(bs, bs, dtype=torch.bool, device=device) if block_rule is None else block_rule
+        blk = torch.zeros(bs, slots, dtype=torch.bool, device=device)
+        blk[:, context_len : context_len + bs] = rule
+        visible = (ctx & (key < context_len)) | blk  # [B, bs, slots]
+        visible = (
+            visible[:, None, None]
+            .expand(-1, 1, attn.groups, bs, slots)
+            .reshape(-1, 1, attn.groups * bs, slots)
+        )
+    zero = torch.zeros((), dtype=dtype, device=device)
+    return torch.where(visible, zero, torch.tensor(float("-inf"), dtype=dtype, device=device))
+
+
+def sdpa(attn: DFlashAttention, q, k_blk, v_blk, starts, ctx_k, ctx_v, context_len):
+    """The fused path (module docstring); one block per sequence, the context built with slots."""
+    B, _, bs, h, g, d = q.shape
+    slots = ctx_k.shape[-2]
+    ctx_k[:, :, context_len : context_len + bs] = k_blk[:, 0]
+    ctx_v[:, :, context_len : context_len + bs] = v_blk[:, 0]
+    queries = q[:, 0].permute(0, 2, 3, 1, 4).reshape(B, h, g * bs, d)
+    mask = slot_mask(attn, starts, context_len, slots, bs, q.dtype)
+    out = F.scaled_dot_product_attention(queries, ctx_k, ctx_v, attn_mask=mask, scale=attn.scaling)
+    return out.view(B, h, g, bs, d).permute(0, 3, 1, 2, 4).reshape(B, 1, bs, h * g * d)
+
+
+def _on_backend(backend: SDPBackend) -> Kernel:
+    def kernel(attn, q, k_blk, v_blk, starts, ctx_k, ctx_v, context_len):
+        if not q.is_cuda:
+            return sdpa(attn, q, k_blk, v_blk, starts, ctx_k, ctx_v, context_len)
+        with sdpa_kernel([backend]):
+            return sdpa(attn, q, k_blk, v_blk, starts, ctx_k, ctx_v, context_len)
+
+    return kernel
+
+
+KERNELS: dict[str, Kernel] = {
+    "reference": reference,
+    "sdpa": sdpa,
+    "sdpa-efficient": _on_backend(SDPBackend.EFFICIENT_ATTENTION),
+    "sdpa-cudnn": _on_backend(SDPBackend.CUDNN_ATTENTION),
+}
+
+
+def block_attention(
+    attn: DFlashAttention, q, k_blk, v_blk, starts, ctx_k, ctx_v, context_len: int | None = None
+) -> torch.Tensor:
+    """The attention's output before o_proj, [B, m, bs, heads * head_dim], through `KERNEL` where it
+    applies (one block per sequence, a context with its block slots) and the reference elsewhere."""
+    if KERNEL not in KERNELS:
+        raise ValueError(f"block attention kernel {KERNEL!r} is not one of {sorted(KERNELS)}")
+    bs = q.shape[2]
+    fits = context_len is not None and q.shape[1] == 1 and ctx_k.shape[-2] >= context_len + bs
+    kernel = KERNELS[KERNEL] if fits else reference
+    return kernel(attn, q, k_blk, v_blk, starts, ctx_k, ctx_v, context_len)

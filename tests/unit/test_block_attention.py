@@ -1,0 +1,205 @@
+"""The fast paths of the scoring engine against the plain ones they replace.
+
+- every attention kernel of specops.block_attention against the reference, for each layer rule;
+- the drafter's fused projections and its first layer's mask rows projected once against the plain
+  forward;
+- the head's argmax over vocabulary chunks against one argmax over the whole vocabulary, ties and NaN
+  included;
+- the CPU's group budget from the host's available memory.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+from transformers import Qwen3Config  # noqa: E402
+
+import specops.acceptance as acceptance  # noqa: E402
+import specops.block_attention as block_attention  # noqa: E402
+from specops.drafter import DFlashDrafter  # noqa: E402
+from specops.target_head import TargetHead  # noqa: E402
+
+HIDDEN, HEADS, KV_HEADS, HEAD_DIM, BLOCK, WINDOW = 32, 4, 2, 8, 4, 3
+RULES = {
+    "full": (["full_attention", "full_attention"], None),
+    "sliding (causal, windowed)": (["sliding_attention", "full_attention"], None),
+    "sliding, is_causal false": (["sliding_attention", "full_attention"], False),
+    "causal": (["full_attention", "full_attention"], True),
+}
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def build(layer_types: list[str], is_causal: bool | None = None, seed: int = 0) -> DFlashDrafter:
+    config = Qwen3Config(
+        hidden_size=HIDDEN,
+        intermediate_size=64,
+        num_hidden_layers=len(layer_types),
+        num_attention_heads=HEADS,
+        num_key_value_heads=KV_HEADS,
+        head_dim=HEAD_DIM,
+        vocab_size=64,
+        layer_types=layer_types,
+        use_sliding_window=True,
+        sliding_window=WINDOW,
+        max_window_layers=0,
+        block_size=BLOCK,
+        dflash_config={"mask_token_id": 1, "target_layer_ids": [0, 1]},
+    )
+    if is_causal is not None:
+        config.is_causal = is_causal
+    torch.manual_seed(seed)
+    drafter = DFlashDrafter(config).float().eval()
+    with torch.no_grad():
+        for parameter in drafter.parameters():
+            parameter.normal_(0, 0.3)
+    return drafter
+
+
+def inputs(batch: int = 5, length: int = 21, seed: int = 1):
+    generator = torch.Generator().manual_seed(seed)
+    features = torch.randn(batch, length, 2, HIDDEN, generator=generator)
+    blocks = torch.randn(batch, 1, BLOCK, HIDDEN, generator=generator)
+    # The first and last anchors a walk can reach, and some between.
+    starts = torch.tensor([[1], [length - 2], [7], [2], [13]])[:batch]
+    return features, blocks, starts
+
+
+@pytest.mark.parametrize("rule", RULES)
+@pytest.mark.parametrize("kernel", [k for k in block_attention.KERNELS if k != "reference"])
+@torch.inference_mode()
+def test_every_attention_kernel_equals_the_reference(rule, kernel, monkeypatch):
+    drafter = build(*RULES[rule])
+    features, blocks, starts = inputs()
+    length = features.shape[1]
+    context = drafter.context_kv(features, block_slots=True)
+    assert context[0][0].shape[-2] % block_attention.SLOT_ALIGNMENT == 0
+    attn = drafter.decoder_layers[0].self_attn
+    positions = starts[..., None] + torch.arange(BLOCK)
+    cos, sin = drafter.rope(positions, blocks)
+    q, k_blk, v_blk = attn.qkv(blocks, cos, sin)
+    expected = block_attention.reference(attn, q, k_blk, v_blk, starts, *context[0])
+    fast = block_attention.KERNELS[kernel](attn, q, k_blk, v_blk, starts, *context[0], length)
+    assert torch.allclose(fast, expected, atol=1e-5)
+    # The whole drafter: the engine's call (slots, the kernel) against the plain one.
+    monkeypatch.setattr(block_attention, "KERNEL", kernel)
+    got = drafter.finish(*drafter.trunk(blocks, starts, context, length))
+    plain = drafter(blocks, starts, drafter.context_kv(features))
+    assert torch.allclose(got, plain, atol=1e-5)
+
+
+@torch.inference_mode()
+def test_several_blocks_per_sequence_fall_back_to_the_reference(monkeypatch):
+    drafter = build(*RULES["full"])
+    features, _, _ = inputs()
+    blocks = torch.randn(5, 3, BLOCK, HIDDEN)
+    starts = torch.tensor([[1, 5, 9]] * 5)
+    plain = drafter(blocks, starts, drafter.context_kv(features))
+    monkeypatch.setattr(block_attention, "KERNEL", "sdpa")
+    slotted = drafter.finish(
+        *drafter.trunk(blocks, starts, drafter.context_kv(features, block_slots=True), 21)
+    )
+    assert torch.allclose(slotted, plain, atol=1e-5)
+
+
+def test_an_unknown_kernel_is_named(monkeypatch):
+    drafter = build(*RULES["full"])
+    features, blocks, starts = inputs()
+    monkeypatch.setattr(block_attention, "KERNEL", "flash-4")
+    with pytest.raises(ValueError, match="flash-4"), torch.inference_mode():
+        drafter(blocks, starts, drafter.context_kv(features))
+
+
+@torch.inference_mode()
+def test_fused_projections_and_mask_rows_once_give_the_plain_forward():
+    drafter = build(*RULES["sliding (causal, windowed)"])
+    features, _, starts = inputs()
+    head = TargetHead(torch.randn(64, HIDDEN), torch.randn(64, HIDDEN))
+    blocks = drafter.block_embeddings(head.embed, torch.tensor([[3], [5], [7], [9], [11]]))
+    state = {name: tensor.clone() for name, tensor in drafter.state_dict().items()}
+    plain = drafter(blocks, starts, drafter.context_kv(features))
+    drafter.fuse_projections()
+    attn = drafter.decoder_layers[0].self_attn
+    assert attn.fused_qkv() is not None
+    assert attn.q_proj.weight.data_ptr() == attn.fused_qkv()[0].data_ptr()
+    assert drafter.state_dict().keys() == state.keys()
+    assert all(torch.equal(drafter.state_dict()[name], tensor) for name, tensor in state.items())
+    fused = drafter(blocks, starts, drafter.context_kv(features))
+    once = drafter.finish(*drafter.trunk(blocks, starts, drafter.context_kv(features), mask_rows_alike=True))
+    assert torch.allclose(fused, plain, atol=1e-5)
+    assert torch.allclose(once, plain, atol=1e-5)
+    # A later .to() fuses again in the new dtype, and the answers stay.
+    drafter.to(torch.float64)
+    assert attn.fused_qkv() is not None and attn.fused_qkv()[0].dtype == torch.float64
+    again = drafter(blocks.double(), starts, drafter.context_kv(features.double()))
+    assert torch.allclose(again.float(), plain, atol=1e-5)
+
+
+def test_a_fused_drafter_still_trains():
+    # load_drafter fuses, and the reference drafter fixture is trained from a loaded one.
+    drafter = build(*RULES["full"]).fuse_projections()
+    with torch.inference_mode():
+        assert drafter.decoder_layers[0].self_attn.fused_qkv() is not None
+    attn = drafter.decoder_layers[0].self_attn
+    assert attn.fused_qkv() is None  # grad mode: the separate linears
+    features, blocks, starts = inputs()
+    drafter(blocks, starts, drafter.context_kv(features)).square().mean().backward()
+    for linear in (attn.q_proj, attn.k_proj, attn.v_proj, drafter.decoder_layers[0].mlp.up_proj):
+        assert linear.weight.requires_grad and linear.weight.grad is not None
+        assert linear.weight.grad.abs().sum() > 0
+
+
+@pytest.mark.parametrize("chunk", [1, 3, 7, 16, 64, 1000])
+def test_argmax_over_vocabulary_chunks_equals_the_whole_vocabulary(chunk):
+    generator = torch.Generator().manual_seed(2)
+    weight = torch.randn(64, 16, generator=generator)
+    hidden = torch.randn(50, 16, generator=generator)
+    whole = TargetHead(weight, weight, vocab_chunk=64)
+    chunked = TargetHead(weight, weight, vocab_chunk=chunk, logits_budget_bytes=4 * 64 * 7)
+    for multiplier, softcap in ((1.0, None), (0.5, 3.0)):
+        expected = whole.logits(hidden, multiplier, softcap).argmax(dim=-1)
+        assert torch.equal(whole.argmax(hidden, multiplier, softcap), expected)
+        assert torch.equal(chunked.argmax(hidden, multiplier, softcap), expected)
+
+
+@pytest.mark.parametrize("chunk", [1, 2, 3, 5, 8])
+def test_argmax_ties_go_to_the_lowest_token_across_chunks(chunk):
+    # Small integers: every logit is exact whatever the order of the sums, so the ties are exact.
+    rows = torch.tensor([[1.0, 0, 0], [0, 1, 0], [0, 0, 1], [1, 1, 0]])
+    weight = rows[torch.tensor([1, 0, 2, 0, 3, 1, 3, 2])]  # 1 ties 3, 0 ties 5, 4 ties 6, 2 ties 7
+    hidden = torch.tensor([[2.0, 0, 0], [0, 3, 0], [0, 0, 1], [1, 1, 0], [1, 1, 1], [0, 0, 0]])
+    expected = (hidden @ weight.T).argmax(dim=-1)
+    assert expected.tolist() == [1, 0, 2, 4, 4, 0]  # torch.argmax: the first of the tied maxima
+    head = TargetHead(weight, weight, vocab_chunk=chunk)
+    assert head.argmax(hidden).tolist() == expected.tolist()
+
+
+@pytest.mark.parametrize("chunk", [1, 2, 4])
+def test_argmax_takes_the_first_nan_as_torch_argmax_does(chunk):
+    weight = torch.eye(4)
+    hidden = torch.tensor([[1.0, float("nan"), 5.0, float("nan")], [1.0, 2.0, 5.0, float("nan")]])
+    expected = (hidden @ weight.T).argmax(dim=-1)
+    assert torch.equal(TargetHead(weight, weight, vocab_chunk=chunk).argmax(hidden), expected)
+
+
+def test_the_cpu_group_budget_is_a_share_of_the_hosts_available_memory(tmp_path, monkeypatch):
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text("MemTotal:       24000000 kB\nMemAvailable:   20000000 kB\n")
+    assert acceptance.available_host_memory(str(meminfo)) == 20000000 * 1024
+    (tmp_path / "empty").write_text("MemTotal: 1 kB\n")
+    assert acceptance.available_host_memory(str(tmp_path / "empty")) is None
+    assert acceptance.available_host_memory(str(tmp_path / "missing")) is None
+    monkeypatch.setattr(acceptance, "available_host_memory", lambda: 20000000 * 1024)
+    budget = acceptance.default_memory_budget(torch.device("cpu"))
+    assert budget == int(acceptance.CPU_MEMORY_SHARE * 20000000 * 1024)
+    monkeypatch.setattr(acceptance, "available_host_memory", lambda: 1 << 30)
+    assert acceptance.default_memory_budget(torch.device("cpu")) == acceptance.CPU_MEMORY_BUDGET
+    monkeypatch.setattr(acceptance, "available_host_memory", lambda: None)
+    assert acceptance.default_memory_budget(torch.device("cpu")) == acceptance.CPU_MEMORY_BUDGET
