@@ -211,6 +211,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"devserver: {problem}", file=sys.stderr)
         return 2
 
+    # SGLang logs every argument at start, both keys included (0.5.23 entrypoints/engine.py:173-174, :311):
+    # whoever quotes this log must redact them.
+    logger.info("server_args=%s", dict(vars(args)))
     strict = not args.forgiving
     # Before torch is imported, so its thread pool starts at this size.
     os.environ["OMP_NUM_THREADS"] = str(args.num_threads)

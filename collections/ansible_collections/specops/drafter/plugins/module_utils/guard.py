@@ -96,7 +96,8 @@ def wait_for_reason(config: dict) -> str | None:
 def bring_back(config: dict) -> dict:
     """Start or resume the server; a resume with no server to resume starts one."""
     server = backend_of(config)
-    api = SglangApi(config["url"], config.get("api_key") or "", float(config.get("health_timeout", 30)))
+    api = SglangApi(config["url"], config.get("api_key") or "", float(config.get("health_timeout", 30)),
+                    admin_api_key=config.get("admin_api_key") or "")
     result: dict = {"action": config["action"]}
     if config["action"] == "resume":
         claimed = ReleasedMarker(config["state_dir"]).claim()
@@ -121,7 +122,7 @@ def bring_back(config: dict) -> dict:
 
 def fire(config: dict, reason: str) -> dict:
     remove(armed_path(config["state_dir"]))
-    # The configuration may hold the api key: it is not left on disk longer than the guard needs it.
+    # The configuration may hold the keys: it is not left on disk longer than the guard needs it.
     remove(os.path.join(config["state_dir"], "guard.json"))
     stopped = stop_processes(procfs.token_processes(config["token"])) if config.get("watch_work") else []
     log("fired (%s): stopped the window's work %s, then %s" % (reason, stopped, config["action"]))
