@@ -150,8 +150,9 @@ class ProcessServer(object):
                 raise ServiceError("cannot start %s: %s (check sglang_service_python)" % (argv[0], error))
         with open(self.pid_file, "w") as handle:
             handle.write("%d\n" % child.pid)
+        # The command line as shown elsewhere: its keys redacted (the digest tells a changed spec).
         write_json(self.identity_file, {"digest": spec_digest(self.spec), "start_time": procfs.start_time(child.pid),
-                                        "argv": argv})
+                                        "argv": procfs.redact_argv(argv)})
         return child.pid
 
     def stop(self, timeout: float, tree_file: str = "") -> dict:

@@ -324,7 +324,11 @@ def main():
         fields = dict(error.fields)
         fields.pop("msg", None)
         fields["failed"] = True
+        for warning in fields.pop("warnings", []):
+            module.warn(warning)
         module.fail_json(msg=error.msg, **fields)
+    for warning in result.pop("warnings", []):
+        module.warn(warning)
     module.exit_json(**result)
 
 
