@@ -166,10 +166,14 @@ class SglangApi(object):
         """Constrained requests waiting for their grammar (0.5.23 /v1/loads?include=queues); None where not said."""
         answer = self.call("/v1/loads?include=queues")
         body = answer.json() if answer.ok else None
+        ranks = body.get("loads") if isinstance(body, dict) else None
+        total = 0
         try:
-            return sum(int(rank["queues"]["grammar"]) for rank in body["loads"])
+            for rank in ranks or []:
+                total += int(rank["queues"]["grammar"])
         except (KeyError, TypeError, ValueError):
             return None
+        return total if ranks else None
 
     def pause(self, mode: str | None) -> Answer:
         """mode None: the body-less pause of versions without modes, which aborts every request."""
