@@ -42,8 +42,10 @@ ADMIN_PATHS = ("/flush_cache", "/update_weights_from_disk", "/release_memory_occ
 # srt/server_args.py:316-333 redacts only watermark secrets); they never leave SglangApi.
 SECRET_ARGUMENTS = ("api_key", "admin_api_key")
 
-# Weights' tags: released without --enable-weights-cpu-backup their content is thrown away
-# (torch_memory_saver; sglang 0.5.23 srt/constants.py GPU_MEMORY_ALL_TYPES).
+# Weights' tags: released without --enable-weights-cpu-backup their content is thrown away (torch_memory_saver).
+# Draft and target weights share "weights" (sglang 0.5.23 srt/constants.py:3-10 GPU_MEMORY_ALL_TYPES; the draft's
+# backup flag is --enable-draft-weights-cpu-backup); "weights_drafter" is no SGLang tag (unknown tags are accepted
+# and release nothing, weight_updater.py:348-349) but is checked as weights should a caller ask for it.
 WEIGHT_TAGS = ("weights", "weights_drafter")
 
 
