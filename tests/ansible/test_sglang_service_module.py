@@ -278,6 +278,9 @@ def test_a_pause_that_fails_is_continued_and_the_window_given_back(site_factory)
         server.shutdown()
 
     posts = [(path, body) for path, body in FakeSglang.calls if body is not None]
+    # The weights' checksum is asked for while the server still serves, before the pause.
+    assert posts[0] == ("/weights_checker", {"action": "checksum"})
+    posts = posts[1:]
     assert (
         failed["failed"] and "pause_generation" in failed["msg"] and "generation continued" in failed["msg"]
     )
