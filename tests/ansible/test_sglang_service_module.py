@@ -115,9 +115,12 @@ def test_released_then_resumed_keeps_the_pid_and_serves(serving):
         assert KEYS["api_key"] not in text and KEYS["admin_api_key"] not in text
 
 
-def test_a_release_of_weights_without_cpu_backup_is_refused_before_anything_is_touched(site_factory):
-    site = site_factory("--enable-memory-saver")
+def test_weights_without_cpu_backup_are_refused_and_weights_changed_inside_the_window_are_restarted(
+    site_factory,
+):
+    site = site_factory("--enable-memory-saver")  # no CPU backup: weights released here come back scrambled
     assert not site.run("started")["failed"]
+    pid = site.pid()
 
     refused = site.run("released", window=window("w-nobackup"))
 
@@ -126,6 +129,22 @@ def test_a_release_of_weights_without_cpu_backup_is_refused_before_anything_is_t
     assert not (site.state_dir / "window.lock").exists() and not (site.state_dir / "released.json").exists()
     # Not paused: a paused server answers /health_generate 503.
     assert http_status(site.url + "/health_generate") == 200
+
+    # /health_generate says 200 with garbage weights; /weights_checker does not (0.5.23 http_server.py:1599).
+    released = site.run("released", window=window("w-weights"), tags=["kv_cache"])
+    assert released["changed"], released.get("msg")
+    # Inside the window something else releases and resumes the weights (the server is paused and idle).
+    for path in ("/release_memory_occupation", "/resume_memory_occupation"):
+        assert post(site.url + path, {"tags": ["weights"]})[0] == 200, path
+
+    resumed = site.run("resumed", window=window("w-weights"))
+
+    check = resumed["weights_check"]
+    assert not resumed["failed"], resumed.get("msg")
+    assert check["matched"] is False and check["restarted"] is True
+    assert check["after_restart"] == check["before"]
+    assert site.pid() not in (None, pid) and http_status(site.url + "/health_generate") == 200
+    assert "restarted to load its weights from disk" in warned(resumed)
 
 
 def test_a_weight_cache_or_a_waiting_timeout_the_window_would_outlast_is_refused_before_anything(
@@ -180,27 +199,6 @@ def test_under_0_5_4_a_release_is_refused_unless_drained_or_the_abort_risk_is_ac
     assert "accepted" in accepted["abort_pause"]
     resumed = site.run("resumed", window=window("w-054"))
     assert not resumed["failed"] and "weights_check" not in resumed, resumed  # 0.5.4 has no /weights_checker
-
-
-def test_weights_that_come_back_different_from_the_window_are_restarted_from_disk(site_factory):
-    # /health_generate says 200 with garbage weights; /weights_checker does not (0.5.23 http_server.py:1599).
-    site = site_factory("--enable-memory-saver")  # no CPU backup: weights released here come back scrambled
-    assert not site.run("started")["failed"]
-    pid = site.pid()
-    released = site.run("released", window=window("w-weights"), tags=["kv_cache"])
-    assert released["changed"], released.get("msg")
-    # Inside the window something else releases and resumes the weights (the server is paused and idle).
-    for path in ("/release_memory_occupation", "/resume_memory_occupation"):
-        assert post(site.url + path, {"tags": ["weights"]})[0] == 200, path
-
-    resumed = site.run("resumed", window=window("w-weights"))
-
-    check = resumed["weights_check"]
-    assert not resumed["failed"], resumed.get("msg")
-    assert check["matched"] is False and check["restarted"] is True
-    assert check["after_restart"] == check["before"]
-    assert site.pid() not in (None, pid) and http_status(site.url + "/health_generate") == 200
-    assert "restarted to load its weights from disk" in warned(resumed)
 
 
 def test_a_constrained_request_in_the_grammar_queue_at_the_pause_is_let_through_not_released_under(
