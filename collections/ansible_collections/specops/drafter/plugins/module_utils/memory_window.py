@@ -27,7 +27,7 @@ import subprocess
 import time
 
 from ansible_collections.specops.drafter.plugins.module_utils.service_errors import ServiceError
-from ansible_collections.specops.drafter.plugins.module_utils.sglang_api import has_pause_modes
+from ansible_collections.specops.drafter.plugins.module_utils.sglang_api import has_pause_modes, offers
 from ansible_collections.specops.drafter.plugins.module_utils.state_files import (
     ensure_dir,
     read_json,
@@ -108,7 +108,7 @@ def pause_without_losing_requests(api, version, drain_timeout: float, delay: flo
     return "drain then abort"
 
 
-def flush_through_grammar_queue(api, timeout: float, delay: float) -> None:
+def flush_through_grammar_queue(api, version, timeout: float, delay: float) -> None:
     """/flush_cache until 200 under a retract pause; a constrained request held in the grammar queue (which never
     drains while paused) is let through by a continue, and the pause taken again once the queue is empty."""
     deadline = time.monotonic() + timeout
@@ -116,7 +116,7 @@ def flush_through_grammar_queue(api, timeout: float, delay: float) -> None:
         answer = api.flush_cache()
         if answer.ok:
             return
-        if api.grammar_queue():
+        if offers(version, "grammar_queue_load") and api.grammar_queue():
             api.continue_generation()
             while api.grammar_queue() and time.monotonic() < deadline:
                 time.sleep(min(delay, 0.1))

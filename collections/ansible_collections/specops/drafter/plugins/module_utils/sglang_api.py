@@ -16,22 +16,26 @@ import re
 from urllib.error import HTTPError, URLError
 from urllib.request import Request, urlopen
 
-# What each SGLang release this code was read against offers; a version between two rows is taken as the
-# older row, one older than every row as the oldest, an unparsable one (a stand-in's name) as offering nothing.
-# - pause_modes: PauseGenerationReqInput.mode abort | retract | in_place (0.5.23 srt/managers/io_struct.py:1927);
-#   0.5.4's pause takes no body and aborts every request (srt/entrypoints/http_server.py:1062).
+# The first SGLang this code was read against with pause modes (sglang 0.5.23
+# srt/managers/io_struct.py:1927 PauseGenerationReqInput.mode: abort | retract | in_place);
+# sglang 0.5.4 srt/entrypoints/http_server.py:1062 pause_generation takes no body: pause = abort all.
+FIRST_VERSION_WITH_PAUSE_MODES = (0, 5, 23)
+
+# What each SGLang release offers the window, newest first; a version not listed takes the newest
+# entry at or below it.
+# - pause_modes: PauseGenerationReqInput.mode (0.5.23 srt/managers/io_struct.py:1927); 0.5.4's
+#   /pause_generation takes no body and aborts (srt/entrypoints/http_server.py:1062).
 # - admin_api_key: --admin-api-key, the only key of the admin endpoints when set (0.5.23 srt/utils/auth.py:133-141).
 # - weights_checker: /weights_checker checksums (0.5.23 srt/entrypoints/http_server.py:1599-1620).
 # - weight_cache_mode: --weight-cache-mode; other than off, a release including weights kills the scheduler
 #   (0.5.23 srt/managers/scheduler_components/weight_updater.py:293-307, 368-369).
 # - grammar_queue_load: /v1/loads?include=queues counts the grammar queue (0.5.23 srt/managers/load_snapshot.py:179-186).
 RELEASES = (
-    ((0, 5, 4), {"pause_modes": False, "admin_api_key": False, "weights_checker": False, "weight_cache_mode": False,
-                 "grammar_queue_load": False}),
     ((0, 5, 23), {"pause_modes": True, "admin_api_key": True, "weights_checker": True, "weight_cache_mode": True,
                   "grammar_queue_load": True}),
+    ((0, 5, 4), {"pause_modes": False, "admin_api_key": False, "weights_checker": False, "weight_cache_mode": False,
+                 "grammar_queue_load": False}),
 )
-FIRST_VERSION_WITH_PAUSE_MODES = (0, 5, 23)
 
 # Endpoints that only the admin key opens when the server has one (0.5.23 srt/entrypoints/http_server.py ADMIN_OPTIONAL:
 # 1026 flush, 1301 update_weights_from_disk, 1576 release, 1588 resume, 1600 weights_checker, 1832 pause, 1845 continue).
@@ -57,20 +61,23 @@ def parse_version(text) -> tuple[int, ...] | None:
     return tuple(int(part or 0) for part in match.groups())
 
 
-def offers(version, feature: str) -> bool:
-    """Whether the SGLang release `version` offers `feature` (a key of RELEASES' rows)."""
-    parsed = parse_version(version)
-    if parsed is None:
-        return False
-    row = RELEASES[0][1]
-    for first, facts in RELEASES:
-        if parsed >= first:
-            row = facts
-    return bool(row[feature])
-
-
 def has_pause_modes(version) -> bool:
-    return offers(version, "pause_modes")
+    parsed = parse_version(version)
+    return parsed is not None and parsed >= FIRST_VERSION_WITH_PAUSE_MODES
+
+
+def release_facts(version) -> dict:
+    """RELEASES' entry for a version (the newest at or below it; the newest for a name it cannot read)."""
+    parsed = parse_version(version)
+    for first, facts in RELEASES:
+        if parsed is None or parsed >= first:
+            return facts
+    return RELEASES[-1][1]
+
+
+def offers(version, feature: str) -> bool:
+    """Whether the SGLang release `version` offers `feature` (a key of RELEASES' entries)."""
+    return bool(release_facts(version).get(feature))
 
 
 def redacted(info: dict) -> dict:

@@ -35,7 +35,7 @@ from ansible_collections.specops.drafter.plugins.module_utils.release_checks imp
 from ansible_collections.specops.drafter.plugins.module_utils.service_errors import ServiceError
 from ansible_collections.specops.drafter.plugins.module_utils.service_process import ProcessServer, launch_problems
 from ansible_collections.specops.drafter.plugins.module_utils.service_systemd import SystemdUnit
-from ansible_collections.specops.drafter.plugins.module_utils.sglang_api import SglangApi
+from ansible_collections.specops.drafter.plugins.module_utils.sglang_api import SglangApi, offers
 from ansible_collections.specops.drafter.plugins.module_utils.state_files import ensure_dir, write_json
 from ansible_collections.specops.drafter.plugins.module_utils.window_lock import NO_WINDOW_TOKEN, WindowLock
 
@@ -295,7 +295,7 @@ class ServiceWindow(object):
             self.result["changed"] = True
             return self.result
         # While it serves, so that the checksum adds nothing to the downtime; proven again after the resume.
-        weights_before = self.api.weights_checksum()
+        weights_before = self.api.weights_checksum() if offers(info.get("version"), "weights_checker") else None
         self._take_window()
         self._arm("resume")
         gpu_before = gpu_memory_used(self.params.get("gpu_ids") or [])
@@ -306,7 +306,7 @@ class ServiceWindow(object):
             self.result["pause_mode"] = pause_without_losing_requests(
                 self.api, info.get("version"), float(self.params["drain_timeout"]), float(self.params["ready_delay"]))
             if self.result["pause_mode"] == "retract":
-                flush_through_grammar_queue(self.api, float(self.params["drain_timeout"]),
+                flush_through_grammar_queue(self.api, info.get("version"), float(self.params["drain_timeout"]),
                                             float(self.params["ready_delay"]))
             else:
                 flush_until_idle(self.api, float(self.params["drain_timeout"]), float(self.params["ready_delay"]))
