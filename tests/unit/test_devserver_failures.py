@@ -65,6 +65,8 @@ def old_server(fixture_models, tmp_path_factory):
         "0.5.4",
         "--enable-memory-saver",
         "--enable-weights-cpu-backup",
+        "--grammar-compile-delay",
+        "3",
         log_path=log,
     ) as process:
         process.wait_ready()
@@ -148,6 +150,23 @@ def test_under_0_5_4_pause_takes_no_mode_and_aborts_the_request_in_flight(old_se
     finally:
         call(url, "/continue_generation", {})
     assert answer["result"][1]["meta_info"]["finish_reason"]["type"] == "abort"
+
+
+def test_under_0_5_4_flush_cache_does_not_wait_for_the_grammar_queue(old_server):
+    # 0.5.4 scheduler.py:2305-2311: flush looks at the waiting queue and the running batch only (0.5.23
+    # also requires an empty grammar queue, scheduler.py:5369-5372).
+    url = old_server.url
+    body = {**request(4), "sampling_params": {**request(4)["sampling_params"], "regex": "[a-z]+"}}
+    worker, answer = in_background(url, body)
+
+    def in_grammar_queue() -> bool:
+        state = call(url, "/get_server_info")[1]["internal_states"][0]
+        return state["pending_requests"] == 1 and state["waiting_requests"] == state["running_requests"] == 0
+
+    wait_until(in_grammar_queue, "the request in the grammar queue")
+    assert call(url, "/flush_cache", {})[0] == 200
+    worker.join(120)
+    assert answer["result"][0] == 200 and len(answer["result"][1]["output_ids"]) == 4
 
 
 def test_under_0_5_4_get_load_counts_requests_and_server_info_says_0_5_4(old_server):

@@ -226,6 +226,9 @@ def main(argv: list[str] | None = None) -> int:
         num_draft_tokens=args.speculative_num_draft_tokens,
     )
     engine.grammar_compile_delay = args.grammar_compile_delay
+    engine.idle_needs_empty_grammar_queue = version.idle_needs_empty_grammar_queue
+    if not version.reads_waiting_timeout:
+        engine.waiting_timeout = -1.0
     memory = MemorySaver(
         engine,
         args.enable_memory_saver,

@@ -65,6 +65,7 @@ class RequestScheduler:
         self.preempting = False  # a release (0.5.4) waits for the running step to end
         self.last_scheduler_message = 0.0  # what /health_generate counts as a sign of life
         self.grammar_compile_delay = 0.0  # seconds a constrained request's grammar takes to compile
+        self.idle_needs_empty_grammar_queue = True  # versions.py says which release does
         # envs.SGLANG_REQ_WAITING_TIMEOUT (0.5.23 environ.py:685): -1, off, by default.
         self.waiting_timeout = float(os.environ.get("SGLANG_REQ_WAITING_TIMEOUT") or -1)
 
@@ -85,7 +86,7 @@ class RequestScheduler:
         nothing waiting unless told to ignore it."""
         return (
             self.count("running") == 0
-            and self.count("grammar") == 0
+            and (self.count("grammar") == 0 or not self.idle_needs_empty_grammar_queue)
             and (ignore_waiting or self.count("waiting") == 0)
         )
 

@@ -49,6 +49,12 @@ class SGLangVersion:
     has_weights_checker: bool
     # --weight-cache-mode choices (0.5.23 arg_groups/fields/model.py:377-389); 0.5.4 has no such flag.
     weight_cache_modes: tuple[str, ...]
+    # Flush and release idleness require an empty grammar queue (0.5.23 managers/scheduler.py:5369-5372);
+    # 0.5.4's flush_cache looks only at the waiting queue and the running batch (scheduler.py:2305-2311).
+    idle_needs_empty_grammar_queue: bool
+    # SGLANG_REQ_WAITING_TIMEOUT aborts long-waiting requests with 503 (0.5.23 environ.py:685,
+    # managers/scheduler.py:3605-3620); 0.5.4 reads no such variable.
+    reads_waiting_timeout: bool
 
 
 # Admin endpoints this server serves (the subset of 0.5.23's ADMIN_OPTIONAL routes it has).
@@ -78,6 +84,8 @@ VERSIONS = {
         load_asks_scheduler=False,
         has_weights_checker=True,
         weight_cache_modes=("off", "daemon", "client"),
+        idle_needs_empty_grammar_queue=True,
+        reads_waiting_timeout=True,
     ),
     "0.5.4": SGLangVersion(
         name="0.5.4",
@@ -93,5 +101,7 @@ VERSIONS = {
         load_asks_scheduler=True,
         has_weights_checker=False,
         weight_cache_modes=("off",),
+        idle_needs_empty_grammar_queue=False,
+        reads_waiting_timeout=False,
     ),
 }
