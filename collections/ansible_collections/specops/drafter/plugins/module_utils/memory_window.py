@@ -126,8 +126,8 @@ def flush_through_grammar_queue(api, version, timeout: float, delay: float) -> N
                                    "grammar queue had drained)" % (api.url, paused.describe()))
         if time.monotonic() >= deadline:
             raise ServiceError("POST %s/flush_cache still gives %s after %.0f s (sglang_service_drain_timeout): "
-                               "requests are still running or waiting for their grammar" % (api.url, answer.describe(),
-                                                                                           timeout))
+                               "requests are still running or waiting for their grammar"
+                               % (api.url, answer.describe(), timeout))
         time.sleep(delay)
 
 

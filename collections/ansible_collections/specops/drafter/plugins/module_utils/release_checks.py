@@ -99,6 +99,6 @@ def check_waiting_timeout(name: str, environment: dict | None, planned: float, b
     if bound > timeout:
         figures["warning"] = (
             "%s=%g on %s: the window is planned for %g s, but should it last past %g s (the guard allows %g s) the "
-            "requests held at the pause are aborted with 503" % (WAITING_TIMEOUT_VARIABLE, timeout, name, planned,
-                                                                  timeout, bound))
+            "requests held at the pause are aborted with 503"
+            % (WAITING_TIMEOUT_VARIABLE, timeout, name, planned, timeout, bound))
     return figures

@@ -138,8 +138,8 @@ class ProcessServer(object):
         env.update(dict((str(k), str(v)) for k, v in (self.spec.get("environment") or {}).items()))
         argv = [str(arg) for arg in self.spec["argv"]]
         with open(self.log_file, "ab") as log, open(os.devnull, "rb") as devnull:
-            log.write(("--- %s starting: %s\n" % (time.strftime("%Y-%m-%dT%H:%M:%S"),
-                                                   " ".join(procfs.redact_argv(argv)))).encode())
+            shown = " ".join(procfs.redact_argv(argv))
+            log.write(("--- %s starting: %s\n" % (time.strftime("%Y-%m-%dT%H:%M:%S"), shown)).encode())
             log.flush()
             try:
                 # Own session and process group: stop signals every child, and the play's end does not reach it.

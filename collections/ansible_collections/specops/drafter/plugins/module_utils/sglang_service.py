@@ -389,8 +389,8 @@ class ServiceWindow(object):
         check["after_restart"] = self.api.weights_checksum()
         if check["after_restart"] != before:
             raise ServiceError("%s: after a restart the weights' checksum is %s, not %s as before the release: the "
-                               "weights on disk are not the ones it served" % (self.name, check["after_restart"],
-                                                                              before), weights_check=check)
+                               "weights on disk are not the ones it served"
+                               % (self.name, check["after_restart"], before), weights_check=check)
 
     def run(self) -> dict:
         return getattr(self, self.params["state"])()
