@@ -64,7 +64,7 @@ def redact_argv(argv: list) -> list:
     shown = []
     hide_next = False
     for word in argv:
-        name, equals, _ = str(word).partition("=")
+        name, equals, dummy = str(word).partition("=")
         if hide_next:
             shown.append(REDACTED)
             hide_next = False

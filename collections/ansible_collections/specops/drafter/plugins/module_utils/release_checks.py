@@ -27,7 +27,7 @@ def process_environment(pid, proc_root: str = "/proc") -> dict | None:
     except (IOError, OSError):
         return None
     pairs = (entry.decode("utf-8", "replace").partition("=") for entry in raw.split(b"\0") if entry)
-    return dict((key, value) for key, _, value in pairs)
+    return dict((key, value) for key, dummy, value in pairs)
 
 
 def waiting_timeout(environment: dict | None) -> float | None:

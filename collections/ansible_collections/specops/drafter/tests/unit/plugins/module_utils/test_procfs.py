@@ -10,6 +10,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 
 from ansible_collections.specops.drafter.plugins.module_utils import procfs
 
