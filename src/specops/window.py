@@ -17,8 +17,9 @@ module turns both into the `window` record that report.json, report.md and set_s
 
 python -m specops.window --plan|--run: JSON request on stdin, {"marks": [[stage, epoch_s], ...,
 ["ready", epoch_s]], "mode": "stop" | "memory_saver", "hidden_states": DIR, "service":
-{"down_at": epoch_s, "ready_at": epoch_s, "start_s": s, "started_instead": bool}}; --run writes
-DIR/window.json, where the score stage finds it.
+{"down_at": epoch_s, "ready_at": epoch_s, "start_s": s, "started_instead": bool,
+"weights_check": {before, after, matched, ...}}}; --run writes DIR/window.json, where the score stage
+finds it.
 """
 
 from __future__ import annotations
@@ -138,6 +139,9 @@ def build_window(
         "resumed_by": (service or {}).get("resumed_by") or None,
         # Every second of the downtime by where it went, on the host's clock (memory saver, prestarted).
         "accounted": account(down_at, ready_at, service, extraction) if moments else None,
+        # The weights' checksum before the release and after the resume (/weights_checker); restarted
+        # from disk when they differed. None where the server has no checksum to give.
+        "weights_check": (service or {}).get("weights_check") or None,
         "play_span_s": round(play_span, 3),
         "stages": stages,
         "extraction": extraction,
@@ -292,6 +296,12 @@ def render_markdown(window: Mapping[str, Any] | None) -> str:
             "",
             "The server was gone when its memory was to be resumed (its process died inside the window): "
             "a new server was started instead, loading its weights from disk.",
+        ]
+    if (window.get("weights_check") or {}).get("restarted"):
+        lines += [
+            "",
+            "The weights came back from the window with another checksum (/weights_checker): the server was "
+            "restarted to load them from disk.",
         ]
     if window.get("server_start_s") is not None:
         start = window["server_start_s"]

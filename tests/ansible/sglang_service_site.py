@@ -39,11 +39,27 @@ def wait_for(condition, timeout: float, step: float = 0.2) -> bool:
     return bool(condition())
 
 
+# Keys of a server started with both (SGLang 0.5.23's --api-key and --admin-api-key).
+KEYS = {"api_key": "site-api-key-51d2", "admin_api_key": "site-admin-key-8e07"}
+
+
 class Site:
     """One server: the development server with the memory saver, run by the process backend."""
 
-    def __init__(self, root: Path, *server_flags: str, argv: list[str] | None = None) -> None:
+    def __init__(
+        self,
+        root: Path,
+        *server_flags: str,
+        argv: list[str] | None = None,
+        keys: dict | None = None,
+        environment: dict | None = None,
+    ) -> None:
         self.root = root
+        self.keys = dict(keys or {})
+        self.environment = {"PYTHONPATH": str(ROOT / "src"), **(environment or {})}
+        key_flags = [
+            word for name, value in self.keys.items() for word in ("--" + name.replace("_", "-"), value)
+        ]
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.pid_file = root / "server.pid"
@@ -58,6 +74,7 @@ class Site:
             "--port",
             str(self.port),
             *server_flags,
+            *key_flags,
         ]
         self.tmp = root / "runs"
         self.tmp.mkdir(parents=True, exist_ok=True)
@@ -72,9 +89,10 @@ class Site:
             "ready_timeout": 120,
             "stop_timeout": 10,
             "drain_timeout": 10,
+            **self.keys,
             "spec": {
                 "argv": self.argv,
-                "environment": {"PYTHONPATH": str(ROOT / "src")},
+                "environment": self.environment,
                 "working_dir": "/",
                 "pid_file": str(self.pid_file),
                 "log_file": str(self.log),
@@ -92,6 +110,10 @@ class Site:
         except (OSError, ValueError, IndexError):
             return None
         return pid if Path(f"/proc/{pid}").exists() else None
+
+    def headers(self, admin: bool = False) -> dict:
+        key = self.keys.get("admin_api_key" if admin else "api_key")
+        return {"Authorization": f"Bearer {key}"} if key else {}
 
     def guard_log(self) -> str:
         path = self.state_dir / "guard.log"

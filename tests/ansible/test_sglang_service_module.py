@@ -13,6 +13,8 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.error
+import urllib.request
 from http.server import BaseHTTPRequestHandler, HTTPServer
 from pathlib import Path
 
@@ -29,7 +31,7 @@ def urlopen_text(url: str) -> str:
 
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from sglang_service_site import FIXTURES, ML_PYTHON, Site, module_env, wait_for, window  # noqa: E402
+from sglang_service_site import FIXTURES, KEYS, ML_PYTHON, Site, module_env, wait_for, window  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not ML_PYTHON.exists(), reason="needs the ML environment (.venv-ml)")
 
@@ -58,8 +60,8 @@ def fixture_models():
 def site_factory(tmp_path):
     sites: list[Site] = []
 
-    def make(*flags: str, argv: list[str] | None = None) -> Site:
-        sites.append(Site(tmp_path / f"site{len(sites)}", *flags, argv=argv))
+    def make(*flags: str, argv: list[str] | None = None, **options) -> Site:
+        sites.append(Site(tmp_path / f"site{len(sites)}", *flags, argv=argv, **options))
         return sites[-1]
 
     yield make
@@ -69,10 +71,30 @@ def site_factory(tmp_path):
 
 @pytest.fixture
 def serving(site_factory) -> Site:
-    site = site_factory(*MEMORY_SAVER)
+    """A server with the memory saver and both keys: the window (and the guard) open its admin endpoints with
+    the admin key."""
+    site = site_factory(*MEMORY_SAVER, keys=KEYS)
     started = site.run("started")
     assert started["changed"] and not started["failed"], started.get("msg")
     return site
+
+
+def post(url: str, body: object = None) -> tuple[int, object]:
+    """POST a JSON body (GET without one): the status and the decoded answer."""
+    data = None if body is None else json.dumps(body).encode()
+    request = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=600) as response:
+            return response.status, json.loads(response.read() or b"null")
+    except urllib.error.HTTPError as error:
+        return error.code, error.read().decode()
+    except (urllib.error.URLError, ConnectionError) as error:
+        return -1, str(error)
+
+
+def warned(result: dict) -> str:
+    """The module's warnings, as text (ansible-core returns them as structured summaries)."""
+    return json.dumps(result.get("warnings") or [])
 
 
 # -- memory saver ----------------------------------------------------------------------------------
@@ -91,11 +113,22 @@ def test_released_then_resumed_keeps_the_pid_and_serves(serving):
     assert (
         not (serving.state_dir / "window.lock").exists() and not (serving.state_dir / "guard.json").exists()
     )
+    # The weights proven after the resume (/weights_checker, SGLang 0.5.23).
+    assert resumed["weights_check"]["matched"] is True and resumed["weights_check"]["before"]
+    # Neither key in what the module returned or left on the host (the server's own log aside: SGLang logs
+    # its arguments, keys included, at start).
+    files = [p for p in serving.root.rglob("*") if p.is_file() and p != serving.log]
+    written = [p.read_text(errors="replace") for p in files]
+    for text in [json.dumps(released), json.dumps(resumed), *written]:
+        assert KEYS["api_key"] not in text and KEYS["admin_api_key"] not in text
 
 
-def test_a_release_of_weights_without_cpu_backup_is_refused_before_anything_is_touched(site_factory):
-    site = site_factory("--enable-memory-saver")
+def test_weights_without_cpu_backup_are_refused_and_weights_changed_inside_the_window_are_restarted(
+    site_factory,
+):
+    site = site_factory("--enable-memory-saver")  # no CPU backup: weights released here come back scrambled
     assert not site.run("started")["failed"]
+    pid = site.pid()
 
     refused = site.run("released", window=window("w-nobackup"), release="all")
 
@@ -104,6 +137,109 @@ def test_a_release_of_weights_without_cpu_backup_is_refused_before_anything_is_t
     assert not (site.state_dir / "window.lock").exists() and not (site.state_dir / "released.json").exists()
     # Not paused: a paused server answers /health_generate 503.
     assert http_status(site.url + "/health_generate") == 200
+
+    # /health_generate says 200 with garbage weights; /weights_checker does not (0.5.23 http_server.py:1599).
+    released = site.run("released", window=window("w-weights"), tags=["kv_cache"])
+    assert released["changed"], released.get("msg")
+    # Inside the window something else releases and resumes the weights (the server is paused and idle).
+    for path in ("/release_memory_occupation", "/resume_memory_occupation"):
+        assert post(site.url + path, {"tags": ["weights"]})[0] == 200, path
+
+    resumed = site.run("resumed", window=window("w-weights"))
+
+    check = resumed["weights_check"]
+    assert not resumed["failed"], resumed.get("msg")
+    assert check["matched"] is False and check["restarted"] is True
+    assert check["after_restart"] == check["before"]
+    assert site.pid() not in (None, pid) and http_status(site.url + "/health_generate") == 200
+    assert "restarted to load its weights from disk" in warned(resumed)
+
+
+def test_a_weight_cache_or_a_waiting_timeout_the_window_would_outlast_is_refused_before_anything(
+    site_factory,
+):
+    # --weight-cache-mode other than off: a release including weights raises in the scheduler and the
+    # server dies (0.5.23 weight_updater.py:293-307, 368-369). SGLANG_REQ_WAITING_TIMEOUT aborts the
+    # requests retracted at the pause with 503 once they waited that long (0.5.23 scheduler.py:3605-3620).
+    site = site_factory(
+        *MEMORY_SAVER, "--weight-cache-mode", "daemon", environment={"SGLANG_REQ_WAITING_TIMEOUT": "30"}
+    )
+    assert not site.run("started")["failed"]
+
+    cached = site.run("released", window=window("w-refused", planned_seconds=10))
+    waiting = site.run("released", window=window("w-refused", planned_seconds=45), tags=["kv_cache"])
+
+    assert cached["failed"] and "--weight-cache-mode daemon" in cached["msg"], cached.get("msg")
+    assert "sglang_service_release: kv_cache" in cached["msg"]
+    assert waiting["failed"] and "SGLANG_REQ_WAITING_TIMEOUT=30" in waiting["msg"], waiting.get("msg")
+    assert "45 s" in waiting["msg"] and waiting["waiting_timeout"]["seconds"] == 30
+    assert not (site.state_dir / "window.lock").exists() and not (site.state_dir / "released.json").exists()
+    assert http_status(site.url + "/ready") == 200  # not paused
+    # Planned within the timeout, the guard allowing more: released, with a warning that gives both figures.
+    released = site.run(
+        "released", window=window("w-within", planned_seconds=10, max_downtime=600), tags=["kv_cache"]
+    )
+    assert released["changed"] and not released["failed"], released.get("msg")
+    assert "SGLANG_REQ_WAITING_TIMEOUT=30" in warned(released) and "(the guard allows 600 s)" in warned(
+        released
+    )
+    assert not site.run("resumed", window=window("w-within"))["failed"]
+    # What the first refusal spares: a release of the weights takes the whole server down.
+    pid = site.pid()
+    post(site.url + "/release_memory_occupation", {})
+    assert wait_for(lambda: site.pid() is None, 60) and not Path(f"/proc/{pid}").exists()
+    assert "weight cache" in site.log.read_text()
+
+
+def test_under_0_5_4_a_release_is_refused_unless_drained_or_the_abort_risk_is_accepted(site_factory):
+    # sglang 0.5.4 tokenizer_manager.py:1090-1093: the pause aborts every request, also one admitted after
+    # /get_load read 0 (scheduler.py:2363-2385 counts only what the scheduler holds).
+    site = site_factory("--sglang-version", "0.5.4", *MEMORY_SAVER)
+    assert not site.run("started")["failed"]
+
+    refused = site.run("released", window=window("w-054"))
+
+    assert refused["failed"] and "0.5.4" in refused["msg"], refused.get("msg")
+    assert "sglang_service_accept_abort_pause" in refused["msg"] and "router" in refused["msg"]
+    assert not (site.state_dir / "window.lock").exists() and http_status(site.url + "/health_generate") == 200
+    accepted = site.run("released", window=window("w-054"), accept_abort_pause=True)
+    assert accepted["changed"] and accepted["pause_mode"] == "drain then abort", accepted.get("msg")
+    assert "accepted" in accepted["abort_pause"]
+    resumed = site.run("resumed", window=window("w-054"))
+    assert not resumed["failed"] and "weights_check" not in resumed, resumed  # 0.5.4 has no /weights_checker
+
+
+def test_a_constrained_request_in_the_grammar_queue_at_the_pause_is_let_through_not_released_under(
+    site_factory,
+):
+    # The grammar queue drains only while scheduling (0.5.23 scheduler.py:4084-4088) and a release with it
+    # not empty kills the server (:5369-5372): the window continues, lets it through, and pauses again.
+    compile_s = 8  # a margin for the module to reach its pause while the grammar compiles
+    site = site_factory(*MEMORY_SAVER, "--grammar-compile-delay", str(compile_s))
+    assert not site.run("started")["failed"]
+    pid = site.pid()
+    body = {
+        "input_ids": [318, 293, 342],
+        "sampling_params": {"temperature": 0, "max_new_tokens": 6, "ignore_eos": True, "json_schema": "{}"},
+    }
+    answer: dict = {}
+    request = threading.Thread(target=lambda: answer.update(result=post(site.url + "/generate", body)))
+    request.start()
+    assert wait_for(lambda: post(site.url + "/v1/loads")[1]["loads"][0]["queues"]["grammar"] == 1, 60)
+    sent = time.monotonic()
+
+    released = site.run("released", window=window("w-grammar"), drain_timeout=120)
+
+    assert released["changed"] and not released["failed"], released.get("msg")
+    assert site.pid() == pid
+    log = site.log.read_text()
+    assert log.count("POST /pause_generation") == 2, "paused after the grammar compiled: " + log[-3000:]
+    assert log.index("POST /continue_generation") > log.index("POST /pause_generation")
+    assert time.monotonic() - sent >= compile_s - 1
+    assert not site.run("resumed", window=window("w-grammar"))["failed"]
+    request.join(120)
+    status, result = answer["result"]
+    assert status == 200 and len(result["output_ids"]) == 6
 
 
 # -- the memory plan: what the release frees ---------------------------------------------------------
@@ -266,6 +402,9 @@ def test_a_pause_that_fails_is_continued_and_the_window_given_back(site_factory)
         server.shutdown()
 
     posts = [(path, body) for path, body in FakeSglang.calls if body is not None]
+    # The weights' checksum is asked for while the server still serves, before the pause.
+    assert posts[0] == ("/weights_checker", {"action": "checksum"})
+    posts = posts[1:]
     assert (
         failed["failed"] and "pause_generation" in failed["msg"] and "generation continued" in failed["msg"]
     )

@@ -170,8 +170,17 @@ def served(local_default, finished_run) -> LocalDefault:
 
 
 # SGLang launched with --enable-memory-saver --enable-weights-cpu-backup, and the window that releases
-# and resumes its GPU memory instead of stopping it.
-MEMORY_SAVER = {"sglang_service_memory_saver": True, "specops_gpu_window_mode": "memory_saver"}
+# and resumes its GPU memory instead of stopping it; with both keys (0.5.23: the admin key alone opens
+# pause, flush, release and resume), which nothing the plays print, record or log may carry.
+API_KEY = "specops-test-api-key-7f3a"
+ADMIN_API_KEY = "specops-test-admin-key-9c1e"
+MEMORY_SAVER = {
+    "sglang_service_memory_saver": True,
+    "specops_gpu_window_mode": "memory_saver",
+    "sglang_service_api_key": API_KEY,
+    "sglang_service_admin_api_key": ADMIN_API_KEY,
+    "sglang_service_extra_args": ["--api-key", API_KEY, "--admin-api-key", ADMIN_API_KEY],
+}
 
 
 def process_tree(work_dir: Path, *more: str) -> dict:

@@ -1,5 +1,5 @@
-"""The memory-saver window on the local default: the server process is kept and no request in flight
-at the pause is lost."""
+"""The memory-saver window on the local default: the server process is kept, no request in flight at
+the pause is lost, and neither of the server's keys appears in anything the play prints, records or logs."""
 
 from __future__ import annotations
 
@@ -10,9 +10,15 @@ import sys
 from datetime import datetime
 from pathlib import Path
 
+from conftest import ADMIN_API_KEY, API_KEY
+
 from specops.window import render_markdown
 
 REPO = Path(__file__).resolve().parents[2]
+
+
+def keys_in(text: str) -> list[str]:
+    return [name for name, key in (("api key", API_KEY), ("admin key", ADMIN_API_KEY)) if key in text]
 
 
 def test_memory_saver_window_keeps_the_server_process_and_loses_no_request_in_flight(
@@ -20,7 +26,9 @@ def test_memory_saver_window_keeps_the_server_process_and_loses_no_request_in_fl
 ):
     """Short, long and streaming requests in flight while eval.yml pauses, releases and resumes the
     server: SGLang 0.5.23's {"mode": "retract"} sends running requests back to the queue, so every one
-    completes after the resume (an abort-mode pause would have answered them cut short)."""
+    completes after the resume (an abort-mode pause would have answered them cut short). The server has
+    an api key and an admin key: the window opens pause, flush, release and resume with the admin key,
+    and no key shows in the play's output (-v), the run's records, the state directory or the logs."""
     site = memory_saver_site
     run_dir = site.seed_run_dir(served.run_dir, site.work_dir / "run-in-flight")  # only the window is new
     pid_before = site.server_pid()
@@ -46,6 +54,8 @@ def test_memory_saver_window_keeps_the_server_process_and_loses_no_request_in_fl
             "48",
             "--timeout",
             "900",
+            "--api-key",
+            API_KEY,
         ],
         cwd=REPO,
         env={**os.environ, "PYTHONPATH": str(REPO / "src")},
@@ -54,7 +64,9 @@ def test_memory_saver_window_keeps_the_server_process_and_loses_no_request_in_fl
     )
     try:
         # Up to and through the window: the window's record is what the test reads, scoring adds nothing.
-        result = site.play("eval.yml", args=("--tags", "prefetch,extract"), specops_run_dir=str(run_dir))
+        result = site.play(
+            "eval.yml", args=("--tags", "prefetch,extract", "-v"), specops_run_dir=str(run_dir)
+        )
     finally:
         stop.touch()
         summary = json.loads(client.communicate(timeout=900)[0].splitlines()[-1])
@@ -76,3 +88,15 @@ def test_memory_saver_window_keeps_the_server_process_and_loses_no_request_in_fl
     across = {r["kind"] for r in answered if r["start"] <= down_at <= r["start"] + r["latency_s"]}
     assert across, ("no request was in flight at the pause", summary)
     assert summary["failed"] == 0 and summary["incomplete"] == 0, summary
+    # weights proven after the resume (/weights_checker, 0.5.23)
+    assert record.get("weights_check", {}).get("matched") is True, record
+    # No key anywhere specops writes: the play's output, the run directory, the site's state and logs.
+    # The server's own log carries them only in SGLang's line of its arguments (0.5.23
+    # entrypoints/engine.py:311); specops's line there (the launch's argv) shows them redacted.
+    assert not keys_in(result.output), keys_in(result.output)
+    server_log = site.work_dir / "sglang.log"
+    for path in [*run_dir.rglob("*"), *site.work_dir.rglob("*")]:
+        if path.is_file() and path != server_log:
+            assert not keys_in(path.read_text(errors="replace")), path
+    leaking = [line for line in server_log.read_text().splitlines() if keys_in(line)]
+    assert leaking and all("server_args=" in line for line in leaking), leaking

@@ -24,7 +24,10 @@ pytestmark = pytest.mark.slow
 
 PROMPT = [318, 293, 342, 11, 311]
 API_KEY = "test-key"
+ADMIN_KEY = "test-admin-key"
 BEARER = {"Authorization": f"Bearer {API_KEY}"}
+ADMIN = {"Authorization": f"Bearer {ADMIN_KEY}"}
+WAITING_TIMEOUT_S = 3  # SGLANG_REQ_WAITING_TIMEOUT of the keyed server
 
 
 def request(max_new_tokens: int) -> dict:
@@ -65,6 +68,8 @@ def old_server(fixture_models, tmp_path_factory):
         "0.5.4",
         "--enable-memory-saver",
         "--enable-weights-cpu-backup",
+        "--grammar-compile-delay",
+        "3",
         log_path=log,
     ) as process:
         process.wait_ready()
@@ -73,11 +78,21 @@ def old_server(fixture_models, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def keyed_server(fixture_models, tmp_path_factory):
-    """--api-key, and the memory saver without --enable-weights-cpu-backup."""
+    """--api-key and --admin-api-key, the memory saver without --enable-weights-cpu-backup, and
+    SGLANG_REQ_WAITING_TIMEOUT in its environment."""
     log = tmp_path_factory.mktemp("devserver-keyed") / "server.log"
-    with DevServerProcess(
-        fixture_models.target, "--api-key", API_KEY, "--enable-memory-saver", log_path=log
-    ) as process:
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("SGLANG_REQ_WAITING_TIMEOUT", str(WAITING_TIMEOUT_S))
+        process = DevServerProcess(
+            fixture_models.target,
+            "--api-key",
+            API_KEY,
+            "--admin-api-key",
+            ADMIN_KEY,
+            "--enable-memory-saver",
+            log_path=log,
+        )
+    with process:
         process.wait_ready()
         yield process
 
@@ -203,6 +218,23 @@ def test_under_0_5_4_pause_takes_no_mode_and_aborts_the_request_in_flight(old_se
     assert answer["result"][1]["meta_info"]["finish_reason"]["type"] == "abort"
 
 
+def test_under_0_5_4_flush_cache_does_not_wait_for_the_grammar_queue(old_server):
+    # 0.5.4 scheduler.py:2305-2311: flush looks at the waiting queue and the running batch only (0.5.23
+    # also requires an empty grammar queue, scheduler.py:5369-5372).
+    url = old_server.url
+    body = {**request(4), "sampling_params": {**request(4)["sampling_params"], "regex": "[a-z]+"}}
+    worker, answer = in_background(url, body)
+
+    def in_grammar_queue() -> bool:
+        state = call(url, "/get_server_info")[1]["internal_states"][0]
+        return state["pending_requests"] == 1 and state["waiting_requests"] == state["running_requests"] == 0
+
+    wait_until(in_grammar_queue, "the request in the grammar queue")
+    assert call(url, "/flush_cache", {})[0] == 200
+    worker.join(120)
+    assert answer["result"][0] == 200 and len(answer["result"][1]["output_ids"]) == 4
+
+
 def test_under_0_5_4_get_load_counts_requests_and_server_info_says_0_5_4(old_server):
     # 0.5.4 GetLoadReqOutput: num_reqs = running + waiting; only /get_server_info exists.
     url = old_server.url
@@ -218,7 +250,9 @@ def test_server_info_reports_the_version_and_the_memory_saver_flags(keyed_server
     status, info = call(keyed_server.url, "/server_info", headers=BEARER)
     assert status == 200 and info["version"] == "0.5.23"
     assert info["enable_memory_saver"] is True and info["enable_weights_cpu_backup"] is False
-    assert info["memory_saver_backend"] == "cpu" and "api_key" not in info
+    assert info["memory_saver_backend"] == "cpu"
+    # Every server argument, both keys included, as SGLang 0.5.23 answers (server_args.py:316-333).
+    assert info["api_key"] == API_KEY and info["admin_api_key"] == ADMIN_KEY
 
 
 def test_weights_released_without_cpu_backup_come_back_different_and_health_stays_200(keyed_server):
@@ -226,11 +260,17 @@ def test_weights_released_without_cpu_backup_come_back_different_and_health_stay
     # garbage and its 1-token health check still passes.
     url = keyed_server.url
     before = call(url, "/generate", request(16), headers=BEARER)[1]["output_ids"]
-    assert call(url, "/release_memory_occupation", {"tags": ["weights"]}, headers=BEARER) == (200, None)
-    assert call(url, "/resume_memory_occupation", {"tags": ["weights"]}, headers=BEARER) == (200, None)
+    checked = call(url, "/weights_checker", {"action": "checksum"}, headers=ADMIN)
+    assert call(url, "/release_memory_occupation", {"tags": ["weights"]}, headers=ADMIN) == (200, None)
+    assert call(url, "/resume_memory_occupation", {"tags": ["weights"]}, headers=ADMIN) == (200, None)
     status, after = call(url, "/generate", request(16), headers=BEARER)
     assert status == 200 and after["output_ids"] != before
     assert http_status(url + "/health_generate") == 200
+    # Only /weights_checker tells (0.5.23 entrypoints/http_server.py:1599-1620).
+    rechecked = call(url, "/weights_checker", {"action": "checksum"}, headers=ADMIN)
+    assert checked[0] == rechecked[0] == 200 and checked[1]["success"] and rechecked[1]["success"]
+    assert checked[1]["per_engine_checksum"] != rechecked[1]["per_engine_checksum"]
+    assert call(url, "/weights_checker", {"action": "checksum"}, headers=ADMIN) == rechecked
 
 
 def test_api_key_is_required_everywhere_but_health(keyed_server):
@@ -244,3 +284,46 @@ def test_api_key_is_required_everywhere_but_health(keyed_server):
     assert call(url, "/generate", request(2), headers=BEARER)[0] == 200
     assert call(url, "/generate", request(2), headers={"Authorization": f"bearer {API_KEY}"})[0] == 200
     assert http_status(url + "/health_generate") == 200 and http_status(url + "/health") == 200
+    assert http_status(url + "/ready") == 200
+
+
+def test_with_an_admin_key_only_it_opens_the_admin_endpoints_and_the_api_key_the_others(keyed_server):
+    # utils/auth.py:133-151 (0.5.23): ADMIN_OPTIONAL endpoints take only the admin key when it is set;
+    # normal endpoints take only the api key.
+    url = keyed_server.url
+    for path, body in (
+        ("/flush_cache", {}),
+        ("/pause_generation", {"mode": "retract"}),
+        ("/continue_generation", {}),
+        ("/weights_checker", {"action": "checksum"}),
+    ):
+        assert call(url, path, body, headers=BEARER) == (401, {"error": "Unauthorized"}), path
+    assert call(url, "/release_memory_occupation", {"tags": ["kv_cache"]}, headers=BEARER)[0] == 401
+    assert call(url, "/generate", request(2), headers=ADMIN)[0] == 401
+    assert call(url, "/server_info", headers=ADMIN)[0] == 401
+    assert call(url, "/flush_cache", {}, headers=ADMIN)[0] == 200
+    assert call(url, "/weights_checker", {"action": "checksum"}, headers=ADMIN)[1]["success"] is True
+
+
+def test_a_request_retracted_to_the_queue_longer_than_the_waiting_timeout_is_aborted_with_503(keyed_server):
+    # SGLANG_REQ_WAITING_TIMEOUT (0.5.23 managers/scheduler.py:3605-3620): a request in the waiting
+    # queue longer than that is aborted with status 503, also while the scheduler is paused.
+    url = keyed_server.url
+    worker, answer = in_background(url, request(2000), headers=BEARER)
+    wait_until(lambda: running(url, BEARER) == 1, "the request running")
+    assert call(url, "/pause_generation", {"mode": "retract"}, headers=ADMIN)[0] == 200
+    began = time.monotonic()
+    try:
+        worker.join(120)
+    finally:
+        assert call(url, "/continue_generation", {}, headers=ADMIN)[0] == 200
+    status, body = answer["result"]
+    assert status == 503 and "Request waiting timeout reached." in body["message"]
+    assert time.monotonic() - began >= WAITING_TIMEOUT_S - 0.5
+
+
+def test_under_0_5_4_there_is_no_admin_key_and_no_weight_cache_mode(fixture_models, tmp_path):
+    # Flags 0.5.4's argument parser does not know: the server does not start.
+    for flags in (("--admin-api-key", "k"), ("--weight-cache-mode", "daemon")):
+        with DevServerProcess(fixture_models.target, "--sglang-version", "0.5.4", *flags) as server:
+            assert server.process.wait(60) == 2, flags

@@ -20,6 +20,7 @@ pytestmark = pytest.mark.slow
 
 PROMPT = [318, 293, 342, 11, 311]
 HEALTH_TIMEOUT_S = 2  # SGLANG_HEALTH_CHECK_TIMEOUT for these servers: short, so the 503 comes fast
+GRAMMAR_COMPILE_S = 5  # --grammar-compile-delay: a constrained request's time in the grammar queue
 
 
 def long_request(max_new_tokens: int = 400, stream: bool = False) -> dict:
@@ -38,6 +39,11 @@ def loads(url: str) -> tuple[int, int]:
     assert status == 200
     rank = body["loads"][0]
     return rank["num_running_reqs"], rank["num_waiting_reqs"]
+
+
+def grammar_queue(url: str) -> int:
+    """Constrained requests waiting for their grammar, from /v1/loads' queues section."""
+    return call(url, "/v1/loads")[1]["loads"][0]["queues"]["grammar"]
 
 
 def wait_until(condition, what: str, bound: float = 120.0) -> None:
@@ -59,7 +65,12 @@ def server(fixture_models, tmp_path_factory, monkeypatch_module):
     monkeypatch_module.setenv("SGLANG_HEALTH_CHECK_TIMEOUT", str(HEALTH_TIMEOUT_S))
     log = tmp_path_factory.mktemp("devserver-pause") / "server.log"
     process = DevServerProcess(
-        fixture_models.target, "--enable-memory-saver", "--enable-weights-cpu-backup", log_path=log
+        fixture_models.target,
+        "--enable-memory-saver",
+        "--enable-weights-cpu-backup",
+        "--grammar-compile-delay",
+        str(GRAMMAR_COMPILE_S),
+        log_path=log,
     )
     try:
         process.wait_ready()
@@ -184,16 +195,60 @@ def test_in_place_keeps_the_request_running_so_flush_cache_fails(continued):
 
 
 def test_health_while_paused_waits_the_health_check_timeout_and_answers_503(continued):
-    # The health request waits at the paused door; with no scheduler message in
-    # SGLANG_HEALTH_CHECK_TIMEOUT seconds the answer is 503 (http_server.py:779-807).
+    # The health request waits at the paused door; with no scheduler answer in
+    # SGLANG_HEALTH_CHECK_TIMEOUT seconds the answer is 503 and the server is marked unhealthy
+    # (http_server.py:779-798). /v1/loads reads a snapshot and a pause is not answered by the
+    # scheduler: polling them meanwhile is no sign of life. /ready answers 503 while paused and while
+    # unhealthy (tokenizer_manager.py:729-734), until a health check passes again.
     url = continued.url
+    assert http_status(url + "/ready") == 200
     assert call(url, "/pause_generation", {"mode": "retract"})[0] == 200
+    assert http_status(url + "/ready") == 503
+    polling = threading.Event()
+
+    def poll_loads() -> None:
+        while not polling.is_set():
+            loads(url)
+            call(url, "/pause_generation", {"mode": "retract"})
+            time.sleep(0.1)
+
+    poller = threading.Thread(target=poll_loads)
+    poller.start()
     began = time.monotonic()
-    status = http_status(url + "/health_generate", timeout=120)
+    try:
+        status = http_status(url + "/health_generate", timeout=120)
+    finally:
+        polling.set()
+        poller.join()
     waited = time.monotonic() - began
     assert status == 503 and waited >= HEALTH_TIMEOUT_S
+    assert call(url, "/server_info")[1]["status"] == "UnHealthy"
     assert call(url, "/continue_generation", {})[0] == 200
+    assert http_status(url + "/ready") == 503  # still marked unhealthy
     assert http_status(url + "/health_generate", timeout=120) == 200
+    assert http_status(url + "/ready") == 200
+
+
+def test_a_constrained_request_stays_in_the_grammar_queue_while_paused_and_flush_fails(continued):
+    # The grammar queue drains only while scheduling (scheduler.py:4084-4088) and idleness requires it
+    # empty (scheduler.py:5369-5372): paused with a constrained request there, /flush_cache fails (and a
+    # release would kill 0.5.23); after the continue it completes.
+    url = continued.url
+    body = {**long_request(8), "sampling_params": {**long_request(8)["sampling_params"], "regex": "[a-z ]+"}}
+    sent = time.monotonic()
+    worker, answer = in_background(url, body)
+    try:
+        wait_until(lambda: grammar_queue(url) == 1, "the request in the grammar queue")
+        assert call(url, "/pause_generation", {"mode": "retract"})[0] == 200
+        assert time.monotonic() - sent < GRAMMAR_COMPILE_S, "paused after the grammar was compiled"
+        time.sleep(GRAMMAR_COMPILE_S - (time.monotonic() - sent) + 0.2)  # compiled by now
+        assert grammar_queue(url) == 1
+        assert call(url, "/flush_cache", {}) == (400, "Flush cache failed.\n")
+    finally:
+        call(url, "/continue_generation", {})
+    worker.join(120)
+    status, result = answer["result"]
+    assert status == 200 and len(result["output_ids"]) == 8 and grammar_queue(url) == 0
 
 
 def test_get_load_counts_running_then_waiting_then_none(continued):

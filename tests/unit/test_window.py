@@ -51,6 +51,17 @@ def test_a_server_started_instead_of_resumed_is_recorded_and_said():
     assert "started instead" not in window.render_markdown(kept)
 
 
+def test_weights_restarted_after_a_checksum_mismatch_are_recorded_and_said():
+    check = {"before": "a1", "after": "b2", "matched": False, "restarted": True, "after_restart": "a1"}
+    service = {"down_at": 102.5, "ready_at": 189.25, "weights_check": check}
+    record = window.build_window(MARKS, "memory_saver", MANIFEST, service=service)
+    assert record["weights_check"] == check
+    assert "restarted to load them from disk" in window.render_markdown(record)
+    resumed = {"down_at": 102.5, "ready_at": 189.25}
+    kept = window.build_window(MARKS, "memory_saver", MANIFEST, service=resumed)
+    assert kept["weights_check"] is None and "checksum" not in window.render_markdown(kept)
+
+
 def test_without_both_service_moments_the_play_marks_give_the_downtime():
     record = window.build_window(MARKS, "stop", MANIFEST, service={"down_at": 102.5, "ready_at": None})
     assert (record["downtime_s"], record["measured_by"]) == (90.0, "play")

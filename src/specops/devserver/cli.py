@@ -16,7 +16,7 @@ from specops.devserver.memory import MemorySaver
 from specops.devserver.process_tree import ProcessTree, device_files_for
 from specops.devserver.routes import App, DevHTTPServer
 from specops.devserver.speculative import ALGORITHM
-from specops.devserver.versions import DEFAULT_VERSION, VERSIONS
+from specops.devserver.versions import DEFAULT_VERSION, VERSIONS, SGLangVersion
 
 logger = logging.getLogger("specops.devserver")
 
@@ -113,7 +113,26 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--api-key",
         default=None,
-        help="require `Authorization: Bearer KEY` on every endpoint but health and metrics, as SGLang does",
+        help="require `Authorization: Bearer KEY` on every endpoint but health, ready and metrics, as SGLang "
+        "does (on the admin endpoints only when --admin-api-key is not set)",
+    )
+    parser.add_argument(
+        "--admin-api-key",
+        default=None,
+        help="0.5.23: the only key that opens the admin endpoints (pause, continue, flush, release, resume, "
+        "weights_checker), where --api-key is then refused",
+    )
+    parser.add_argument(
+        "--weight-cache-mode",
+        default="off",
+        help="0.5.23: off, daemon or client; not off: a release that includes weights kills the server",
+    )
+    parser.add_argument(
+        "--grammar-compile-delay",
+        type=float,
+        default=0.0,
+        help="seconds a constrained request (regex, json_schema, ebnf) spends in the grammar queue before it "
+        "can be scheduled (the tokens are not constrained)",
     )
     parser.add_argument(
         "--forgiving",
@@ -156,6 +175,18 @@ def _draft_model_path(args: argparse.Namespace) -> tuple[str | None, str | None]
             "drafter checkpoint directory (config.json + safetensors)"
         )
     return path, None
+
+
+def _version_problem(args: argparse.Namespace, version: SGLangVersion) -> str | None:
+    """A flag the imitated release does not have (its own argument parser would refuse it)."""
+    if args.admin_api_key and not version.admin_paths:
+        return f"--admin-api-key: SGLang {version.name} has no such flag (0.5.23 has it)"
+    if args.weight_cache_mode not in version.weight_cache_modes:
+        return (
+            f"--weight-cache-mode {args.weight_cache_mode}: SGLang {version.name} takes "
+            f"{', '.join(version.weight_cache_modes)}"
+        )
+    return None
 
 
 def _bind(host: str, port: int) -> DevHTTPServer | str:
@@ -205,6 +236,16 @@ def main(argv: list[str] | None = None) -> int:
         print(f"devserver: {problem}", file=sys.stderr)
         return 2
 
+    version = VERSIONS[args.sglang_version]
+    problem = _version_problem(args, version)
+    if problem:
+        print(f"devserver: {problem}", file=sys.stderr)
+        return 2
+
+    # SGLang logs every argument at start, both keys included (0.5.23 entrypoints/engine.py:173-174, :311):
+    # whoever quotes this log must redact them.
+    logger.info("server_args=%s", dict(vars(args)))
+
     try:
         device_files = device_files_for(args.device_file, args.tp_size)
     except ValueError as error:
@@ -230,7 +271,10 @@ def main(argv: list[str] | None = None) -> int:
         draft_model_path=draft_path,
         num_draft_tokens=args.speculative_num_draft_tokens,
     )
-    version = VERSIONS[args.sglang_version]
+    engine.grammar_compile_delay = args.grammar_compile_delay
+    engine.idle_needs_empty_grammar_queue = version.idle_needs_empty_grammar_queue
+    if not version.reads_waiting_timeout:
+        engine.waiting_timeout = -1.0
     memory = MemorySaver(
         engine,
         args.enable_memory_saver,
@@ -239,6 +283,7 @@ def main(argv: list[str] | None = None) -> int:
         version=version,
         mem_fraction_static=args.mem_fraction_static,
         simulated_device_gib=args.device_memory_gib,
+        weight_cache_mode=args.weight_cache_mode,
     )
     engine.place_model = memory.place
     # SGLang's launcher spawns its children before the weights load (entrypoints/engine.py).
@@ -265,6 +310,7 @@ def main(argv: list[str] | None = None) -> int:
         strict=strict,
         version=version,
         api_key=args.api_key,
+        admin_api_key=args.admin_api_key,
     )
     stop = threading.Event()
     failure: list[str] = []

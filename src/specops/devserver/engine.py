@@ -22,6 +22,9 @@ WARMUP_PROMPT = "The capital city of France is"
 class Status(enum.Enum):
     STARTING = "Starting"
     UP = "Up"
+    # A health check found no sign of life; the next that does sets Up again (0.5.23
+    # entrypoints/http_server.py:785, :797).
+    UNHEALTHY = "UnHealthy"
     SHUTTING_DOWN = "ShuttingDown"
 
 
@@ -144,7 +147,7 @@ class Engine(RequestScheduler):
         prompts = [self.prompt_ids(item) for item in items]
         results = []
         for index, (item, ids) in enumerate(zip(items, prompts, strict=True)):
-            with self.admit(item.rid) as ticket:
+            with self.admit(item.rid, constrained=item.params.constrained) as ticket:
                 callback = on_tokens[index] if on_tokens else None
                 results.append(self.serve(item, ids, ticket, callback))
         return results
@@ -280,19 +283,25 @@ class Engine(RequestScheduler):
         }
 
     # -- health ------------------------------------------------------------------------------
-    def health(self, timeout: float) -> bool:
-        """Like SGLang (entrypoints/http_server.py:722, 0.5.23): a 1-token request, or any sign of life.
+    def is_ready(self) -> bool:
+        """/ready (0.5.23 managers/tokenizer_manager.py:729-734): up, not marked unhealthy, not paused."""
+        return self.status is Status.UP and not self.door_closed
 
-        200 as soon as a token is decoded or a scheduler message arrives after the check began; the
-        check's own request waits at the door while paused, so a paused server answers 503 after
-        `timeout` unless /continue_generation (or another scheduler message) comes first.
+    def health(self, timeout: float) -> bool:
+        """Like SGLang (0.5.23 entrypoints/http_server.py:720-798): a 1-token request, or a sign of life.
+
+        200 as soon as a token is decoded or a scheduler answer arrives after the check began (the
+        tokenizer's last_receive_tstamp, managers/tokenizer_manager.py:2466-2477); the check's own
+        request waits at the door while paused, so a paused server answers 503 after `timeout` and is
+        marked unhealthy unless /continue_generation or a scheduler answer comes first. A pause, a
+        continue and 0.5.23's /v1/loads send the scheduler nothing that it answers: they do not count.
         """
-        if self.status is not Status.UP:
+        if self.status not in (Status.UP, Status.UNHEALTHY):
             return False
         tic = time.monotonic()
         while time.monotonic() < tic + timeout:
             if self.last_progress > tic or self.last_scheduler_message > tic:
-                return True
+                return self._health_passed()
             if not self.door_closed and self.released_tags:
                 return False  # released without a pause: nothing could decode the check's token
             if not self.door_closed and not self._held() and self.lock.acquire(timeout=0.2):
@@ -301,11 +310,39 @@ class Engine(RequestScheduler):
                         return False
                     if not self._held():
                         self._generate_ids([0], SamplingParams(temperature=0.0, max_new_tokens=1))
-                        return True
+                        return self._health_passed()
                 finally:
                     self.lock.release()
             else:
                 with self.cond:
                     self.cond.wait(0.2)
-        logger.error("health check failed: no response from the scheduler in the last %.0f s", timeout)
+        logger.error("Health check failed: no response from the scheduler in the last %.0f s", timeout)
+        if self.status is Status.UP:
+            self.status = Status.UNHEALTHY
         return False
+
+    def _health_passed(self) -> bool:
+        if self.status is Status.UNHEALTHY:
+            self.status = Status.UP
+        return True
+
+    # -- weights -----------------------------------------------------------------------------
+    def weights_checksum(self) -> dict[str, Any]:
+        """sha256 of every parameter and one over them all, as 0.5.23's WeightChecker computes
+        (utils/weight_checker.py:83-88, :206-235): equal only when the weights are the loaded ones."""
+        import hashlib
+
+        import torch
+
+        if self.model is None:
+            raise RequestError(400, "the weights are released: POST /resume_memory_occupation first")
+        checksums = {}
+        with self.lock, torch.no_grad():
+            for name, param in self.model.named_parameters():
+                raw = param.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy().tobytes()
+                checksums[name] = hashlib.sha256(raw).hexdigest()
+        overall = hashlib.sha256()
+        for name in sorted(checksums):
+            overall.update(name.encode())
+            overall.update(checksums[name].encode())
+        return {"checksums": checksums, "per_gpu_checksum": overall.hexdigest()}

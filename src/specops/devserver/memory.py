@@ -77,6 +77,7 @@ class MemorySaver:
         backend: CpuBackend | TorchMemorySaverBackend | None = None,
         mem_fraction_static: float = 0.88,
         simulated_device_gib: float = 0.0,
+        weight_cache_mode: str = "off",
     ):
         self.engine = engine
         self.mem_fraction_static = mem_fraction_static
@@ -87,6 +88,7 @@ class MemorySaver:
         self.strict = strict
         self.version = version
         self.backend = backend or memory_backend(engine.device, cpu_backup)
+        self.weight_cache_mode = weight_cache_mode
 
     @property
     def backend_name(self) -> str:
@@ -164,6 +166,15 @@ class MemorySaver:
 
     def _release(self, tags: set[str]) -> None:
         engine = self.engine
+        if "weights" in tags and self.weight_cache_mode != "off":
+            # 0.5.23 weight_updater.py:293-307, raised at :368-369 inside the scheduler.
+            message = (
+                "RuntimeError: [weight_cache] release_memory_occupation of model weights is not supported "
+                f"while the weight cache is active (--weight-cache-mode {self.weight_cache_mode})"
+            )
+            if self.strict:
+                scheduler_crash(message)
+            raise RequestError(400, message)
         if not self.enabled:
             logger.warning("release without --enable-memory-saver: nothing is freed")
             return

@@ -25,6 +25,9 @@ NEUTRAL_SAMPLING_VALUES = {
 }
 # Knobs that only shape stop-string handling or detokenised text, which this server does not vary.
 IGNORED_SAMPLING_KEYS = ("no_stop_trim", "spaces_between_special_tokens")
+# Constraints that send a request through SGLang's grammar queue (0.5.23 managers/scheduler.py:4084-4088).
+# This server queues such a request as SGLang does; it does not constrain the tokens it decodes.
+GRAMMAR_KEYS = ("regex", "json_schema", "ebnf")
 
 
 class RequestError(Exception):
@@ -46,6 +49,7 @@ class SamplingParams:
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     sampling_seed: int | None = None
+    constrained: bool = False  # regex, json_schema or ebnf given: the request waits for its grammar
 
     @property
     def greedy(self) -> bool:
@@ -120,6 +124,12 @@ def parse_sampling_params(raw: Any) -> SamplingParams:
             if not isinstance(value, bool):
                 raise _bad(f"sampling_params.{key} must be true or false, got {value!r}")
             values[key] = value
+        elif key in GRAMMAR_KEYS:
+            if not isinstance(value, str) or not value:
+                raise _bad(f"sampling_params.{key} must be a non-empty string, got {value!r}")
+            if values.get("constrained"):
+                raise _bad(f"sampling_params: give only one of {', '.join(GRAMMAR_KEYS)}")
+            values["constrained"] = True
         elif key == "sampling_seed":
             if not _is_int(value):
                 raise _bad(f"sampling_params.sampling_seed must be an integer, got {value!r}")
@@ -143,6 +153,7 @@ def parse_sampling_params(raw: Any) -> SamplingParams:
                 "ignore_eos",
                 "skip_special_tokens",
                 "sampling_seed",
+                *GRAMMAR_KEYS,
             ]
             raise _bad(
                 f"sampling_params.{key} is not supported by the development server "

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import hashlib
 import json
 import logging
 import os
@@ -14,7 +15,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
-from specops.devserver.auth import UNAUTHORIZED, is_authorized
+from specops.devserver.auth import REFUSALS, auth_status
 from specops.devserver.engine import Engine
 from specops.devserver.memory import MemorySaver, parse_tags, scheduler_crash
 from specops.devserver.protocol import Item, RequestError, error_body, parse_generate
@@ -44,6 +45,7 @@ class App:
     strict: bool = True
     version: SGLangVersion = VERSIONS[DEFAULT_VERSION]
     api_key: str | None = None
+    admin_api_key: str | None = None
     created: int = field(default_factory=lambda: int(time.time()))
 
     @property
@@ -109,8 +111,11 @@ class Handler(BaseHTTPRequestHandler):
     def _dispatch(self, routes: dict[str, Any]) -> None:
         path = self.path.split("?")[0]
         app = self.app
-        if not is_authorized(app.version, app.api_key, self.command, path, self.headers.get("Authorization")):
-            self._send(401, UNAUTHORIZED)
+        status = auth_status(
+            app.version, app.api_key, app.admin_api_key, self.command, path, self.headers.get("Authorization")
+        )
+        if status != 200:
+            self._send(status, REFUSALS[status])
             return
         route = routes.get(path)
         try:
@@ -139,7 +144,12 @@ class Handler(BaseHTTPRequestHandler):
         )
         if self.app.strict:
             keep = set(version.info_paths) | {version.load_path}
-            return {path: route for path, route in routes.items() if path not in optional or path in keep}
+            served = {path: route for path, route in routes.items() if path not in optional or path in keep}
+            if not version.has_ready:
+                served.pop("/ready", None)
+            if not version.has_weights_checker:
+                served.pop("/weights_checker", None)
+            return served
         return routes
 
     def do_GET(self) -> None:
@@ -148,6 +158,7 @@ class Handler(BaseHTTPRequestHandler):
                 {
                     "/health": self.health,
                     "/health_generate": self.health,
+                    "/ready": self.ready,
                     "/v1/models": self.models,
                     "/get_model_info": self.model_info,
                     "/model_info": self.model_info,
@@ -157,20 +168,24 @@ class Handler(BaseHTTPRequestHandler):
                     "/get_load": self.load,
                     "/v1/loads": self.loads,
                     "/flush_cache": self.flush_cache,
+                    "/weights_checker": self.weights_checker,
                 }
             )
         )
 
     def do_POST(self) -> None:
         self._dispatch(
-            {
-                "/generate": self.generate,
-                "/flush_cache": self.flush_cache,
-                "/release_memory_occupation": self.release_memory,
-                "/resume_memory_occupation": self.resume_memory,
-                "/pause_generation": self.pause_generation,
-                "/continue_generation": self.continue_generation,
-            }
+            self._served(
+                {
+                    "/generate": self.generate,
+                    "/flush_cache": self.flush_cache,
+                    "/release_memory_occupation": self.release_memory,
+                    "/resume_memory_occupation": self.resume_memory,
+                    "/pause_generation": self.pause_generation,
+                    "/continue_generation": self.continue_generation,
+                    "/weights_checker": self.weights_checker,
+                }
+            )
         )
 
     do_PUT = do_POST
@@ -179,6 +194,36 @@ class Handler(BaseHTTPRequestHandler):
     def health(self) -> None:
         healthy = self.app.engine.health(HEALTH_CHECK_TIMEOUT)
         self._send(200 if healthy else 503)
+
+    def ready(self) -> None:
+        self._send(200 if self.app.engine.is_ready() else 503)
+
+    def weights_checker(self) -> None:
+        """0.5.23 entrypoints/http_server.py:1599-1620: action checksum; 400 with success false otherwise."""
+        body = self._body() or {}
+        action = body.get("action", "checksum") if isinstance(body, dict) else None
+        if action != "checksum":
+            self._send(400, {"success": False, "message": f"Unsupported action={action!r}"})
+            return
+        self.app.engine.note_scheduler_message()
+        rank = self.app.engine.weights_checksum()
+        rank["parallelism_info"] = {
+            "role": "target",
+            "tp_rank": 0,
+            "tp_size": 1,
+            "dp_rank": 0,
+            "dp_size": 1,
+            "pp_rank": 0,
+            "pp_size": 1,
+            "rank": 0,
+            "size": 1,
+        }
+        # tokenizer_control_mixin.py:890-915: one sha256 over the ranks' per-GPU checksums.
+        engine_checksum = hashlib.sha256(rank["per_gpu_checksum"].encode()).hexdigest()
+        self._send(
+            200,
+            {"success": True, "message": "Success.", "ranks": [rank], "per_engine_checksum": engine_checksum},
+        )
 
     def models(self) -> None:
         self._send(
@@ -216,7 +261,9 @@ class Handler(BaseHTTPRequestHandler):
     def server_info(self) -> None:
         engine = self.app.engine
         engine.note_scheduler_message()
-        args = {key: value for key, value in self.app.server_args.items() if key != "api_key"}
+        # Every server argument, both keys included, as SGLang answers (0.5.23 server_args.py:316-333
+        # redacts only watermark secrets).
+        args = dict(self.app.server_args)
         self._send(
             200,
             {
@@ -240,16 +287,17 @@ class Handler(BaseHTTPRequestHandler):
     def load(self) -> None:
         # 0.5.4 scheduler.py:2379 `GetLoadReqOutput`: num_reqs counts running and waiting requests.
         engine = self.app.engine
-        engine.note_scheduler_message()
+        if self.app.version.load_asks_scheduler:
+            engine.note_scheduler_message()
         running, waiting = engine.count("running"), engine.count("waiting")
         self._send(
             200, [{"dp_rank": 0, "num_reqs": running + waiting, "num_waiting_reqs": waiting, "num_tokens": 0}]
         )
 
     def loads(self) -> None:
-        # 0.5.23 entrypoints/v1_loads.py:96 and managers/load_snapshot.py `LoadSnapshot` (core keys).
+        # 0.5.23 entrypoints/v1_loads.py:96 and managers/load_snapshot.py `LoadSnapshot` (core keys and
+        # queues, :179-186). A snapshot read, not a scheduler answer: no sign of life for a health check.
         engine = self.app.engine
-        engine.note_scheduler_message()
         self._send(
             200,
             {
@@ -265,6 +313,13 @@ class Handler(BaseHTTPRequestHandler):
                         "num_waiting_reqs": engine.count("waiting"),
                         "num_used_tokens": 0,
                         "num_total_tokens": 0,
+                        "queues": {
+                            "waiting": engine.count("waiting"),
+                            "grammar": engine.count("grammar"),
+                            "paused": 0,
+                            "retracted": 0,
+                            "prealloc_ready": 0,
+                        },
                     }
                 ],
             },
@@ -355,14 +410,15 @@ class Handler(BaseHTTPRequestHandler):
             mode = (body or {}).get("mode", "abort")
             if mode not in version.pause_modes:
                 raise RequestError(422, f"mode must be one of {', '.join(version.pause_modes)}, got {mode!r}")
+        # Not a sign of life: the retract and in-place pauses are sent to the scheduler, which does not
+        # answer them (0.5.23 managers/tokenizer_manager.py:2267-2271, 703-706).
         self.app.engine.pause(mode)
-        if mode != "abort":
-            self.app.engine.note_scheduler_message()
         self._send(200, {"message": "Generation paused successfully.", "status": "ok"})
 
     def continue_generation(self) -> None:
+        # Sent to the scheduler without an answer (tokenizer_manager.py:2282-2286): the health check's own
+        # request, let through the door, is what can make it pass.
         self.app.engine.resume_generation()
-        self.app.engine.note_scheduler_message()
         self._send(200, {"message": "Generation continued successfully.", "status": "ok"})
 
     def release_memory(self) -> None:

@@ -11,6 +11,11 @@ SGLang 0.5.23 (read in managers/tokenizer_manager.py and managers/scheduler.py):
 - mode "retract" pauses the scheduler and sends running requests back to the waiting queue
   (scheduler.py:5816); "in_place" pauses it and leaves them running (scheduler.py:5820).
   After /continue_generation both continue; a retracted request recomputes its prefix.
+- A constrained request (regex, json_schema, ebnf) waits in the grammar queue until its grammar is
+  compiled, and leaves it only when the scheduler schedules (scheduler.py:4084-4088): never while
+  paused. The release's idleness requires that queue empty (scheduler.py:5369-5372).
+- SGLANG_REQ_WAITING_TIMEOUT (seconds, in the server's environment) aborts a request that waited in
+  the queue longer, with status 503 (scheduler.py:3605-3620, polled each iteration from :2195-2203).
 The model here decodes one request at a time under `lock` (one GPU); the others wait for it.
 """
 
@@ -18,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import os
 import threading
 import time
 import uuid
@@ -25,10 +31,11 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from specops.devserver.protocol import Item
+from specops.devserver.protocol import Item, RequestError
 
 RUNNING_ABORT = {"type": "abort", "message": "Aborted", "status_code": None, "err_type": None}
 WAITING_ABORT = {"type": "abort", "message": "Abort in waiting queue"}
+WAITING_TIMEOUT_MESSAGE = "Request waiting timeout reached."
 
 TokensCallback = Callable[[list[int]], None]
 
@@ -38,8 +45,9 @@ class Ticket:
     """One request inside the scheduler: waiting for the model, or running on it."""
 
     rid: str
-    state: str = "waiting"
+    state: str = "waiting"  # or "grammar" (constrained, grammar not yet scheduled) or "running"
     abort: dict[str, Any] | None = None  # the finish_reason once aborted
+    queued_at: float = dataclasses.field(default_factory=time.monotonic)  # entered its current queue
 
 
 class RequestScheduler:
@@ -56,6 +64,10 @@ class RequestScheduler:
         self.pause_mode: str | None = None
         self.preempting = False  # a release (0.5.4) waits for the running step to end
         self.last_scheduler_message = 0.0  # what /health_generate counts as a sign of life
+        self.grammar_compile_delay = 0.0  # seconds a constrained request's grammar takes to compile
+        self.idle_needs_empty_grammar_queue = True  # versions.py says which release does
+        # envs.SGLANG_REQ_WAITING_TIMEOUT (0.5.23 environ.py:685): -1, off, by default.
+        self.waiting_timeout = float(os.environ.get("SGLANG_REQ_WAITING_TIMEOUT") or -1)
 
     # -- counts --------------------------------------------------------------------------------
     @property
@@ -70,8 +82,13 @@ class RequestScheduler:
         return sum(1 for ticket in self.tickets if ticket.state == state)
 
     def is_fully_idle(self, ignore_waiting: bool = False) -> bool:
-        """scheduler.py:5337 (0.5.23): nothing running; nothing waiting unless told to ignore it."""
-        return self.count("running") == 0 and (ignore_waiting or self.count("waiting") == 0)
+        """scheduler.py:5337-5372 (0.5.23): nothing running, an empty grammar queue (whatever the pause),
+        nothing waiting unless told to ignore it."""
+        return (
+            self.count("running") == 0
+            and (self.count("grammar") == 0 or not self.idle_needs_empty_grammar_queue)
+            and (ignore_waiting or self.count("waiting") == 0)
+        )
 
     def note_scheduler_message(self) -> None:
         self.last_scheduler_message = time.monotonic()
@@ -123,8 +140,8 @@ class RequestScheduler:
 
     # -- admission -----------------------------------------------------------------------------
     @contextlib.contextmanager
-    def admit(self, rid: str | None) -> Iterator[Ticket]:
-        ticket = Ticket(rid or uuid.uuid4().hex)
+    def admit(self, rid: str | None, constrained: bool = False) -> Iterator[Ticket]:
+        ticket = Ticket(rid or uuid.uuid4().hex, state="grammar" if constrained else "waiting")
         with self.cond:
             self.tickets.append(ticket)
         try:
@@ -146,15 +163,11 @@ class RequestScheduler:
         output: list[int] = []
         spec_parts: list[Any] = []
         params = item.params
+        self._leave_grammar_queue(ticket)
         while not self._finished(output, params) and ticket.abort is None:
-            with self.cond:
-                self.cond.wait_for(lambda: ticket.abort is not None or not self._held())
-            if ticket.abort is not None:
+            if not self._take_turn(ticket):
                 break
-            with self.lock:
-                # A pause or release may have come between the wait and the lock.
-                if self._held() or ticket.abort is not None:
-                    continue
+            try:
                 ticket.state = "running"
                 rest = dataclasses.replace(params, max_new_tokens=params.max_new_tokens - len(output))
                 before = list(output)
@@ -169,16 +182,44 @@ class RequestScheduler:
                     interrupted=lambda: ticket.abort is not None or self.scheduler_paused or self.preempting,
                     on_tokens=stream,
                 )
+            finally:
+                self.lock.release()
             output.extend(new)
             if spec is not None:
                 spec_parts.append(spec)
             with self.cond:
                 # A retracted request goes back to the waiting queue; in place it stays running.
                 if self.scheduler_paused and self.pause_mode == "retract":
-                    ticket.state = "waiting"
+                    ticket.state, ticket.queued_at = "waiting", time.monotonic()
         if ticket.abort is not None and not self._finished(output, params):
             return self._aborted(item, ids, output, ticket, time.monotonic() - started)
         return self._response(item, ids, output, time.monotonic() - started, self._merge_spec(spec_parts))
+
+    def _leave_grammar_queue(self, ticket: Ticket) -> None:
+        """A constrained request moves to the waiting queue once compiled, only while scheduling."""
+        if ticket.state != "grammar":
+            return
+        ready_at = ticket.queued_at + self.grammar_compile_delay
+        with self.cond:
+            while ticket.abort is None and (self._held() or time.monotonic() < ready_at):
+                self.cond.wait(max(0.01, min(0.1, ready_at - time.monotonic())))
+            if ticket.abort is None:
+                ticket.state, ticket.queued_at = "waiting", time.monotonic()
+
+    def _take_turn(self, ticket: Ticket) -> bool:
+        """Wait for the model (the lock is then held) or the request's abort (False, the lock not held);
+        a request that waited past SGLANG_REQ_WAITING_TIMEOUT is aborted with 503."""
+        while ticket.abort is None:
+            if 0 < self.waiting_timeout < time.monotonic() - ticket.queued_at and ticket.state == "waiting":
+                raise RequestError(503, WAITING_TIMEOUT_MESSAGE)
+            if not self._held() and self.lock.acquire(timeout=0.1):
+                # A pause or release may have come between the check and the lock.
+                if not self._held() and ticket.abort is None:
+                    return True
+                self.lock.release()
+            with self.cond:
+                self.cond.wait_for(lambda: ticket.abort is not None or not self._held(), timeout=0.1)
+        return False
 
     def _aborted(self, item: Item, ids: list[int], output: list[int], ticket: Ticket, latency: float) -> dict:
         assert ticket.abort is not None

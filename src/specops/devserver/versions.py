@@ -31,6 +31,42 @@ class SGLangVersion:
     # Paths served without the API key: 0.5.23 /health*, /ready*, /metrics* (utils/auth.py
     # `decide_request_auth`); 0.5.4 /health* and /metrics* (utils/common.py:1129).
     open_prefixes: tuple[str, ...]
+    # Endpoints that only --admin-api-key opens when it is set, the plain --api-key refused there
+    # (0.5.23 utils/auth.py:133-141, AuthLevel.ADMIN_OPTIONAL on entrypoints/http_server.py:1026 flush,
+    # 1301 update_weights_from_disk, 1576 release, 1588 resume, 1600 weights_checker, 1832 pause,
+    # 1845 continue). Empty: the release has no --admin-api-key (0.5.4 utils/common.py:1129).
+    admin_paths: tuple[str, ...]
+    # /ready: 503 while paused or after a failed health check (0.5.23 entrypoints/http_server.py:714,
+    # managers/tokenizer_manager.py:733-734); 0.5.4 has no /ready.
+    has_ready: bool
+    # Whether the load endpoint asks the scheduler, whose answer a health check waiting at a pause
+    # takes for a sign of life (0.5.23 http_server.py:779-785 reads last_receive_tstamp): 0.5.4's
+    # /get_load is a scheduler round trip (tokenizer_communicator_mixin.py:629-631); 0.5.23's
+    # /v1/loads reads a shared snapshot (tokenizer_control_mixin.py:1001-1028).
+    load_asks_scheduler: bool
+    # /weights_checker, checksums of the loaded weights (0.5.23 entrypoints/http_server.py:1599-1620,
+    # utils/weight_checker.py:206-235); 0.5.4 has none.
+    has_weights_checker: bool
+    # --weight-cache-mode choices (0.5.23 arg_groups/fields/model.py:377-389); 0.5.4 has no such flag.
+    weight_cache_modes: tuple[str, ...]
+    # Flush and release idleness require an empty grammar queue (0.5.23 managers/scheduler.py:5369-5372);
+    # 0.5.4's flush_cache looks only at the waiting queue and the running batch (scheduler.py:2305-2311).
+    idle_needs_empty_grammar_queue: bool
+    # SGLANG_REQ_WAITING_TIMEOUT aborts long-waiting requests with 503 (0.5.23 environ.py:685,
+    # managers/scheduler.py:3605-3620); 0.5.4 reads no such variable.
+    reads_waiting_timeout: bool
+
+
+# Admin endpoints this server serves (the subset of 0.5.23's ADMIN_OPTIONAL routes it has).
+ADMIN_PATHS_0_5_23 = (
+    "/flush_cache",
+    "/release_memory_occupation",
+    "/resume_memory_occupation",
+    "/weights_checker",
+    "/pause_generation",
+    "/continue_generation",
+    "/update_weights_from_disk",
+)
 
 
 VERSIONS = {
@@ -43,6 +79,13 @@ VERSIONS = {
         info_paths=("/server_info", "/get_server_info", "/model_info", "/get_model_info"),
         load_path="/v1/loads",
         open_prefixes=("/health", "/ready", "/metrics"),
+        admin_paths=ADMIN_PATHS_0_5_23,
+        has_ready=True,
+        load_asks_scheduler=False,
+        has_weights_checker=True,
+        weight_cache_modes=("off", "daemon", "client"),
+        idle_needs_empty_grammar_queue=True,
+        reads_waiting_timeout=True,
     ),
     "0.5.4": SGLangVersion(
         name="0.5.4",
@@ -53,5 +96,12 @@ VERSIONS = {
         info_paths=("/get_server_info", "/get_model_info"),
         load_path="/get_load",
         open_prefixes=("/health", "/metrics"),
+        admin_paths=(),
+        has_ready=False,
+        load_asks_scheduler=True,
+        has_weights_checker=False,
+        weight_cache_modes=("off",),
+        idle_needs_empty_grammar_queue=False,
+        reads_waiting_timeout=False,
     ),
 }

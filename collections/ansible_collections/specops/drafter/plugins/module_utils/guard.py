@@ -154,7 +154,8 @@ def bring_back(config: dict) -> dict:
     """Start or resume the server; a resume with no server to resume starts one, and a server that does
     not serve after the resume is started again."""
     server = backend_of(config)
-    api = SglangApi(config["url"], config.get("api_key") or "", float(config.get("health_timeout", 30)))
+    api = SglangApi(config["url"], config.get("api_key") or "", float(config.get("health_timeout", 30)),
+                    admin_api_key=config.get("admin_api_key") or "")
     result: dict = {"action": config["action"]}
     claimed = ReleasedMarker(config["state_dir"]).claim() if config["action"] == "resume" else None
     if config["action"] == "resume" and server.running_pid():
@@ -193,7 +194,7 @@ def result_path(state_dir: str) -> str:
 
 def fire(config: dict, reason: str) -> dict:
     remove(armed_path(config["state_dir"]))
-    # The configuration may hold the api key: it is not left on disk longer than the guard needs it.
+    # The configuration may hold the keys: it is not left on disk longer than the guard needs it.
     remove(os.path.join(config["state_dir"], "guard.json"))
     ended = reason == WORK_ENDED
     # At the work's end nothing of it is left to stop (the play's own tasks carry the token too).

@@ -3,11 +3,13 @@
 """Release and resume a server's GPU memory without losing a request and without a second resume.
 
 - Release asserts an idle scheduler and a request in between crashes it (sglang 0.5.23
-  srt/managers/scheduler_update_weights_mixin.py release_memory_occupation): pause first, then
-  poll /flush_cache until 200. Pause with `retract` where the version has modes (requests go back
+  srt/managers/scheduler_components/weight_updater.py:337-341 release_memory_occupation): pause first,
+  then poll /flush_cache until 200. Idle includes an empty grammar queue (srt/managers/scheduler.py:5369-5372),
+  which drains only while the scheduler schedules (:4084-4088): a constrained request caught there by the
+  pause is let through (continue, then pause again) instead of waited for in vain. Pause with `retract` where the version has modes (requests go back
   to the waiting queue and survive); 0.5.4's pause aborts every request, so drain first.
 - Resume of a tag that is not released raises in the scheduler, which SIGQUITs the server (same
-  file, `offload_tags.remove`): the released marker is claimed under a lock, so the play and the
+  file, `offload_tags.remove`, weight_updater.py:390): the released marker is claimed under a lock, so the play and the
   guard never both resume.
 Standard library only: the guard resumes with it outside Ansible.
 """
@@ -25,7 +27,7 @@ import subprocess
 import time
 
 from ansible_collections.specops.drafter.plugins.module_utils.service_errors import ServiceError
-from ansible_collections.specops.drafter.plugins.module_utils.sglang_api import has_pause_modes
+from ansible_collections.specops.drafter.plugins.module_utils.sglang_api import has_pause_modes, offers
 from ansible_collections.specops.drafter.plugins.module_utils.state_files import (
     ensure_dir,
     read_json,
@@ -117,6 +119,29 @@ def pause_without_losing_requests(api, version, drain_timeout: float, delay: flo
     return "drain then abort"
 
 
+def flush_through_grammar_queue(api, version, timeout: float, delay: float) -> None:
+    """/flush_cache until 200 under a retract pause; a constrained request held in the grammar queue (which never
+    drains while paused) is let through by a continue, and the pause taken again once the queue is empty."""
+    deadline = time.monotonic() + timeout
+    while True:
+        answer = api.flush_cache()
+        if answer.ok:
+            return
+        if offers(version, "grammar_queue_load") and api.grammar_queue():
+            api.continue_generation()
+            while api.grammar_queue() and time.monotonic() < deadline:
+                time.sleep(min(delay, 0.1))
+            paused = api.pause("retract")
+            if not paused.ok:
+                raise ServiceError("POST %s/pause_generation {\"mode\": \"retract\"} gave %s (pausing again once the "
+                                   "grammar queue had drained)" % (api.url, paused.describe()))
+        if time.monotonic() >= deadline:
+            raise ServiceError("POST %s/flush_cache still gives %s after %.0f s (sglang_service_drain_timeout): "
+                               "requests are still running or waiting for their grammar"
+                               % (api.url, answer.describe(), timeout))
+        time.sleep(delay)
+
+
 def flush_until_idle(api, timeout: float, delay: float) -> None:
     deadline = time.monotonic() + timeout
     while True:
@@ -137,9 +162,12 @@ class ReleasedMarker(object):
         self.path = marker_path(state_dir)
         self.claimed = self.path + ".claimed"
 
-    def write(self, tags: list, down_at: float) -> None:
+    def write(self, tags: list, down_at: float, weights_checksum: str | None = None) -> None:
         ensure_dir(self.state_dir)
-        write_json(self.path, {"tags": list(tags), "at": down_at})
+        content = {"tags": list(tags), "at": down_at}
+        if weights_checksum:
+            content["weights_checksum"] = weights_checksum  # proven again after the resume
+        write_json(self.path, content)
 
     def drop(self) -> None:
         remove(self.path)

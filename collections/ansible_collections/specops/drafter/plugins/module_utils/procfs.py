@@ -12,6 +12,7 @@ __metaclass__ = type
 import collections
 import fnmatch
 import os
+import re
 
 Stat = collections.namedtuple("Stat", ["state", "ppid", "pgid", "sid", "starttime"])
 
@@ -53,13 +54,45 @@ def is_same_process(pid: int, started: int | None, proc_root: str = "/proc") -> 
     return started is not None and not is_gone(pid, proc_root) and start_time(pid, proc_root) == started
 
 
+# Options whose values are secrets (SGLang's --api-key and --admin-api-key): a command line read here or logged by
+# the module shows them redacted, so no record, message or log carries a key.
+SECRET_OPTIONS = ("--api-key", "--admin-api-key")
+REDACTED = "<redacted>"
+
+
+def redact_argv(argv: list) -> list:
+    shown = []
+    hide_next = False
+    for word in argv:
+        name, equals, dummy = str(word).partition("=")
+        if hide_next:
+            shown.append(REDACTED)
+            hide_next = False
+        elif name in SECRET_OPTIONS and equals:
+            shown.append(name + "=" + REDACTED)
+        else:
+            shown.append(str(word))
+            hide_next = word in SECRET_OPTIONS
+    return shown
+
+
+# A key in a server's log: the argv form, and SGLang's own `server_args={... 'api_key': '...'}` line at start
+# (sglang 0.5.23 srt/entrypoints/engine.py:173-174, :311 logs both keys).
+_SECRET_IN_TEXT = re.compile(r"""(--(?:admin-)?api-key[= ]|['"]?(?:admin_)?api_key['"]?\s*[:=]\s*)(['"]?)([^\s'",)]+)""")
+
+
+def redact_text(text: str) -> str:
+    """Log lines with every key value replaced, for messages that quote a server's log."""
+    return _SECRET_IN_TEXT.sub(lambda match: match.group(1) + match.group(2) + REDACTED, text or "")
+
+
 def cmdline(pid: int, proc_root: str = "/proc") -> str:
     try:
         raw = _read("%s/%d/cmdline" % (proc_root, pid), "rb")
     except (IOError, OSError):
         return ""
     # setproctitle pads the argument area with NULs or spaces.
-    return " ".join(part for part in raw.decode("utf-8", "replace").split("\0") if part).strip()
+    return " ".join(redact_argv([part for part in raw.decode("utf-8", "replace").split("\0") if part])).strip()
 
 
 def comm(pid: int, proc_root: str = "/proc") -> str:

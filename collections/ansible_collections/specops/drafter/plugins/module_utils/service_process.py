@@ -105,7 +105,7 @@ class ProcessServer(object):
         return (read_json(self.identity_file, {}) or {}).get("digest") == spec_digest(self.spec)
 
     def log_tail(self) -> str:
-        return tail(self.log_file)
+        return procfs.redact_text(tail(self.log_file))
 
     def log_source(self) -> str:
         return self.log_file
@@ -138,7 +138,8 @@ class ProcessServer(object):
         env.update(dict((str(k), str(v)) for k, v in (self.spec.get("environment") or {}).items()))
         argv = [str(arg) for arg in self.spec["argv"]]
         with open(self.log_file, "ab") as log, open(os.devnull, "rb") as devnull:
-            log.write(("--- %s starting: %s\n" % (time.strftime("%Y-%m-%dT%H:%M:%S"), " ".join(argv))).encode())
+            shown = " ".join(procfs.redact_argv(argv))
+            log.write(("--- %s starting: %s\n" % (time.strftime("%Y-%m-%dT%H:%M:%S"), shown)).encode())
             log.flush()
             try:
                 # Own session and process group: stop signals every child, and the play's end does not reach it.
@@ -149,8 +150,9 @@ class ProcessServer(object):
                 raise ServiceError("cannot start %s: %s (check sglang_service_python)" % (argv[0], error))
         with open(self.pid_file, "w") as handle:
             handle.write("%d\n" % child.pid)
+        # The command line as shown elsewhere: its keys redacted (the digest tells a changed spec).
         write_json(self.identity_file, {"digest": spec_digest(self.spec), "start_time": procfs.start_time(child.pid),
-                                        "argv": argv})
+                                        "argv": procfs.redact_argv(argv)})
         return child.pid
 
     def stop(self, timeout: float, tree_file: str = "") -> dict:

@@ -21,8 +21,8 @@ from ansible_collections.specops.drafter.plugins.module_utils import procfs
 from ansible_collections.specops.drafter.plugins.module_utils.service_errors import ServiceError
 from ansible_collections.specops.drafter.plugins.module_utils.state_files import write_json
 
-# SGLang's own defaults when the command line leaves them out (sglang 0.5.23 srt/server_args.py
-# ServerArgs.host "127.0.0.1", port 30000).
+# SGLang's own defaults when the command line leaves them out (sglang 0.5.23
+# srt/arg_groups/fields/serving.py:65-66: host "127.0.0.1", port 30000).
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 30000
 
@@ -47,7 +47,7 @@ def exec_start_argv(exec_start: str) -> list[str]:
 
 
 def command_line_facts(argv: list[str]) -> dict:
-    """Port, host and memory flags of an SGLang command line; the api key's presence, never its value."""
+    """Port, host and memory flags of an SGLang command line; the keys' presence, never their values."""
 
     def value(name):
         for index, word in enumerate(argv):
@@ -64,6 +64,7 @@ def command_line_facts(argv: list[str]) -> dict:
         "enable_memory_saver": "--enable-memory-saver" in argv,
         "enable_weights_cpu_backup": "--enable-weights-cpu-backup" in argv,
         "api_key_required": value("--api-key") is not None,
+        "admin_api_key_required": value("--admin-api-key") is not None,
     }
 
 
@@ -130,7 +131,7 @@ class SystemdUnit(object):
 
     def log_tail(self) -> str:
         rc, out = run(["journalctl", "--unit", self.unit, "--lines", "40", "--no-pager", "--output", "cat"])
-        return out
+        return procfs.redact_text(out)
 
     def log_source(self) -> str:
         return "journalctl -u %s" % self.unit

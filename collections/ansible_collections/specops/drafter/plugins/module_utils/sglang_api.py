@@ -1,6 +1,7 @@
 # -*- coding: utf-8 -*-
 # GNU General Public License v3.0+ (see https://www.gnu.org/licenses/gpl-3.0.txt)
-"""SGLang's HTTP API as the service window uses it: server info, pause/continue, flush, release/resume, load, health.
+"""SGLang's HTTP API as the service window uses it: server info, pause/continue, flush, release/resume, load, health,
+weights checksums; and what each SGLang release offers (RELEASES), the one table of version facts on this side.
 
 Standard library only (urllib): the guard calls it outside Ansible, on hosts without requests.
 """
@@ -28,10 +29,26 @@ FIRST_VERSION_WITH_PAUSE_MODES = (0, 5, 23)
 # - all_tags: what `[]` releases, GPU_MEMORY_ALL_TYPES (0.5.23 srt/constants.py:6 and
 #   srt/managers/scheduler_components/weight_updater.py:345-346; 0.5.4
 #   srt/managers/scheduler_update_weights_mixin.py:107).
+# - admin_api_key: --admin-api-key, the only key of the admin endpoints when set (0.5.23 srt/utils/auth.py:133-141).
+# - weights_checker: /weights_checker checksums (0.5.23 srt/entrypoints/http_server.py:1599-1620).
+# - weight_cache_mode: --weight-cache-mode; other than off, a release including weights kills the scheduler
+#   (0.5.23 srt/managers/scheduler_components/weight_updater.py:293-307, 368-369).
+# - grammar_queue_load: /v1/loads?include=queues counts the grammar queue (0.5.23 srt/managers/load_snapshot.py:179-186).
 RELEASES = (
-    ((0, 5, 23), {"pause_modes": True, "all_tags": ("kv_cache", "weights", "cuda_graph")}),
-    ((0, 5, 4), {"pause_modes": False, "all_tags": ("weights", "kv_cache")}),
+    ((0, 5, 23), {"pause_modes": True, "all_tags": ("kv_cache", "weights", "cuda_graph"), "admin_api_key": True,
+                  "weights_checker": True, "weight_cache_mode": True, "grammar_queue_load": True}),
+    ((0, 5, 4), {"pause_modes": False, "all_tags": ("weights", "kv_cache"), "admin_api_key": False,
+                 "weights_checker": False, "weight_cache_mode": False, "grammar_queue_load": False}),
 )
+
+# Endpoints that only the admin key opens when the server has one (0.5.23 srt/entrypoints/http_server.py ADMIN_OPTIONAL:
+# 1026 flush, 1301 update_weights_from_disk, 1576 release, 1588 resume, 1600 weights_checker, 1832 pause, 1845 continue).
+ADMIN_PATHS = ("/flush_cache", "/update_weights_from_disk", "/release_memory_occupation", "/resume_memory_occupation",
+               "/weights_checker", "/pause_generation", "/continue_generation")
+
+# Server arguments that are secrets: /server_info returns every argument, both keys included (0.5.23
+# srt/server_args.py:316-333 redacts only watermark secrets); they never leave SglangApi.
+SECRET_ARGUMENTS = ("api_key", "admin_api_key")
 
 # Draft and target weights share the `weights` tag (their backups are --enable-weights-cpu-backup and
 # --enable-draft-weights-cpu-backup); released without a backup their content is thrown away
@@ -66,6 +83,16 @@ def release_tags_keeping_weights(version) -> tuple:
     return tuple(tag for tag in release_facts(version)["all_tags"] if tag not in WEIGHT_TAGS)
 
 
+def offers(version, feature: str) -> bool:
+    """Whether the SGLang release `version` offers `feature` (a key of RELEASES' entries)."""
+    return bool(release_facts(version).get(feature))
+
+
+def redacted(info: dict) -> dict:
+    """Server info without its secrets, before anything stores, logs or returns it."""
+    return dict((key, "<redacted>" if key in SECRET_ARGUMENTS and value else value) for key, value in info.items())
+
+
 def releases_weights(tags) -> bool:
     """An empty tag list means every tag (sglang 0.5.23 srt/managers/io_struct.py ReleaseMemoryOccupationReqInput)."""
     return not tags or any(tag in WEIGHT_TAGS for tag in tags)
@@ -97,19 +124,28 @@ class Answer(object):
 
 
 class SglangApi(object):
-    """One server's API; the api key goes as `Authorization: Bearer` on every call
-    (sglang 0.5.23 srt/entrypoints/http_server.py:2884 add_api_key_middleware guards every endpoint)."""
+    """One server's API, with its keys as `Authorization: Bearer`: the admin key on the admin endpoints when given,
+    the api key everywhere else (sglang 0.5.23 srt/utils/auth.py:74-151: /health, /ready and /metrics need no key;
+    with --admin-api-key set the admin endpoints refuse the api key; 0.5.4 has only --api-key, on every endpoint but
+    /health and /metrics, srt/utils/common.py:1129)."""
 
-    def __init__(self, url: str, api_key: str = "", timeout: float = 30.0) -> None:
+    def __init__(self, url: str, api_key: str = "", timeout: float = 30.0, admin_api_key: str = "") -> None:
         self.url = url.rstrip("/")
         self.api_key = api_key or ""
+        self.admin_api_key = admin_api_key or ""
         self.timeout = timeout
+
+    def key_for(self, path: str) -> str:
+        if self.admin_api_key and path.split("?")[0] in ADMIN_PATHS:
+            return self.admin_api_key
+        return self.api_key
 
     def call(self, path: str, body=None, timeout: float | None = None) -> Answer:
         data = None if body is None else json.dumps(body).encode("utf-8")
         headers = {"Content-Type": "application/json"}
-        if self.api_key:
-            headers["Authorization"] = "Bearer %s" % self.api_key
+        key = self.key_for(path)
+        if key:
+            headers["Authorization"] = "Bearer %s" % key
         request = Request(self.url + path, data=data, headers=headers, method="GET" if data is None else "POST")
         try:
             with urlopen(request, timeout=timeout or self.timeout) as response:
@@ -120,18 +156,41 @@ class SglangApi(object):
             return Answer(-1, str(getattr(error, "reason", error)))
 
     def server_info(self) -> dict | None:
-        """/server_info (0.5.23, http_server.py:863), else /get_server_info (0.5.4, http_server.py:496)."""
+        """/server_info (0.5.23, http_server.py:863), else /get_server_info (0.5.4, http_server.py:496); its keys
+        redacted."""
         for path in ("/server_info", "/get_server_info"):
             answer = self.call(path)
             if answer.ok and isinstance(answer.json(), dict):
-                return answer.json()
+                return redacted(answer.json())
             if answer.status in (401, 403):
                 break
         return None
 
     def server_info_answer(self) -> Answer:
-        """The answer that explains why server_info() found nothing."""
-        return self.call("/server_info")
+        """The answer that explains why server_info() found nothing (never one that carries the info)."""
+        answer = self.call("/server_info")
+        return Answer(answer.status, "(server info)") if answer.ok else answer
+
+    def weights_checksum(self) -> str | None:
+        """The server's checksum over its loaded weights (0.5.23 /weights_checker action checksum,
+        per_engine_checksum); None where the server does not answer one."""
+        answer = self.call("/weights_checker", {"action": "checksum"}, timeout=600)
+        body = answer.json() if answer.ok else None
+        checksum = body.get("per_engine_checksum") if isinstance(body, dict) and body.get("success") else None
+        return checksum if isinstance(checksum, str) else None
+
+    def grammar_queue(self) -> int | None:
+        """Constrained requests waiting for their grammar (0.5.23 /v1/loads?include=queues); None where not said."""
+        answer = self.call("/v1/loads?include=queues")
+        body = answer.json() if answer.ok else None
+        ranks = body.get("loads") if isinstance(body, dict) else None
+        total = 0
+        try:
+            for rank in ranks or []:
+                total += int(rank["queues"]["grammar"])
+        except (KeyError, TypeError, ValueError):
+            return None
+        return total if ranks else None
 
     def pause(self, mode: str | None) -> Answer:
         """mode None: the body-less pause of versions without modes, which aborts every request."""

@@ -18,6 +18,7 @@ from ansible_collections.specops.drafter.plugins.module_utils import guard_contr
 from ansible_collections.specops.drafter.plugins.module_utils.memory_plan import expected_used_after, plan_release
 from ansible_collections.specops.drafter.plugins.module_utils.memory_window import (
     ReleasedMarker,
+    flush_through_grammar_queue,
     flush_until_idle,
     gpu_memory_used,
     is_released,
@@ -26,10 +27,16 @@ from ansible_collections.specops.drafter.plugins.module_utils.memory_window impo
     wait_memory_dropped,
 )
 from ansible_collections.specops.drafter.plugins.module_utils.readiness import url_port, wait_port_free, wait_ready
+from ansible_collections.specops.drafter.plugins.module_utils.release_checks import (
+    check_abort_pause,
+    check_memory_flags,
+    check_waiting_timeout,
+    process_environment,
+)
 from ansible_collections.specops.drafter.plugins.module_utils.service_errors import ServiceError
 from ansible_collections.specops.drafter.plugins.module_utils.service_process import ProcessServer, launch_problems
 from ansible_collections.specops.drafter.plugins.module_utils.service_systemd import SystemdUnit
-from ansible_collections.specops.drafter.plugins.module_utils.sglang_api import SglangApi, releases_weights
+from ansible_collections.specops.drafter.plugins.module_utils.sglang_api import SglangApi, offers, releases_weights
 from ansible_collections.specops.drafter.plugins.module_utils.state_files import ensure_dir, read_json, remove, write_json
 from ansible_collections.specops.drafter.plugins.module_utils.window_lock import NO_WINDOW_TOKEN, WindowLock
 
@@ -76,7 +83,11 @@ class ServiceWindow(object):
             raise ServiceError("url is required unless an adopted unit's command line gives host and port")
         if self.adopted.get("api_key_required") and not params.get("api_key"):
             raise ServiceError("%s runs with --api-key: give its key as api_key (sglang_service_api_key)" % self.name)
-        self.api = SglangApi(url, params.get("api_key") or "", float(params["health_timeout"]))
+        if self.adopted.get("admin_api_key_required") and not params.get("admin_api_key"):
+            raise ServiceError("%s runs with --admin-api-key: give its key as admin_api_key "
+                               "(sglang_service_admin_api_key)" % self.name)
+        self.api = SglangApi(url, params.get("api_key") or "", float(params["health_timeout"]),
+                             admin_api_key=params.get("admin_api_key") or "")
         self.state_dir = params.get("state_dir") or default_state_dir(params)
         self.lock = WindowLock(self.state_dir, self.name)
         self.result: dict = {"changed": False, "state": params["state"], "url": url, "state_dir": self.state_dir}
@@ -99,6 +110,7 @@ class ServiceWindow(object):
         fire_after = min(float(self.window["guard_after"]), float(self.window["max_downtime"]))
         config = {"server": self.name, "backend": self.params["backend"], "unit": self.params.get("unit"),
                   "spec": self.params.get("spec"), "url": self.api.url, "api_key": self.api.api_key,
+                  "admin_api_key": self.api.admin_api_key,
                   "action": action, "fire_after": fire_after, "grace": float(self.window["guard_grace"]),
                   "token": self.token, "watch_work": self.token != NO_WINDOW_TOKEN,
                   "health_timeout": self.api.timeout, "stop_timeout": float(self.params["stop_timeout"]),
@@ -261,6 +273,7 @@ class ServiceWindow(object):
         return self.result
 
     def _memory_saver_info(self) -> dict:
+        """The server's info (its keys redacted), once every check before a release has passed."""
         info = self.api.server_info()
         if info is None:
             raise ServiceError("%s: %s/server_info (and /get_server_info) gave %s: the server is not serving (or "
@@ -271,6 +284,16 @@ class ServiceWindow(object):
                 "%s runs without --enable-memory-saver: a release would answer 200 and free nothing. Launch it with "
                 "--enable-memory-saver (sglang_service_memory_saver: true) or use the stop window "
                 "(specops_gpu_window_mode: stop)" % self.name)
+        note = check_abort_pause(self.name, info.get("version"), bool(self.params.get("accept_abort_pause")),
+                                 bool(self.params.get("drained")))
+        if note:
+            self.result["abort_pause"] = note
+        bound = min(float(self.window["guard_after"]), float(self.window["max_downtime"]))
+        planned = float(self.window.get("planned_seconds") or bound)
+        figures = check_waiting_timeout(self.name, process_environment(self.server.running_pid()), planned, bound)
+        self.result["waiting_timeout"] = figures
+        if figures.get("warning"):
+            self.result.setdefault("warnings", []).append(figures["warning"])
         return info
 
     def _memory_plan(self, info: dict, gpus) -> dict:
@@ -278,13 +301,10 @@ class ServiceWindow(object):
         explicit = list(self.params.get("tags") or [])
         plan = plan_release(info, gpus, self.params.get("extraction_gpu") or {}, self.params["release"],
                             int(self.params["gpu_reserve_mib"]), explicit)
-        if releases_weights(plan["tags"]) and not info.get("enable_weights_cpu_backup"):
-            raise ServiceError(
-                "%s runs without --enable-weights-cpu-backup: releasing its weights (tags %s) throws their content "
-                "away, and after the resume it serves garbage while /health_generate says 200. Launch it with "
-                "--enable-weights-cpu-backup (sglang_service_memory_saver: true), or release only the KV cache "
-                "(sglang_service_release: kv_cache)" % (self.name, plan["tags"] or "[] = every tag"),
-                memory_plan=plan)
+        try:
+            check_memory_flags(self.name, info, plan["tags"])
+        except ServiceError as error:
+            raise ServiceError(error.msg, **dict(error.fields, memory_plan=plan))
         return plan
 
     def released(self) -> dict:
@@ -302,6 +322,9 @@ class ServiceWindow(object):
         if self.check_mode:
             self.result["changed"] = True
             return self.result
+        # While it serves, so that the checksum adds nothing to the downtime; proven again after the resume.
+        weights_before = (self.api.weights_checksum()
+                          if releases_weights(tags) and offers(info.get("version"), "weights_checker") else None)
         self._take_window()
         self._arm("resume")
         marker = ReleasedMarker(self.state_dir)
@@ -310,8 +333,12 @@ class ServiceWindow(object):
         try:
             self.result["pause_mode"] = pause_without_losing_requests(
                 self.api, info.get("version"), float(self.params["drain_timeout"]), float(self.params["ready_delay"]))
-            flush_until_idle(self.api, float(self.params["drain_timeout"]), float(self.params["ready_delay"]))
-            marker.write(tags, self.result["down_at"])
+            if self.result["pause_mode"] == "retract":
+                flush_through_grammar_queue(self.api, info.get("version"), float(self.params["drain_timeout"]),
+                                            float(self.params["ready_delay"]))
+            else:
+                flush_until_idle(self.api, float(self.params["drain_timeout"]), float(self.params["ready_delay"]))
+            marker.write(tags, self.result["down_at"], weights_checksum=weights_before)
             answer = self.api.release(tags)
             outcome = release_outcome(answer)
             if outcome != "released":
@@ -405,6 +432,8 @@ class ServiceWindow(object):
                 self._launch()
             else:
                 self._resume_and_check(claimed)
+                if claimed is not None and claimed.get("weights_checksum"):
+                    self._prove_weights(claimed["weights_checksum"])
                 self._take_guards_resume()
         except ServiceError as error:
             raise self._rearm_after_failure(
@@ -447,6 +476,28 @@ class ServiceWindow(object):
             self.result.update(changed=True, started_instead=True, restarted=True, msg=(
                 "the server did not serve after the resume (%s): started it again from disk"
                 % error.msg.split(". ")[0]))
+
+    def _prove_weights(self, before: str) -> None:
+        """/health_generate answers 200 even with garbage weights: compare the weights' checksum with the one taken
+        before the release (sglang 0.5.23 srt/entrypoints/http_server.py:1599-1620), and restart the server from
+        disk when they differ."""
+        after = self.api.weights_checksum()
+        check = {"before": before, "after": after, "matched": after == before}
+        self.result["weights_check"] = check
+        if check["matched"]:
+            return
+        self.result.setdefault("warnings", []).append(
+            "%s: the weights' checksum after the resume (%s) differs from the one before the release (%s): the server "
+            "was restarted to load its weights from disk; requests it held were lost"
+            % (self.name, after or "none answered", before))
+        self._stop()
+        self._launch()
+        check["restarted"] = True
+        check["after_restart"] = self.api.weights_checksum()
+        if check["after_restart"] != before:
+            raise ServiceError("%s: after a restart the weights' checksum is %s, not %s as before the release: the "
+                               "weights on disk are not the ones it served"
+                               % (self.name, check["after_restart"], before), weights_check=check)
 
     def run(self) -> dict:
         return getattr(self, self.params["state"])()

@@ -55,8 +55,30 @@ options:
     description: The server's base URL. An adopted unit's is read from its command line when left out.
     type: str
   api_key:
-    description: Sent as C(Authorization Bearer) on every call; kept only in the guard's 0600 configuration.
+    description:
+      - The server's C(--api-key), sent as C(Authorization Bearer) on every call but the admin endpoints when
+        O(admin_api_key) is given. Kept only in the guard's 0600 configuration while a guard is armed.
     type: str
+  admin_api_key:
+    description:
+      - The server's C(--admin-api-key) (SGLang 0.5.23), sent on the admin endpoints (pause, continue, flush,
+        release, resume, weights_checker), which refuse the plain api key when the server has an admin key.
+        Kept only in the guard's 0600 configuration while a guard is armed.
+      - Neither key appears in what the module returns, records or logs; the server's info, which carries both,
+        is redacted before anything reads it.
+    type: str
+  accept_abort_pause:
+    description:
+      - V(released) on a server whose SGLang has no pause modes (0.5.4) is refused, because its pause aborts every
+        request and a request arriving after the drain's last reading is lost. V(true) accepts that risk.
+    type: bool
+    default: false
+  drained:
+    description:
+      - The server's requests were drained elsewhere before the release (eval.yml sets it when the host was taken
+        out of its router), so the abort-only pause of SGLang 0.5.4 loses nothing.
+    type: bool
+    default: false
   state_dir:
     description:
       - Per server, not per run - the window lock, the released marker, the recorded process tree and the
@@ -84,6 +106,12 @@ options:
         type: float
       wait:
         description: Seconds to wait for another run's window; 0 fails at once naming the holder.
+        type: float
+      planned_seconds:
+        description:
+          - Seconds the window is planned to last (eval.yml gives the extraction's estimate). A release is refused
+            when this exceeds the server's C(SGLANG_REQ_WAITING_TIMEOUT), which aborts the requests held at the
+            pause with 503; left out, the guard's C(min(guard_after, max_downtime)) is taken.
         type: float
   guard:
     description: Arm the guard before the server goes down.
@@ -179,6 +207,7 @@ EXAMPLES = r"""
     unit: sglang-qwen
     adopt: true
     api_key: "{{ sglang_api_key }}"
+    admin_api_key: "{{ sglang_admin_api_key }}"
     window:
       token: "{{ specops_window_token }}"
       owner: "eval.yml on {{ inventory_hostname }}"
@@ -193,6 +222,7 @@ EXAMPLES = r"""
     unit: sglang-qwen
     adopt: true
     api_key: "{{ sglang_api_key }}"
+    admin_api_key: "{{ sglang_admin_api_key }}"
     window:
       token: "{{ specops_window_token }}"
 """
@@ -266,6 +296,20 @@ gpu_memory:
   description: The GPU memory check after the release (C(checked) false where nvidia-smi is absent).
   returned: released
   type: dict
+waiting_timeout:
+  description: The server's C(SGLANG_REQ_WAITING_TIMEOUT) as read from its process's environment (C(seconds), none
+    when unset), with the planned and the guard's seconds; C(read) false where the environment could not be read.
+  returned: released
+  type: dict
+abort_pause:
+  description: Why the abort-only pause of a server without pause modes was taken (drained, or the risk accepted).
+  returned: released, on such servers
+  type: str
+weights_check:
+  description: The weights' checksum (C(/weights_checker)) before the release and after the resume, C(matched), and
+    C(restarted) with C(after_restart) when they differed and the server was restarted from disk.
+  returned: resumed, where the server answers /weights_checker
+  type: dict
 serving_tree:
   description: The serving server's processes (pid + start time), for a check of the GPU holders that
     are not ours before a window (gpu_release's tree_file in check mode).
@@ -311,6 +355,7 @@ WINDOW_OPTIONS = dict(
     max_downtime=dict(type="float"),
     guard_grace=dict(type="float"),
     wait=dict(type="float"),
+    planned_seconds=dict(type="float"),
 )
 
 ARGUMENT_SPEC = dict(
@@ -321,6 +366,9 @@ ARGUMENT_SPEC = dict(
     spec=dict(type="dict"),
     url=dict(type="str"),
     api_key=dict(type="str", no_log=True),
+    admin_api_key=dict(type="str", no_log=True),
+    accept_abort_pause=dict(type="bool", default=False),
+    drained=dict(type="bool", default=False),
     state_dir=dict(type="path"),
     window=dict(type="dict", options=WINDOW_OPTIONS),
     guard=dict(type="bool", default=True),
@@ -352,7 +400,11 @@ def main():
         fields = dict(error.fields)
         fields.pop("msg", None)
         fields["failed"] = True
+        for warning in fields.pop("warnings", []):
+            module.warn(warning)
         module.fail_json(msg=error.msg, **fields)
+    for warning in result.pop("warnings", []):
+        module.warn(warning)
     module.exit_json(**result)
 
 

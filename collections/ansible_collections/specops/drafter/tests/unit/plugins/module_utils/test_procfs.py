@@ -10,6 +10,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 
 from ansible_collections.specops.drafter.plugins.module_utils import procfs
 
@@ -39,3 +40,24 @@ def test_the_listener_of_a_port_is_named():
         assert procfs.port_listeners(listener.getsockname()[1]) == {os.getpid()}
     finally:
         listener.close()
+
+
+def test_a_command_line_read_here_shows_no_key():
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)", "--api-key", "k-one",
+                              "--admin-api-key=k-two"])
+    try:
+        shown = procfs.cmdline(child.pid)
+        while "--admin-api-key" not in shown and child.poll() is None:  # until it has exec'd
+            time.sleep(0.02)
+            shown = procfs.cmdline(child.pid)
+        assert shown.endswith("--api-key <redacted> --admin-api-key=<redacted>")
+        assert "k-one" not in repr(procfs.describe_tree([child.pid]))
+    finally:
+        child.kill()
+        child.wait()
+
+
+def test_sglangs_own_log_line_of_its_arguments_is_redacted():
+    line = "server_args={'api_key': 'k-one', 'admin_api_key': 'k-two', 'port': 30000}"
+    shown = procfs.redact_text(line)
+    assert "k-one" not in shown and "k-two" not in shown and "'port': 30000" in shown

@@ -16,6 +16,7 @@ import pytest
 from ansible_collections.specops.drafter.plugins.module_utils.sglang_api import (
     SglangApi,
     has_pause_modes,
+    offers,
     parse_version,
     release_tags_keeping_weights,
     releases_weights,
@@ -60,7 +61,8 @@ class Recorder(BaseHTTPRequestHandler):
         elif self.path == "/get_load":
             status, data = 200, json.dumps([{"num_reqs": 2, "num_waiting_reqs": 1}, {"num_reqs": 0}]).encode()
         else:
-            status, data = 200, json.dumps({"version": "0.5.4", "enable_memory_saver": True}).encode()
+            status, data = 200, json.dumps({"version": "0.5.4", "enable_memory_saver": True, "api_key": "s3cret",
+                                            "admin_api_key": "adm1n"}).encode()
         self.send_response(status)
         self.send_header("Content-Length", str(len(data)))
         self.end_headers()
@@ -95,3 +97,28 @@ def test_every_call_carries_the_bearer_key_and_old_servers_answer_get_server_inf
 def test_a_server_that_is_not_there_answers_minus_one():
     answer = SglangApi("http://127.0.0.1:9", timeout=2).health_generate(2)
     assert answer.status == -1 and not answer.ok and answer.describe().startswith("no answer")
+
+
+def test_the_release_table_answers_for_versions_between_and_beyond_its_rows():
+    assert offers("0.5.23", "weights_checker") and offers("0.6.1", "admin_api_key")
+    assert not offers("0.5.10", "weights_checker") and not offers("0.4.0", "pause_modes")
+    assert offers("specops-devserver", "weights_checker")  # a name it cannot read: the newest entry
+
+
+def test_the_admin_key_goes_to_the_admin_endpoints_the_api_key_elsewhere_and_server_info_loses_both(server):
+    api = SglangApi(server, api_key="s3cret", timeout=5, admin_api_key="adm1n")
+    info = api.server_info()
+    api.pause("retract")
+    api.flush_cache()
+    api.release([])
+    api.resume([])
+    api.weights_checksum()
+    api.continue_generation()
+    api.running_requests()
+    keys = dict((call[1], call[2]) for call in Recorder.seen)
+    for path in ("/pause_generation", "/flush_cache", "/release_memory_occupation", "/resume_memory_occupation",
+                 "/weights_checker", "/continue_generation"):
+        assert keys[path] == "Bearer adm1n", path
+    assert keys["/get_server_info"] == keys["/get_load"] == "Bearer s3cret"
+    assert "s3cret" not in repr(info) and "adm1n" not in repr(info)
+    assert "s3cret" not in api.server_info_answer().describe()
