@@ -27,6 +27,7 @@ from ansible_collections.specops.drafter.plugins.module_utils.memory_window impo
 from ansible_collections.specops.drafter.plugins.module_utils.readiness import url_port, wait_port_free, wait_ready
 from ansible_collections.specops.drafter.plugins.module_utils.service_errors import ServiceError
 from ansible_collections.specops.drafter.plugins.module_utils.service_process import ProcessServer, launch_problems
+from ansible_collections.specops.drafter.plugins.module_utils.service_settings import settings_problems
 from ansible_collections.specops.drafter.plugins.module_utils.service_systemd import SystemdUnit
 from ansible_collections.specops.drafter.plugins.module_utils.sglang_api import SglangApi, releases_weights
 from ansible_collections.specops.drafter.plugins.module_utils.state_files import ensure_dir, write_json
@@ -65,6 +66,10 @@ class ServiceWindow(object):
         url = params.get("url") or self._adopted_url()
         if not url:
             raise ServiceError("url is required unless an adopted unit's command line gives host and port")
+        # Checked while the server serves, for every state: a wrong host or URL must not stop it.
+        problems = settings_problems(None if self.adopted else params.get("spec"), url)
+        if problems:
+            raise ServiceError("%s is left as it is: %s" % (self.name, "; ".join(problems)))
         if self.adopted.get("api_key_required") and not params.get("api_key"):
             raise ServiceError("%s runs with --api-key: give its key as api_key (sglang_service_api_key)" % self.name)
         self.api = SglangApi(url, params.get("api_key") or "", float(params["health_timeout"]))
