@@ -37,7 +37,7 @@ def disk_check(prep: Prepared, todo: Sequence[ShardPlan]) -> int:
     needed = preflight.shard_bytes(
         sum(s.num_tokens for s in todo), sum(len(s.records) for s in todo), len(todo), prep.bytes_per_token
     )
-    preflight.check_disk(prep.out_dir, needed, prep.req["disk_reserve_bytes"])
+    preflight.check_disk(prep.out_dir, needed, prep.req["disk_reserve_bytes"], len(todo))
     return needed
 
 
