@@ -15,6 +15,11 @@ module turns both into the `window` record that report.json, report.md and set_s
                  start and inputs, weights into host memory, the wait), outside the downtime
     other_s    = downtime_s - compute_s: what a shorter window could still save
 
+Outages no play saw end (the play that took the service down was lost and the host-side guard brought
+it back) come from the guard's record through the next run's sglang_service call: `--run` with
+{"hidden_states": DIR, "outages": [...]} and no marks adds them to DIR/outages.json, which the report
+shows beside the window.
+
 python -m specops.window --plan|--run: JSON request on stdin, {"marks": [[stage, epoch_s], ...,
 ["ready", epoch_s]], "mode": "stop" | "memory_saver", "hidden_states": DIR, "service":
 {"down_at": epoch_s, "ready_at": epoch_s, "start_s": s, "started_instead": bool}}; --run writes
@@ -34,6 +39,7 @@ from specops.manifest import atomic_write_json, load_manifest
 from specops.stage import StageError, serve
 
 WINDOW_JSON = "window.json"
+OUTAGES_JSON = "outages.json"
 READY = "ready"
 MODES = ("stop", "memory_saver")
 # The extraction's stage, whose time splits into the process around the work and the work itself.
@@ -170,6 +176,67 @@ def read_window(hidden_states: Path) -> dict[str, Any] | None:
         return None
 
 
+def read_outages(hidden_states: Path) -> list[dict[str, Any]]:
+    """The outages the guard ended for runs on these hidden states, oldest first."""
+    try:
+        outages = json.loads((hidden_states / OUTAGES_JSON).read_text())
+    except FileNotFoundError:
+        return []
+    return outages if isinstance(outages, list) else []
+
+
+def _span(down_at: Any, ready_at: Any) -> float | None:
+    if down_at is None or ready_at is None:
+        return None
+    return round(float(ready_at) - float(down_at), 3)
+
+
+def _outage_entry(outage: Mapping[str, Any]) -> dict[str, Any]:
+    down_at, ready_at = outage.get("down_at"), outage.get("ready_at")
+    return {
+        "down_at": None if down_at is None else _iso(float(down_at)),
+        "ready_at": None if ready_at is None else _iso(float(ready_at)),
+        "downtime_s": _span(down_at, ready_at),
+        "cause": str(outage.get("cause") or "unknown"),
+        "owner": outage.get("owner"),
+        "server": outage.get("server"),
+        "failed": bool(outage.get("failed")),
+        "msg": outage.get("msg"),
+    }
+
+
+def record_outages(hidden_states: Path, outages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """Add outages to DIR/outages.json (one entry per outage, however often it is given)."""
+    known = read_outages(hidden_states)
+    for outage in (_outage_entry(o) for o in outages):
+        if outage not in known:
+            known.append(outage)
+    known.sort(key=lambda outage: outage["down_at"] or "")
+    hidden_states.mkdir(parents=True, exist_ok=True)
+    atomic_write_json(hidden_states / OUTAGES_JSON, known)
+    return known
+
+
+def render_outages(outages: Sequence[Mapping[str, Any]]) -> str:
+    """A report.md section for the outages no play saw end; empty when there were none."""
+    if not outages:
+        return ""
+    lines = ["", "## Outages the guard ended", ""]
+    for outage in outages:
+        span = (
+            f"{outage['downtime_s']:.1f} s"
+            if outage.get("downtime_s") is not None
+            else "not answering when the guard's time ran out"
+        )
+        lines.append(
+            f"- {outage.get('server') or 'the server'} down from {outage['down_at']} to "
+            f"{outage.get('ready_at') or '?'} ({span}), in the window of "
+            f"{outage.get('owner') or 'an earlier run'}: {outage['cause']}"
+            + (f"; it failed: {outage['msg']}" if outage.get("failed") else "")
+        )
+    return "\n".join(lines) + "\n"
+
+
 def render_markdown(window: Mapping[str, Any] | None) -> str:
     """A report.md section; empty when no window was recorded."""
     if not window:
@@ -241,11 +308,11 @@ def render_markdown(window: Mapping[str, Any] | None) -> str:
 
 
 def _request(request: Mapping[str, Any]) -> tuple[list, str, Path]:
-    unknown = set(request) - {"marks", "mode", "hidden_states", "prepared", "service"}
+    unknown = set(request) - {"marks", "mode", "hidden_states", "prepared", "service", "outages"}
     if unknown:
         raise StageError(
             f"unknown request keys {sorted(unknown)}: allowed are hidden_states, marks, mode, "
-            "prepared, service"
+            "outages, prepared, service"
         )
     if not request.get("hidden_states"):
         raise StageError("'hidden_states' is required: the extraction's output directory")
@@ -263,6 +330,9 @@ def plan(request: dict[str, Any]) -> dict[str, Any]:
 
 def run(request: dict[str, Any]) -> dict[str, Any]:
     marks, mode, hidden_states = _request(request)
+    if not marks and "outages" in request:
+        outages = record_outages(hidden_states, list(request["outages"] or []))
+        return {"changed": True, "outages": outages, "path": str(hidden_states / OUTAGES_JSON)}
     window = build_window(
         marks, mode, load_manifest(hidden_states), request.get("prepared"), request.get("service")
     )

@@ -421,3 +421,84 @@ def test_a_server_killed_inside_a_memory_saver_window_is_started_again_and_the_p
     assert (run_dir / "hidden_states" / "manifest.json").is_file()
     record = json.loads((run_dir / "hidden_states" / "window.json").read_text())
     assert record["mode"] == "memory_saver" and record["started_instead"] is True
+
+
+def lock_is_free(path: Path) -> bool:
+    import fcntl
+
+    with open(path) as handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            return False
+        fcntl.flock(handle, fcntl.LOCK_UN)
+        return True
+
+
+def test_a_control_node_killed_in_the_window_neither_blocks_the_rerun_nor_hides_its_outage(served):
+    """The control node dies inside the window (ansible-playbook and its workers SIGKILLed): the guard brings
+    the service back, the run lock lapses with the play once the guard is done, and the rerun proceeds and
+    reports the outage. The run directory also holds an earlier run's start signal (stopped, go), which the
+    new extraction must not take for its own."""
+    site = served
+    run_dir = site.seed_run_dir(site.run_dir, site.work_dir / "run-control-node-killed")
+    (run_dir / "extract.start").write_text(json.dumps({"signal": "go"}))
+    (run_dir / "extract.start.state").write_text(
+        json.dumps({"state": "stopped", "pid": 1, "at": time.time() - 3600})
+    )
+    # The guard fires this long after the window's work is left without its play.
+    extra = site.extra_vars(specops_run_dir=str(run_dir), sglang_service_guard_grace=3)
+    play = subprocess.Popen(
+        [
+            str(Path(sys.executable).parent / "ansible-playbook"),
+            str(REPO / "playbooks" / "eval.yml"),
+            "-e",
+            json.dumps(extra),
+        ],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+        env={**os.environ, "ANSIBLE_CONFIG": str(REPO / "ansible.cfg"), "ANSIBLE_NOCOLOR": "1"},
+    )
+    output = ""
+    killed_at = None
+    try:
+        for line in play.stdout:
+            output += line
+            if "TASK [Stage extract: extract the target" in line:
+                os.killpg(play.pid, signal.SIGKILL)
+                killed_at = time.time()
+                break
+    finally:
+        if play.poll() is None:
+            os.killpg(play.pid, signal.SIGKILL)
+        play.wait()
+    result = SimpleNamespace(output=output)
+    assert killed_at is not None, output[-4000:]
+    # The earlier run's signal was not read as this extraction's: it waited for the GPUs.
+    assert "the extraction waits for the GPUs (pid" in said(result), output[-4000:]
+    assert "could not wait for the GPUs" not in said(result)
+
+    # A bound for a loaded machine, not an expectation: the guard fires 3 s after the work is left alone.
+    lock = run_dir / ".specops.lock"
+    deadline = time.monotonic() + 600
+    while not (site.health_generate_status() == 200 and not guard_processes(site) and lock_is_free(lock)):
+        assert time.monotonic() < deadline, (
+            "the guard did not bring the service back, or the run lock stayed held"
+        )
+        time.sleep(1)
+
+    rerun = site.play("eval.yml", specops_run_dir=str(run_dir))
+    assert rerun.rc == 0, rerun.output[-6000:]
+    assert "was taken down by a play that was lost, and its guard brought it back" in said(rerun)
+    assert site.health_generate_status() == 200
+    report = json.loads((run_dir / "score" / "report.json").read_text())
+    [outage] = report["outages"]
+    assert outage["down_at"] < outage["ready_at"] and outage["downtime_s"] > 0
+    assert "the window's work is gone and the play did not disarm within 3 s" in outage["cause"]
+    assert str(run_dir) in outage["owner"]
+    assert "## Outages the guard ended" in (run_dir / "score" / "report.md").read_text()
+    # The rerun's own window is on the record beside it.
+    assert report["window"]["taken"] is True

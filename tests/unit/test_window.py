@@ -144,3 +144,23 @@ def test_a_prestarted_extraction_records_what_it_did_before_the_window_and_after
     text = window.render_markdown(record)
     assert "weights host -> device 0.8 s" in text and "the writers' tail 0.5 s" in text
     assert "process start, imports and inputs 14.5 s, weights into host memory 3.2 s, waiting 40.0 s" in text
+
+
+def test_outages_the_guard_ended_are_recorded_once_and_shown_in_the_report(tmp_path):
+    hidden_states = tmp_path / "hidden_states"  # not there yet: a rerun in a fresh run directory
+    outage = {
+        "server": "sglang-qwen",
+        "owner": "/srv/run (eval, control node a)",
+        "down_at": 1_700_000_000.0,
+        "fired_at": 1_700_000_060.0,
+        "ready_at": 1_700_000_070.9,
+        "cause": "the guard brought the server back: the window's work is gone",
+    }
+    for _ in range(2):  # given twice, kept once
+        answer = window.run({"hidden_states": str(hidden_states), "outages": [outage]})
+    assert answer["changed"] and window.read_outages(hidden_states) == answer["outages"]
+    [kept] = answer["outages"]
+    assert kept["downtime_s"] == 70.9 and kept["down_at"].startswith("2023-11-14T22:13:20")
+    shown = window.render_outages(answer["outages"])
+    assert "## Outages the guard ended" in shown and "(70.9 s)" in shown and "/srv/run" in shown
+    assert window.render_outages([]) == "" and window.read_outages(tmp_path / "nowhere") == []

@@ -10,7 +10,10 @@ seconds, or guard_grace seconds after the window's work (processes carrying
 SPECOPS_WINDOW_TOKEN=<token> under a live process that is not part of it) is gone, unless
 disarmed (<state_dir>/guard.armed removed or holding another arm id). Firing stops the window's
 work, brings the server back (start, or resume; a resume with nothing to resume starts a server
-that is gone), continues generation and gives the window lock back.
+that is gone), continues generation, gives the window lock back, waits until the server answers
+/health_generate and writes what it did to <state_dir>/outages/<arm id>.json: an outage no play saw
+end, which the next sglang_service call that brings the server up returns (earlier_outages) and
+eval.yml puts on its run's record.
 """
 
 from __future__ import absolute_import, annotations, division, print_function
@@ -31,12 +34,43 @@ from ansible_collections.specops.drafter.plugins.module_utils.service_errors imp
 from ansible_collections.specops.drafter.plugins.module_utils.service_process import ProcessServer, stop_processes
 from ansible_collections.specops.drafter.plugins.module_utils.service_systemd import SystemdUnit
 from ansible_collections.specops.drafter.plugins.module_utils.sglang_api import SglangApi
-from ansible_collections.specops.drafter.plugins.module_utils.state_files import read_json, remove
+from ansible_collections.specops.drafter.plugins.module_utils.state_files import ensure_dir, read_json, remove, write_json
 from ansible_collections.specops.drafter.plugins.module_utils.window_lock import WindowLock
 
 
 def armed_path(state_dir: str) -> str:
     return os.path.join(state_dir, "guard.armed")
+
+
+def outages_dir(state_dir: str) -> str:
+    return os.path.join(state_dir, "outages")
+
+
+def take_outages(state_dir: str, check_mode: bool = False) -> list:
+    """The outages guards ended since the last call, oldest first; removed once read (not in check mode)."""
+    directory = outages_dir(state_dir)
+    try:
+        names = sorted(name for name in os.listdir(directory) if name.endswith(".json"))
+    except OSError:
+        return []
+    found = []
+    for name in names:
+        record = read_json(os.path.join(directory, name))
+        if isinstance(record, dict):
+            found.append(record)
+        if not check_mode:
+            remove(os.path.join(directory, name))
+    return sorted(found, key=lambda record: record.get("down_at") or 0)
+
+
+def wait_until_serving(config: dict, api) -> float | None:
+    """When the server first answers /health_generate 200 after the guard's action (None: not within its time)."""
+    deadline = time.monotonic() + float(config.get("ready_timeout", 900))
+    while time.monotonic() < deadline:
+        if api.health_generate(api.timeout).ok:
+            return time.time()
+        time.sleep(1.0)
+    return None
 
 
 def is_armed(state_dir: str, arm_id: str) -> bool:
@@ -93,13 +127,14 @@ def wait_for_reason(config: dict) -> str | None:
         time.sleep(min(1.0, max(0.05, fire_after - (now - started))))
 
 
-def bring_back(config: dict) -> dict:
+def bring_back(config: dict, api) -> dict:
     """Start or resume the server; a resume with no server to resume starts one."""
     server = backend_of(config)
-    api = SglangApi(config["url"], config.get("api_key") or "", float(config.get("health_timeout", 30)))
     result: dict = {"action": config["action"]}
     if config["action"] == "resume":
         claimed = ReleasedMarker(config["state_dir"]).claim()
+        if claimed is not None and claimed.get("at"):
+            result["down_at"] = claimed["at"]  # the pause before the release
         if claimed is not None and server.running_pid():
             result.update(resume_claimed(api, claimed.get("tags") or [], api.timeout))
             result["resumed"] = True
@@ -124,15 +159,36 @@ def fire(config: dict, reason: str) -> dict:
     # The configuration may hold the api key: it is not left on disk longer than the guard needs it.
     remove(os.path.join(config["state_dir"], "guard.json"))
     stopped = stop_processes(procfs.token_processes(config["token"])) if config.get("watch_work") else []
+    fired_at = time.time()
     log("fired (%s): stopped the window's work %s, then %s" % (reason, stopped, config["action"]))
+    api = SglangApi(config["url"], config.get("api_key") or "", float(config.get("health_timeout", 30)))
     try:
-        result = bring_back(config)
+        result = bring_back(config, api)
     except ServiceError as error:
         result = {"failed": True, "msg": error.msg}
     WindowLock(config["state_dir"], config.get("server", "")).release(config["token"])
     result.update({"reason": reason, "stopped_work": stopped})
+    record_outage(config, result, fired_at, None if result.get("failed") else wait_until_serving(config, api))
     log(json.dumps(result))
     return result
+
+
+def record_outage(config: dict, result: dict, fired_at: float, ready_at: float | None) -> None:
+    """What the guard did, for the next run's record: the play that took the server down never saw it end."""
+    ensure_dir(outages_dir(config["state_dir"]))
+    write_json(os.path.join(outages_dir(config["state_dir"]), "%s.json" % config["arm_id"]), {
+        "server": config.get("server"),
+        "owner": config.get("owner"),
+        # Stop: the guard is armed just before the stop, so this is where the service went down at the
+        # earliest; memory saver: the pause before the release, as the release recorded it.
+        "down_at": result.get("down_at") or config.get("armed_at"),
+        "fired_at": fired_at,
+        "ready_at": ready_at,
+        "cause": "the guard brought the server back: %s" % result["reason"],
+        "action": config["action"],
+        "failed": bool(result.get("failed")),
+        "msg": result.get("msg"),
+    })
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -15,6 +15,7 @@ import os
 import time
 
 from ansible_collections.specops.drafter.plugins.module_utils import guard_control, procfs
+from ansible_collections.specops.drafter.plugins.module_utils.guard import take_outages
 from ansible_collections.specops.drafter.plugins.module_utils.memory_window import (
     ReleasedMarker,
     flush_until_idle,
@@ -96,7 +97,8 @@ class ServiceWindow(object):
         config = {"server": self.name, "backend": self.params["backend"], "unit": self.params.get("unit"),
                   "spec": self.params.get("spec"), "url": self.api.url, "api_key": self.api.api_key,
                   "action": action, "fire_after": fire_after, "grace": float(self.window["guard_grace"]),
-                  "token": self.token, "watch_work": self.token != NO_WINDOW_TOKEN,
+                  "token": self.token, "watch_work": self.token != NO_WINDOW_TOKEN, "owner": self.window["owner"],
+                  "ready_timeout": float(self.params["ready_timeout"]),
                   "health_timeout": self.api.timeout, "stop_timeout": float(self.params["stop_timeout"])}
         try:
             identity = guard_control.arm(self.state_dir, config, use_systemd=self.params["backend"] == "systemd")
@@ -355,4 +357,8 @@ class ServiceWindow(object):
         return self.result
 
     def run(self) -> dict:
-        return getattr(self, self.params["state"])()
+        result = getattr(self, self.params["state"])()
+        if self.params["state"] in ("started", "restarted", "resumed") and os.path.isdir(self.state_dir):
+            # Outages a guard ended (the play that began them was lost): they go on this run's record.
+            result["earlier_outages"] = take_outages(self.state_dir, self.check_mode)
+        return result
