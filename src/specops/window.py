@@ -97,6 +97,7 @@ def build_window(
     manifest: Mapping[str, Any] | None,
     prepared: Mapping[str, Any] | None = None,
     service: Mapping[str, Any] | None = None,
+    follows: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The window record from the play's marks and the extraction's manifest; `prepared` is what
     specops.prewarm did before the window (outside the downtime, recorded beside it); `service`
@@ -142,6 +143,8 @@ def build_window(
         "other_s": None if compute is None else round(downtime - compute, 3),
         "compute_share": None if compute is None or not downtime else round(compute / downtime, 4),
         "prepared": dict(prepared) if prepared else None,
+        # The window of another extraction on this host shortly before: the service went down twice.
+        "follows": dict(follows) if follows else None,
     }
 
 
@@ -266,6 +269,20 @@ def render_markdown(window: Mapping[str, Any] | None) -> str:
             "The server was gone when its memory was to be resumed (its process died inside the window): "
             "a new server was started instead, loading its weights from disk.",
         ]
+    follows = window.get("follows") or {}
+    if follows:
+        why = (
+            "this run did the same work again (taking it over was turned off: specops_reuse_extractions)"
+            if follows.get("same_work")
+            else f"that work was not this one ({', '.join(follows.get('differs') or ['other inputs'])} "
+            "differ), so its output could not be taken over"
+        )
+        other = follows.get("owner") or follows.get("out_dir")
+        lines += [
+            "",
+            f"The service was taken down a second time: {other} took it down for its extraction "
+            f"{follows.get('ago_s') or 0:.0f} s before this window, and {why}.",
+        ]
     if window.get("server_start_s") is not None:
         start = window["server_start_s"]
         lines += ["", f"Of that, the server's own start (launch to the first 200): {start:.1f} s."]
@@ -308,10 +325,10 @@ def render_markdown(window: Mapping[str, Any] | None) -> str:
 
 
 def _request(request: Mapping[str, Any]) -> tuple[list, str, Path]:
-    unknown = set(request) - {"marks", "mode", "hidden_states", "prepared", "service", "outages"}
+    unknown = set(request) - {"marks", "mode", "hidden_states", "prepared", "service", "outages", "follows"}
     if unknown:
         raise StageError(
-            f"unknown request keys {sorted(unknown)}: allowed are hidden_states, marks, mode, "
+            f"unknown request keys {sorted(unknown)}: allowed are follows, hidden_states, marks, mode, "
             "outages, prepared, service"
         )
     if not request.get("hidden_states"):
@@ -323,7 +340,12 @@ def _request(request: Mapping[str, Any]) -> tuple[list, str, Path]:
 def plan(request: dict[str, Any]) -> dict[str, Any]:
     marks, mode, hidden_states = _request(request)
     window = build_window(
-        marks, mode, load_manifest(hidden_states), request.get("prepared"), request.get("service")
+        marks,
+        mode,
+        load_manifest(hidden_states),
+        request.get("prepared"),
+        request.get("service"),
+        request.get("follows"),
     )
     return {"changed": True, "window": window}
 
@@ -334,7 +356,12 @@ def run(request: dict[str, Any]) -> dict[str, Any]:
         outages = record_outages(hidden_states, list(request["outages"] or []))
         return {"changed": True, "outages": outages, "path": str(hidden_states / OUTAGES_JSON)}
     window = build_window(
-        marks, mode, load_manifest(hidden_states), request.get("prepared"), request.get("service")
+        marks,
+        mode,
+        load_manifest(hidden_states),
+        request.get("prepared"),
+        request.get("service"),
+        request.get("follows"),
     )
     if not hidden_states.is_dir():
         # The extraction failed before writing anything: publish the window, create no output for it.

@@ -76,6 +76,9 @@ def plan(request: dict[str, Any]) -> dict[str, Any]:
     return {
         "changed": True,
         "reason": reason,
+        # What the output is made from: a finished extraction of the same inputs is reused, not redone.
+        "inputs_fingerprint": fp,
+        "inputs": prep.inputs,
         "out_dir": str(prep.out_dir),
         "layer_ids": prep.layer_ids,
         "records": len(prep.records),
