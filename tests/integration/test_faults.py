@@ -502,3 +502,44 @@ def test_a_control_node_killed_in_the_window_neither_blocks_the_rerun_nor_hides_
     assert "## Outages the guard ended" in (run_dir / "score" / "report.md").read_text()
     # The rerun's own window is on the record beside it.
     assert report["window"]["taken"] is True
+
+
+def test_the_same_work_right_after_is_taken_over_and_other_work_says_it_takes_the_service_down_again(
+    served, tmp_path
+):
+    """Two runs against one server back to back: the same work (target, layers, completions' tokens) opens
+    no second window; other work does, and says whose window it follows and what differs."""
+    site = served
+    same = site.seed_run_dir(site.run_dir, site.work_dir / "run-same-work")
+    pid = site.server_pid()
+    result = site.play("eval.yml", specops_run_dir=str(same), specops_reuse_extractions=True)
+    assert result.rc == 0, result.output[-6000:]
+    assert "(the same inputs) was taken over: no window for it" in said(result), result.output[-6000:]
+    assert site.server_pid() == pid and site.health_generate_status() == 200  # never stopped
+    assert not (same / "hidden_states" / "window.json").exists()
+    shared = json.loads((site.run_dir / "score" / "report.json").read_text())
+    assert (
+        json.loads((same / "score" / "report.json").read_text())["overall"]["tau"] == shared["overall"]["tau"]
+    )
+
+    # Other work: other completions (two prompts, shorter), so other hidden states.
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join((REPO / "prompts" / "coding.jsonl").read_text().splitlines(keepends=True)[:2]))
+    other = site.work_dir / "run-other-work"
+    result = site.play(
+        "eval.yml",
+        specops_run_dir=str(other),
+        specops_prompts=str(prompts),
+        specops_max_new_tokens=16,
+        specops_reuse_extractions=True,
+        args=("--tags", "prefetch,extract"),
+    )
+    assert result.rc == 0, result.output[-6000:]
+    assert "WARNING: the service is taken down a second time:" in said(result), result.output[-6000:]
+    assert "this run needs other work (the completions' tokens differ)" in said(result)
+    window = json.loads((other / "hidden_states" / "window.json").read_text())
+    assert (
+        window["follows"]["differs"] == ["the completions' tokens"]
+        and window["follows"]["same_work"] is False
+    )
+    assert site.server_pid() != pid and site.health_generate_status() == 200

@@ -164,3 +164,13 @@ def test_outages_the_guard_ended_are_recorded_once_and_shown_in_the_report(tmp_p
     shown = window.render_outages(answer["outages"])
     assert "## Outages the guard ended" in shown and "(70.9 s)" in shown and "/srv/run" in shown
     assert window.render_outages([]) == "" and window.read_outages(tmp_path / "nowhere") == []
+
+
+def test_a_window_right_after_another_runs_says_so_and_why():
+    marks = [["stop-server", 100.0], ["extract", 101.0], ["ready", 110.0]]
+    follows = {"owner": "/srv/run-a (eval)", "ago_s": 16.2, "same_work": False, "differs": ["the layers"]}
+    record = window.build_window(marks, "stop", None, follows=follows)
+    assert record["follows"] == follows
+    shown = window.render_markdown(record)
+    assert "taken down a second time: /srv/run-a (eval) took it down for its extraction 16 s before" in shown
+    assert "the layers differ" in shown
