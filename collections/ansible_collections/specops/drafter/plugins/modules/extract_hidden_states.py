@@ -215,6 +215,10 @@ EXAMPLES = r"""
 """
 
 RETURN = r"""
+inputs_fingerprint:
+  description: The fingerprint of what the output is to be made from (target, completions' tokens, layers, options).
+  returned: check mode, when the output is out of date
+  type: str
 out_dir:
   description: Directory holding the shards and the manifest.
   returned: always
