@@ -543,3 +543,61 @@ def test_the_same_work_right_after_is_taken_over_and_other_work_says_it_takes_th
         and window["follows"]["same_work"] is False
     )
     assert site.server_pid() != pid and site.health_generate_status() == 200
+
+
+def test_a_run_refused_at_the_stop_by_another_runs_window_says_it_took_nothing_down(served, tmp_path):
+    """Another run takes the server's window after this run's `serve` and before its stop: this run's stop is
+    refused, it brings nothing back and arms no guard, and its message says so (not 'start-server' and a
+    guard that 'stays armed')."""
+    site = served
+    run_dir = site.seed_run_dir(site.run_dir, site.work_dir / "run-refused-at-the-stop")
+    lock = site.work_dir / "sglang.pid.d" / "window.lock"
+    # The other run's guard: a live process, so the lock is not stale.
+    other_guard = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    starttime = int(Path(f"/proc/{other_guard.pid}/stat").read_text().rsplit(")", 1)[1].split()[19])
+    extra = site.extra_vars(specops_run_dir=str(run_dir))
+    play = subprocess.Popen(
+        [
+            str(Path(sys.executable).parent / "ansible-playbook"),
+            str(REPO / "playbooks" / "eval.yml"),
+            "-e",
+            json.dumps(extra),
+        ],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env={**os.environ, "ANSIBLE_CONFIG": str(REPO / "ansible.cfg"), "ANSIBLE_NOCOLOR": "1"},
+    )
+    output = ""
+    pid = site.server_pid()
+    try:
+        for line in play.stdout:
+            output += line
+            if "TASK [Stage extract-plan:" in line and not lock.exists():
+                lock.write_text(
+                    json.dumps(
+                        {
+                            "token": "another-run",
+                            "owner": "/srv/another-run (eval.yml, control node b)",
+                            "since": time.time(),
+                            "guard": {"pid": other_guard.pid, "starttime": starttime},
+                        }
+                    )
+                )
+        play.wait(timeout=600)
+    finally:
+        if play.poll() is None:
+            play.kill()
+            play.wait()
+        lock.unlink(missing_ok=True)
+        other_guard.kill()
+        other_guard.wait()
+    result = SimpleNamespace(output=output)
+    assert play.returncode != 0
+    assert "specops stage 'stop-server' failed" in said(result), output[-4000:]
+    assert "/srv/another-run (eval.yml, control node b)" in said(result)
+    assert "the service was not taken down by this run and it armed no guard" in said(result)
+    assert "stays armed" not in said(result) and "start-server" not in said(result).split("PLAY RECAP")[-1]
+    assert site.server_pid() == pid and site.health_generate_status() == 200
+    assert guard_processes(site) == []
