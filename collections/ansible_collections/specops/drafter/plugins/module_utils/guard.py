@@ -168,8 +168,10 @@ def fire(config: dict, reason: str) -> dict:
         result = {"failed": True, "msg": error.msg}
     WindowLock(config["state_dir"], config.get("server", "")).release(config["token"])
     result.update({"reason": reason, "stopped_work": stopped})
-    record_outage(config, result, fired_at, None if result.get("failed") else wait_until_serving(config, api))
     log(json.dumps(result))
+    ready_at = None if result.get("failed") else wait_until_serving(config, api)
+    record_outage(config, result, fired_at, ready_at)
+    log("outage recorded: the server %s" % ("answers again" if ready_at else "does not answer"))
     return result
 
 
