@@ -152,7 +152,10 @@ def test_where_the_server_listens_and_is_checked_is_refused_before_it_is_touched
         assert tenant.stdout.readline().strip() == "listening"
     try:
         pid = serving.server_pid()
-        result = serving.play("eval.yml", specops_run_dir=refused_run_dir, **extra_vars)
+        # The stages up to `serve` (its tag): the refusal comes there.
+        result = serving.play(
+            "eval.yml", specops_run_dir=refused_run_dir, args=("--tags", "prefetch"), **extra_vars
+        )
         assert result.rc != 0
         assert "specops stage 'serve' failed" in said(result), result.output[-4000:]
         for pattern in patterns:
@@ -454,6 +457,9 @@ def test_a_control_node_killed_in_the_window_neither_blocks_the_rerun_nor_hides_
             str(REPO / "playbooks" / "eval.yml"),
             "-e",
             json.dumps(extra),
+            # The environment is the shared run's: every stage but its own.
+            "--tags",
+            "prefetch,extract",
         ],
         cwd=REPO,
         stdout=subprocess.PIPE,
@@ -490,7 +496,7 @@ def test_a_control_node_killed_in_the_window_neither_blocks_the_rerun_nor_hides_
         )
         time.sleep(1)
 
-    rerun = site.play("eval.yml", specops_run_dir=str(run_dir))
+    rerun = site.play("eval.yml", specops_run_dir=str(run_dir), args=("--tags", "prefetch,extract,score"))
     assert rerun.rc == 0, rerun.output[-6000:]
     assert "was taken down by a play that was lost, and its guard brought it back" in said(rerun)
     assert site.health_generate_status() == 200
@@ -512,15 +518,19 @@ def test_the_same_work_right_after_is_taken_over_and_other_work_says_it_takes_th
     site = served
     same = site.seed_run_dir(site.run_dir, site.work_dir / "run-same-work")
     pid = site.server_pid()
-    result = site.play("eval.yml", specops_run_dir=str(same), specops_reuse_extractions=True)
+    result = site.play(
+        "eval.yml",
+        specops_run_dir=str(same),
+        specops_reuse_extractions=True,
+        args=("--tags", "prefetch,extract"),
+    )
     assert result.rc == 0, result.output[-6000:]
     assert "(the same inputs) was taken over: no window for it" in said(result), result.output[-6000:]
     assert site.server_pid() == pid and site.health_generate_status() == 200  # never stopped
     assert not (same / "hidden_states" / "window.json").exists()
-    shared = json.loads((site.run_dir / "score" / "report.json").read_text())
-    assert (
-        json.loads((same / "score" / "report.json").read_text())["overall"]["tau"] == shared["overall"]["tau"]
-    )
+    shared = json.loads((site.run_dir / "hidden_states" / "manifest.json").read_text())
+    taken = json.loads((same / "hidden_states" / "manifest.json").read_text())
+    assert taken["inputs_fingerprint"] == shared["inputs_fingerprint"] and taken["files"] == shared["files"]
 
     # Other work: other completions (two prompts, shorter), so other hidden states.
     prompts = tmp_path / "prompts.jsonl"
@@ -555,13 +565,18 @@ def test_a_run_refused_at_the_stop_by_another_runs_window_says_it_took_nothing_d
     # The other run's guard: a live process, so the lock is not stale.
     other_guard = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
     starttime = int(Path(f"/proc/{other_guard.pid}/stat").read_text().rsplit(")", 1)[1].split()[19])
-    extra = site.extra_vars(specops_run_dir=str(run_dir))
+    # Nothing prepared ahead of a window that will not open: no prewarm, no extraction started early.
+    extra = site.extra_vars(
+        specops_run_dir=str(run_dir), specops_prestart_extraction=False, extract_hidden_states_prewarm=False
+    )
     play = subprocess.Popen(
         [
             str(Path(sys.executable).parent / "ansible-playbook"),
             str(REPO / "playbooks" / "eval.yml"),
             "-e",
             json.dumps(extra),
+            "--tags",
+            "prefetch,extract",
         ],
         cwd=REPO,
         stdout=subprocess.PIPE,
