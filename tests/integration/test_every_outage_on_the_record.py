@@ -137,11 +137,12 @@ def test_the_same_work_right_after_is_taken_over_and_other_work_says_it_takes_th
     )
     assert result.rc == 0, result.output[-6000:]
     assert "WARNING: the service is taken down a second time:" in said(result), result.output[-6000:]
-    assert "this run needs other work (the completions' tokens differ)" in said(result)
+    # The last extraction noted on the host: the shared run's, or another site's of the session (the host
+    # cache is shared); whichever it is, its completions were not these.
+    assert "this run needs other work (" in said(result) and "the completions' tokens" in said(result)
     window = json.loads((other / "hidden_states" / "window.json").read_text())
     assert (
-        window["follows"]["differs"] == ["the completions' tokens"]
-        and window["follows"]["same_work"] is False
+        "the completions' tokens" in window["follows"]["differs"] and window["follows"]["same_work"] is False
     )
     assert site.server_pid() != pid and site.health_generate_status() == 200
 
