@@ -53,6 +53,12 @@ def atomic_write_bytes(path: str | os.PathLike[str], data: bytes) -> None:
             os.fchmod(handle.fileno(), output_mode())
             os.fsync(handle.fileno())
         os.replace(tmp, path)
+    except OSError as error:
+        Path(tmp).unlink(missing_ok=True)
+        if error.filename is None:
+            # A failed write names no file: name the one being written (a full disk says where).
+            raise OSError(error.errno, error.strerror, str(path)) from error
+        raise
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise

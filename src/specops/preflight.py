@@ -80,17 +80,48 @@ def check_completions_file(path: Path) -> None:
         )
 
 
-def free_bytes(directory: Path) -> int:
-    """Free space where `directory` will be: its nearest existing ancestor's file system."""
+# Beside its shards the stage writes its manifest, the resume state, the progress log and the window's
+# record (and the start signal's state beside the run): their size grows with the shards' entries.
+METADATA_FILES = 5
+METADATA_BYTES = 64 * 2**10
+METADATA_BYTES_PER_SHARD = 1024
+# Kept free by default: a disk filled to the last block fails the writes of everyone on it, and the
+# score stage writes after the extraction (disk_reserve_bytes sets it; 0 keeps nothing).
+DEFAULT_RESERVE_BYTES = 64 * 2**20
+DEFAULT_BLOCK_BYTES = 4096
+
+
+def nearest_existing(directory: Path) -> Path:
     for candidate in (directory, *directory.parents):
         if candidate.exists():
-            return shutil.disk_usage(candidate).free
-    return shutil.disk_usage("/").free
+            return candidate
+    return Path("/")
+
+
+def free_bytes(directory: Path) -> int:
+    """Free space where `directory` will be: its nearest existing ancestor's file system."""
+    return shutil.disk_usage(nearest_existing(directory)).free
+
+
+def block_bytes(directory: Path) -> int:
+    """The allocation unit of the file system `directory` will be on: every file takes whole ones."""
+    try:
+        stat = os.statvfs(nearest_existing(directory))
+    except OSError:
+        return DEFAULT_BLOCK_BYTES
+    return max(stat.f_frsize or stat.f_bsize, 1)
 
 
 def shard_bytes(tokens: int, records: int, shards: int, bytes_per_token: int) -> int:
-    """Bytes on disk of shards holding these tokens: tensors plus the headers' entries."""
+    """Bytes of shards holding these tokens: tensors plus the headers' entries."""
     return tokens * bytes_per_token + records * HEADER_BYTES_PER_RECORD + shards * HEADER_BYTES_PER_SHARD
+
+
+def on_disk_bytes(shards_bytes: int, shards: int, block: int) -> int:
+    """What the stage takes from its file system: the shards and the files beside them, each file rounded
+    up to whole blocks (at most one block more per file)."""
+    files = shards + METADATA_FILES
+    return shards_bytes + METADATA_BYTES + shards * METADATA_BYTES_PER_SHARD + files * block
 
 
 def format_bytes(count: float) -> str:
@@ -100,15 +131,21 @@ def format_bytes(count: float) -> str:
     return f"{int(count)} bytes"
 
 
-def check_disk(out_dir: Path, needed: int, reserve: int = 0) -> None:
+def check_disk(out_dir: Path, needed: int, reserve: int = DEFAULT_RESERVE_BYTES, shards: int = 1) -> int:
+    """Refuse shards of `needed` bytes that would not fit with their files and the reserve; the bytes
+    they take on the disk."""
     free = free_bytes(out_dir)
-    if needed + reserve > free:
+    block = block_bytes(out_dir)
+    taken = on_disk_bytes(needed, shards, block)
+    if taken + reserve > free:
         kept = f" and {format_bytes(reserve)} are to stay free (disk_reserve_bytes)" if reserve else ""
         raise StageError(
-            f"not enough disk space for {out_dir}: the hidden states need {format_bytes(needed)}{kept}, "
-            f"{format_bytes(free)} are free: free space, choose another out_dir, or extract fewer "
-            f"records/layers"
+            f"not enough disk space for {out_dir}: the hidden states need {format_bytes(taken)} "
+            f"({format_bytes(needed)} of shards, their manifest, resume state and progress log, in "
+            f"{block}-byte blocks){kept}, {format_bytes(free)} are free: free space, choose another "
+            f"out_dir, or extract fewer records/layers"
         )
+    return taken
 
 
 def estimate_seconds(

@@ -50,6 +50,8 @@ def inputs_of(opts: Options) -> dict[str, Any]:
         "drafter": [_checkpoint_identity(path) for path in opts.drafter],
         "reference_drafter": _checkpoint_identity(opts.reference_drafter) if opts.reference_drafter else None,
         "window": win.read_window(opts.hidden_states),
+        # An outage added later (the guard ended it) makes the report stale: it must show it.
+        "outages": win.read_outages(opts.hidden_states),
         "options": {
             "device": opts.device,
             "dtype": opts.dtype,

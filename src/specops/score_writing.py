@@ -77,9 +77,12 @@ def write_outputs(
         )
     summary["plots"] = summary_plots
     summary["window"] = win.read_window(opts.hidden_states)
+    summary["outages"] = win.read_outages(opts.hidden_states)
     atomic_write_text(
         out / REPORT_MD,
-        rep.render_summary(summary, plot_dirs, summary_plots) + win.render_markdown(summary["window"]),
+        rep.render_summary(summary, plot_dirs, summary_plots)
+        + win.render_markdown(summary["window"])
+        + win.render_outages(summary["outages"]),
     )
     atomic_write_json(out / REPORT_JSON, summary)
     files = [REPORT_JSON, REPORT_MD, *summary_plots, *files]

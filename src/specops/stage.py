@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import os
 import sys
@@ -52,6 +53,19 @@ def exit_now(code: int) -> NoReturn:
     os._exit(code)
 
 
+# A full disk, or a full quota: the user's to fix, not a crash.
+DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
+
+
+def disk_full_message(error: OSError) -> str:
+    where = error.filename or "its output"
+    return (
+        f"no space left to write {where} ({error.strerror}): free space on that file system (`df -h "
+        f"{Path(str(where)).parent if error.filename else '.'}`) and rerun (finished work is kept), or point "
+        "the stage's output at another file system"
+    )
+
+
 def respond(name: str, work: Callable[[], dict[str, Any]]) -> int:
     """Print work's result as the one JSON object on stdout; exit 0, 2 for a StageError (its message
     prefixed with name) or 1 for a crash (its traceback on stderr)."""
@@ -59,6 +73,12 @@ def respond(name: str, work: Callable[[], dict[str, Any]]) -> int:
         result = work()
     except StageError as error:
         print(json.dumps({"failed": True, "msg": f"{name}: {error}"}))
+        return 2
+    except OSError as error:
+        if error.errno not in DISK_FULL:
+            traceback.print_exc()
+            return 1
+        print(json.dumps({"failed": True, "msg": f"{name}: {disk_full_message(error)}"}))
         return 2
     except Exception:  # a crash: keep the traceback for the module to show
         traceback.print_exc()

@@ -15,6 +15,11 @@ module turns both into the `window` record that report.json, report.md and set_s
                  start and inputs, weights into host memory, the wait), outside the downtime
     other_s    = downtime_s - compute_s: what a shorter window could still save
 
+Outages no play saw end (the play that took the service down was lost and the host-side guard brought
+it back) come from the guard's record through the next run's sglang_service call: `--run` with
+{"hidden_states": DIR, "outages": [...]} and no marks adds them to DIR/outages.json, which the report
+shows beside the window.
+
 python -m specops.window --plan|--run: JSON request on stdin, {"marks": [[stage, epoch_s], ...,
 ["ready", epoch_s]], "mode": "stop" | "memory_saver", "hidden_states": DIR, "service":
 {"down_at": epoch_s, "ready_at": epoch_s, "start_s": s, "started_instead": bool,
@@ -35,6 +40,7 @@ from specops.manifest import atomic_write_json, load_manifest
 from specops.stage import StageError, serve
 
 WINDOW_JSON = "window.json"
+OUTAGES_JSON = "outages.json"
 READY = "ready"
 MODES = ("stop", "memory_saver")
 # The extraction's stage, whose time splits into the process around the work and the work itself.
@@ -93,6 +99,7 @@ def build_window(
     manifest: Mapping[str, Any] | None,
     prepared: Mapping[str, Any] | None = None,
     service: Mapping[str, Any] | None = None,
+    follows: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The window record from the play's marks and the extraction's manifest; `prepared` is what
     specops.prewarm did before the window (outside the downtime, recorded beside it); `service`
@@ -149,6 +156,8 @@ def build_window(
         "other_s": None if compute is None else round(downtime - compute, 3),
         "compute_share": None if compute is None or not downtime else round(compute / downtime, 4),
         "prepared": dict(prepared) if prepared else None,
+        # The window of another extraction on this host shortly before: the service went down twice.
+        "follows": dict(follows) if follows else None,
     }
 
 
@@ -247,6 +256,67 @@ def read_window(hidden_states: Path) -> dict[str, Any] | None:
         return None
 
 
+def read_outages(hidden_states: Path) -> list[dict[str, Any]]:
+    """The outages the guard ended for runs on these hidden states, oldest first."""
+    try:
+        outages = json.loads((hidden_states / OUTAGES_JSON).read_text())
+    except FileNotFoundError:
+        return []
+    return outages if isinstance(outages, list) else []
+
+
+def _span(down_at: Any, ready_at: Any) -> float | None:
+    if down_at is None or ready_at is None:
+        return None
+    return round(float(ready_at) - float(down_at), 3)
+
+
+def _outage_entry(outage: Mapping[str, Any]) -> dict[str, Any]:
+    down_at, ready_at = outage.get("down_at"), outage.get("ready_at")
+    return {
+        "down_at": None if down_at is None else _iso(float(down_at)),
+        "ready_at": None if ready_at is None else _iso(float(ready_at)),
+        "downtime_s": _span(down_at, ready_at),
+        "cause": str(outage.get("cause") or "unknown"),
+        "owner": outage.get("owner"),
+        "server": outage.get("server"),
+        "failed": bool(outage.get("failed")),
+        "msg": outage.get("msg"),
+    }
+
+
+def record_outages(hidden_states: Path, outages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """Add outages to DIR/outages.json (one entry per outage, however often it is given)."""
+    known = read_outages(hidden_states)
+    for outage in (_outage_entry(o) for o in outages):
+        if outage not in known:
+            known.append(outage)
+    known.sort(key=lambda outage: outage["down_at"] or "")
+    hidden_states.mkdir(parents=True, exist_ok=True)
+    atomic_write_json(hidden_states / OUTAGES_JSON, known)
+    return known
+
+
+def render_outages(outages: Sequence[Mapping[str, Any]]) -> str:
+    """A report.md section for the outages no play saw end; empty when there were none."""
+    if not outages:
+        return ""
+    lines = ["", "## Outages the guard ended", ""]
+    for outage in outages:
+        span = (
+            f"{outage['downtime_s']:.1f} s"
+            if outage.get("downtime_s") is not None
+            else "not answering when the guard's time ran out"
+        )
+        lines.append(
+            f"- {outage.get('server') or 'the server'} down from {outage['down_at']} to "
+            f"{outage.get('ready_at') or '?'} ({span}), in the window of "
+            f"{outage.get('owner') or 'an earlier run'}: {outage['cause']}"
+            + (f"; it failed: {outage['msg']}" if outage.get("failed") else "")
+        )
+    return "\n".join(lines) + "\n"
+
+
 def render_markdown(window: Mapping[str, Any] | None) -> str:
     """A report.md section; empty when no window was recorded."""
     if not window:
@@ -303,6 +373,20 @@ def render_markdown(window: Mapping[str, Any] | None) -> str:
             "The weights came back from the window with another checksum (/weights_checker): the server was "
             "restarted to load them from disk.",
         ]
+    follows = window.get("follows") or {}
+    if follows:
+        why = (
+            "this run did the same work again (taking it over was turned off: specops_reuse_extractions)"
+            if follows.get("same_work")
+            else f"that work was not this one ({', '.join(follows.get('differs') or ['other inputs'])} "
+            "differ), so its output could not be taken over"
+        )
+        other = follows.get("owner") or follows.get("out_dir")
+        lines += [
+            "",
+            f"The service was taken down a second time: {other} took it down for its extraction "
+            f"{follows.get('ago_s') or 0:.0f} s before this window, and {why}.",
+        ]
     if window.get("server_start_s") is not None:
         start = window["server_start_s"]
         lines += ["", f"Of that, the server's own start (launch to the first 200): {start:.1f} s."]
@@ -345,11 +429,11 @@ def render_markdown(window: Mapping[str, Any] | None) -> str:
 
 
 def _request(request: Mapping[str, Any]) -> tuple[list, str, Path]:
-    unknown = set(request) - {"marks", "mode", "hidden_states", "prepared", "service"}
+    unknown = set(request) - {"marks", "mode", "hidden_states", "prepared", "service", "outages", "follows"}
     if unknown:
         raise StageError(
-            f"unknown request keys {sorted(unknown)}: allowed are hidden_states, marks, mode, "
-            "prepared, service"
+            f"unknown request keys {sorted(unknown)}: allowed are follows, hidden_states, marks, mode, "
+            "outages, prepared, service"
         )
     if not request.get("hidden_states"):
         raise StageError("'hidden_states' is required: the extraction's output directory")
@@ -360,15 +444,28 @@ def _request(request: Mapping[str, Any]) -> tuple[list, str, Path]:
 def plan(request: dict[str, Any]) -> dict[str, Any]:
     marks, mode, hidden_states = _request(request)
     window = build_window(
-        marks, mode, load_manifest(hidden_states), request.get("prepared"), request.get("service")
+        marks,
+        mode,
+        load_manifest(hidden_states),
+        request.get("prepared"),
+        request.get("service"),
+        request.get("follows"),
     )
     return {"changed": True, "window": window}
 
 
 def run(request: dict[str, Any]) -> dict[str, Any]:
     marks, mode, hidden_states = _request(request)
+    if not marks and "outages" in request:
+        outages = record_outages(hidden_states, list(request["outages"] or []))
+        return {"changed": True, "outages": outages, "path": str(hidden_states / OUTAGES_JSON)}
     window = build_window(
-        marks, mode, load_manifest(hidden_states), request.get("prepared"), request.get("service")
+        marks,
+        mode,
+        load_manifest(hidden_states),
+        request.get("prepared"),
+        request.get("service"),
+        request.get("follows"),
     )
     if not hidden_states.is_dir():
         # The extraction failed before writing anything: publish the window, create no output for it.

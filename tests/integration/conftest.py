@@ -61,6 +61,9 @@ class LocalDefault:
             "specops_host_cache_dir": str(self.host_cache_dir),
             # The development server is ready within seconds: look every second, not every five.
             "sglang_service_ready_delay": 1,
+            # The tests seed run directories with the shared run's completions to take a window of their
+            # own: the same work is not taken over from the shared run (test_faults.py tests that it is).
+            "specops_reuse_extractions": False,
             **self.settings,
         }
         values.update(overrides)

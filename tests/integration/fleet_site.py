@@ -78,6 +78,8 @@ class LocalFleet:
             "specops_fleet_ports": self.replica_ports,
             "sglang_router_url": self.router_url,
             "sglang_service_guard": False,
+            # Each rollout takes its windows: no extraction is taken over from an earlier one.
+            "specops_reuse_extractions": False,
             **overrides,
         }
 

@@ -3,6 +3,7 @@ back, or never taken down when the failure can be known before the window."""
 
 from __future__ import annotations
 
+import re
 import shutil
 
 
@@ -29,6 +30,11 @@ def test_failed_extraction_names_the_stage_and_the_service_comes_back(first_run,
     assert "the service was brought back" in result.output
     assert local_default.server_pid() != pid_before, "the window should have stopped the server"
     assert local_default.health_generate_status() == 200
+    # The failed window is on the record: the start's own moments are read, not the extraction's failure
+    # (which has no ready_at, and left the serve stage's, from before the stop).
+    assert re.search(r"TASK \[Stage record: publish the window[^\n]*\n(ok|changed): ", result.output), (
+        result.output[-6000:]
+    )
 
 
 def test_bad_layer_id_fails_before_the_service_is_touched(first_run, local_default):

@@ -8,6 +8,7 @@ import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -109,6 +110,68 @@ def test_each_cause_the_plan_refuses_is_named_before_the_window(serving, refused
     for pattern in patterns:
         assert re.search(pattern, said(result)), result.output[-4000:]
     assert "the request is not JSON" not in said(result)  # the file is named, not blamed on a request
+
+
+# Where the server listens and where it is checked, refused at `serve` while it serves: no stop, no guard,
+# no one else's process named. 192.0.2.1 (TEST-NET-1, RFC 5737) is no interface of any host.
+def unbindable_host(site):
+    return {"sglang_service_host": "192.0.2.1"}, [
+        "sglang_service_host 192.0.2.1: the server cannot listen there"
+    ]
+
+
+def url_of_another_host(site):
+    url = f"http://192.0.2.1:{site.port}"
+    return {"sglang_service_url": url}, [f"sglang_service_url {url} names 192.0.2.1, which is not this host"]
+
+
+def url_of_another_port(site):
+    # Another tenant listens there: the checks must not reach it, nor blame it.
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        other = probe.getsockname()[1]
+    url = f"http://127.0.0.1:{other}"
+    return {"sglang_service_url": url, "tenant_port": other}, [
+        f"names port {other} but the server listens on {site.port}"
+    ]
+
+
+@pytest.mark.parametrize(
+    "fault", [unbindable_host, url_of_another_host, url_of_another_port], ids=lambda fault: fault.__name__
+)
+def test_where_the_server_listens_and_is_checked_is_refused_before_it_is_touched(
+    serving, refused_run_dir, fault
+):
+    extra_vars, patterns = fault(serving)
+    tenant_port = extra_vars.pop("tenant_port", None)
+    tenant = None
+    if tenant_port is not None:
+        tenant = subprocess.Popen(
+            [sys.executable, "-c", FOREIGN_LISTENER, str(tenant_port)], stdout=subprocess.PIPE, text=True
+        )
+        assert tenant.stdout.readline().strip() == "listening"
+    try:
+        pid = serving.server_pid()
+        # The stages up to `serve` (its tag): the refusal comes there.
+        result = serving.play(
+            "eval.yml", specops_run_dir=refused_run_dir, args=("--tags", "prefetch"), **extra_vars
+        )
+        assert result.rc != 0
+        assert "specops stage 'serve' failed" in said(result), result.output[-4000:]
+        for pattern in patterns:
+            assert pattern in said(result), result.output[-4000:]
+        assert "(the service was not taken down)" in said(result)
+        assert "held by pid" not in said(result)  # no other process is blamed
+        assert serving.server_pid() == pid and serving.health_generate_status() == 200
+        assert (
+            guard_processes(serving) == [] and not (serving.work_dir / "sglang.pid.d" / "guard.json").exists()
+        )
+        if tenant is not None:
+            assert tenant.poll() is None
+    finally:
+        if tenant is not None:
+            tenant.terminate()
+            tenant.wait(timeout=30)
 
 
 def test_a_max_downtime_shorter_than_the_extraction_is_refused_before_the_window(serving, refused_run_dir):

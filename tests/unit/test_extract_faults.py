@@ -3,6 +3,7 @@ outputs by content: a damaged file is named and redone, a refetch with the same 
 
 from __future__ import annotations
 
+import errno
 import io
 import json
 import shutil
@@ -120,9 +121,26 @@ def test_too_little_disk_is_refused_by_the_plan_with_the_real_figure(
 ):
     monkeypatch.setattr(preflight.shutil, "disk_usage", lambda path: types.SimpleNamespace(free=4096))
     planned = None
-    with pytest.raises(StageError, match=r"the hidden states need \d+\.\d\d KiB, 4.00 KiB are free") as error:
-        planned = extract.plan(request(fixture_models, completions, tmp_path / "not-yet-created"))
+    needs = r"the hidden states need \d+\.\d\d KiB .*, 4.00 KiB are free"
+    with pytest.raises(StageError, match=needs) as error:
+        planned = extract.plan(
+            request(fixture_models, completions, tmp_path / "not-yet-created", disk_reserve_bytes=0)
+        )
     assert planned is None and "0.00 GiB" not in str(error.value)
+
+
+def test_the_disk_check_counts_the_files_beside_the_shards_their_blocks_and_a_reserve(tmp_path, monkeypatch):
+    # Seen: 3,121,152 B free passed for a 3,098,056 B shard, and the disk filled inside the window.
+    shards = 3_098_056
+    monkeypatch.setattr(preflight.shutil, "disk_usage", lambda path: types.SimpleNamespace(free=3_121_152))
+    with pytest.raises(StageError, match=r"in \d+-byte blocks\), 2.98 MiB are free"):
+        preflight.check_disk(tmp_path / "out", shards, reserve=0, shards=1)
+    # The reserve is kept by default: room for the shards and their files is not enough.
+    taken = preflight.on_disk_bytes(shards, 1, preflight.block_bytes(tmp_path))
+    monkeypatch.setattr(preflight.shutil, "disk_usage", lambda path: types.SimpleNamespace(free=taken))
+    assert preflight.check_disk(tmp_path / "out", shards, reserve=0, shards=1) == taken
+    with pytest.raises(StageError, match=r"64.00 MiB are to stay free \(disk_reserve_bytes\)"):
+        preflight.check_disk(tmp_path / "out", shards, shards=1)
 
 
 def test_the_disk_estimate_is_the_size_of_the_written_shards(
@@ -198,3 +216,19 @@ def test_every_drafter_of_a_list_is_checked_by_the_plan(fixture_models, completi
                 drafter=[str(fixture_models.drafter), str(drafter)],
             )
         )
+
+
+def test_a_full_disk_names_the_file_and_the_fix_not_a_traceback(tmp_path, monkeypatch, capsys):
+    from specops import manifest, stage
+
+    def full(fd, data):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    report = tmp_path / "score" / "report.json"
+    monkeypatch.setattr(manifest.os, "fsync", lambda fd: full(fd, b""))
+    code = stage.respond("score", lambda: manifest.atomic_write_json(report, {"tau": 1.0}) or {})
+    answer = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert code == 2 and answer["failed"]
+    assert f"no space left to write {report} (No space left on device)" in answer["msg"]
+    assert f"df -h {report.parent}" in answer["msg"] and "rerun" in answer["msg"]
+    assert not list(report.parent.glob(".*.tmp"))

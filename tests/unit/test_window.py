@@ -200,3 +200,33 @@ def test_without_the_extractions_moments_nothing_is_accounted():
     marks = [["stop-server", 999.0], ["ready", 1015.5]]
     record = window.build_window(marks, "memory_saver", None, None, service)
     assert record["accounted"] is None and record["memory_plan"] is None
+
+
+def test_outages_the_guard_ended_are_recorded_once_and_shown_in_the_report(tmp_path):
+    hidden_states = tmp_path / "hidden_states"  # not there yet: a rerun in a fresh run directory
+    outage = {
+        "server": "sglang-qwen",
+        "owner": "/srv/run (eval, control node a)",
+        "down_at": 1_700_000_000.0,
+        "fired_at": 1_700_000_060.0,
+        "ready_at": 1_700_000_070.9,
+        "cause": "the guard brought the server back: the window's work is gone",
+    }
+    for _ in range(2):  # given twice, kept once
+        answer = window.run({"hidden_states": str(hidden_states), "outages": [outage]})
+    assert answer["changed"] and window.read_outages(hidden_states) == answer["outages"]
+    [kept] = answer["outages"]
+    assert kept["downtime_s"] == 70.9 and kept["down_at"].startswith("2023-11-14T22:13:20")
+    shown = window.render_outages(answer["outages"])
+    assert "## Outages the guard ended" in shown and "(70.9 s)" in shown and "/srv/run" in shown
+    assert window.render_outages([]) == "" and window.read_outages(tmp_path / "nowhere") == []
+
+
+def test_a_window_right_after_another_runs_says_so_and_why():
+    marks = [["stop-server", 100.0], ["extract", 101.0], ["ready", 110.0]]
+    follows = {"owner": "/srv/run-a (eval)", "ago_s": 16.2, "same_work": False, "differs": ["the layers"]}
+    record = window.build_window(marks, "stop", None, follows=follows)
+    assert record["follows"] == follows
+    shown = window.render_markdown(record)
+    assert "taken down a second time: /srv/run-a (eval) took it down for its extraction 16 s before" in shown
+    assert "the layers differ" in shown

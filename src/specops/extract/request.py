@@ -83,7 +83,7 @@ REQUEST = Schema(
             "disk_reserve_bytes",
             "int",
             "Bytes that must stay free on the output's file system once the shards are written.",
-            default=0,
+            default=64 * 2**20,
         ),
         # The play writes "go" into it once the GPUs are free: prepare now, extract then.
         Option("start_signal", "path", "A file to wait on for go before extracting; unset starts at once."),

@@ -45,7 +45,7 @@ def disk_check(prep: Prepared, todo: Sequence[ShardPlan]) -> int:
     needed = preflight.shard_bytes(
         sum(s.num_tokens for s in todo), sum(len(s.records) for s in todo), len(todo), prep.bytes_per_token
     )
-    preflight.check_disk(prep.out_dir, needed, prep.req["disk_reserve_bytes"])
+    preflight.check_disk(prep.out_dir, needed, prep.req["disk_reserve_bytes"], len(todo))
     return needed
 
 
@@ -84,6 +84,9 @@ def plan(request: dict[str, Any]) -> dict[str, Any]:
     return {
         "changed": True,
         "reason": reason,
+        # What the output is made from: a finished extraction of the same inputs is reused, not redone.
+        "inputs_fingerprint": fp,
+        "inputs": prep.inputs,
         "out_dir": str(prep.out_dir),
         "layer_ids": prep.layer_ids,
         "records": len(prep.records),

@@ -15,7 +15,10 @@ play). Disarmed (<state_dir>/guard.armed removed or holding another arm id), it 
 acting. Firing stops the window's work and waits until its GPU memory is freed, brings the server
 back (start, or resume; a resume with nothing to resume starts a server that is gone, and a server
 that does not serve after the resume is started again), continues generation and gives the window
-lock back.
+lock back. A guard that fired for any other
+reason, once the server answers /health_generate, writes what it did to <state_dir>/outages/<arm
+id>.json: an outage no play saw end, which the next sglang_service call that brings the server up
+returns (earlier_outages) and eval.yml puts on its run's record.
 """
 
 from __future__ import absolute_import, annotations, division, print_function
@@ -39,12 +42,43 @@ from ansible_collections.specops.drafter.plugins.module_utils.service_errors imp
 from ansible_collections.specops.drafter.plugins.module_utils.service_process import ProcessServer, stop_processes
 from ansible_collections.specops.drafter.plugins.module_utils.service_systemd import SystemdUnit
 from ansible_collections.specops.drafter.plugins.module_utils.sglang_api import SglangApi
-from ansible_collections.specops.drafter.plugins.module_utils.state_files import read_json, remove, write_json
+from ansible_collections.specops.drafter.plugins.module_utils.state_files import ensure_dir, read_json, remove, write_json
 from ansible_collections.specops.drafter.plugins.module_utils.window_lock import WindowLock
 
 
 def armed_path(state_dir: str) -> str:
     return os.path.join(state_dir, "guard.armed")
+
+
+def outages_dir(state_dir: str) -> str:
+    return os.path.join(state_dir, "outages")
+
+
+def take_outages(state_dir: str, check_mode: bool = False) -> list:
+    """The outages guards ended since the last call, oldest first; removed once read (not in check mode)."""
+    directory = outages_dir(state_dir)
+    try:
+        names = sorted(name for name in os.listdir(directory) if name.endswith(".json"))
+    except OSError:
+        return []
+    found = []
+    for name in names:
+        record = read_json(os.path.join(directory, name))
+        if isinstance(record, dict):
+            found.append(record)
+        if not check_mode:
+            remove(os.path.join(directory, name))
+    return sorted(found, key=lambda record: record.get("down_at") or 0)
+
+
+def wait_until_serving(config: dict, api) -> float | None:
+    """When the server first answers /health_generate 200 after the guard's action (None: not within its time)."""
+    deadline = time.monotonic() + float(config.get("ready_timeout", 900))
+    while time.monotonic() < deadline:
+        if api.health_generate(api.timeout).ok:
+            return time.time()
+        time.sleep(1.0)
+    return None
 
 
 def is_armed(state_dir: str, arm_id: str) -> bool:
@@ -150,14 +184,14 @@ def wait_work_memory_freed(stopped: list[tuple[int, int | None]], timeout: float
         time.sleep(0.2)
 
 
-def bring_back(config: dict) -> dict:
+def bring_back(config: dict, api) -> dict:
     """Start or resume the server; a resume with no server to resume starts one, and a server that does
     not serve after the resume is started again."""
     server = backend_of(config)
-    api = SglangApi(config["url"], config.get("api_key") or "", float(config.get("health_timeout", 30)),
-                    admin_api_key=config.get("admin_api_key") or "")
     result: dict = {"action": config["action"]}
     claimed = ReleasedMarker(config["state_dir"]).claim() if config["action"] == "resume" else None
+    if claimed is not None and claimed.get("at"):
+        result["down_at"] = claimed["at"]  # the pause before the release, for the outage's record
     if config["action"] == "resume" and server.running_pid():
         try:
             if claimed is not None:
@@ -205,8 +239,10 @@ def fire(config: dict, reason: str) -> dict:
     log("fired (%s): stopped the window's work %s (its memory: %s), then %s"
         % (reason, stopped, json.dumps(freed), config["action"]))
     fired_at = time.time()
+    api = SglangApi(config["url"], config.get("api_key") or "", float(config.get("health_timeout", 30)),
+                    admin_api_key=config.get("admin_api_key") or "")
     try:
-        result = bring_back(config)
+        result = bring_back(config, api)
     except ServiceError as error:
         result = {"failed": True, "msg": error.msg}
     if not ended:
@@ -217,7 +253,30 @@ def fire(config: dict, reason: str) -> dict:
                    "token": config["token"], "work_ended": ended})
     write_json(result_path(config["state_dir"]), result)
     log(json.dumps(result))
+    if not ended:
+        # An outage no play saw end (at the work's end the play's resume records the window itself).
+        ready_at = result.get("ready_at") or (None if result.get("failed") else wait_until_serving(config, api))
+        record_outage(config, result, fired_at, ready_at)
+        log("outage recorded: the server %s" % ("answers again" if ready_at else "does not answer"))
     return result
+
+
+def record_outage(config: dict, result: dict, fired_at: float, ready_at: float | None) -> None:
+    """What the guard did, for the next run's record: the play that took the server down never saw it end."""
+    ensure_dir(outages_dir(config["state_dir"]))
+    write_json(os.path.join(outages_dir(config["state_dir"]), "%s.json" % config["arm_id"]), {
+        "server": config.get("server"),
+        "owner": config.get("owner"),
+        # Stop: the guard is armed just before the stop, so this is where the service went down at the
+        # earliest; memory saver: the pause before the release, as the release recorded it.
+        "down_at": result.get("down_at") or config.get("armed_at"),
+        "fired_at": fired_at,
+        "ready_at": ready_at,
+        "cause": "the guard brought the server back: %s" % result["reason"],
+        "action": config["action"],
+        "failed": bool(result.get("failed")),
+        "msg": result.get("msg"),
+    })
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -17,6 +17,8 @@ import re
 Stat = collections.namedtuple("Stat", ["state", "ppid", "pgid", "sid", "starttime"])
 
 WINDOW_TOKEN_VARIABLE = "SPECOPS_WINDOW_TOKEN"
+# The run directory's lock token, in every task of eval.yml: run_lock's holder waits for its carriers.
+RUN_LOCK_VARIABLE = "SPECOPS_RUN_LOCK"
 
 
 def _read(path: str, mode: str = "r"):

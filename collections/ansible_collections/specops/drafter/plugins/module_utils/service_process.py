@@ -135,6 +135,7 @@ class ProcessServer(object):
             ensure_dir(os.path.dirname(os.path.abspath(path)))
         env = dict(os.environ)
         env.pop(procfs.WINDOW_TOKEN_VARIABLE, None)  # the server is not the window's work
+        env.pop(procfs.RUN_LOCK_VARIABLE, None)  # nor part of the run: it outlives it
         env.update(dict((str(k), str(v)) for k, v in (self.spec.get("environment") or {}).items()))
         argv = [str(arg) for arg in self.spec["argv"]]
         with open(self.log_file, "ab") as log, open(os.devnull, "rb") as devnull:

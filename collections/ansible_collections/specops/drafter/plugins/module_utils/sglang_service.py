@@ -15,6 +15,7 @@ import os
 import time
 
 from ansible_collections.specops.drafter.plugins.module_utils import guard_control, procfs
+from ansible_collections.specops.drafter.plugins.module_utils.guard import take_outages
 from ansible_collections.specops.drafter.plugins.module_utils.memory_plan import expected_used_after, plan_release
 from ansible_collections.specops.drafter.plugins.module_utils.memory_window import (
     ReleasedMarker,
@@ -35,6 +36,7 @@ from ansible_collections.specops.drafter.plugins.module_utils.release_checks imp
 )
 from ansible_collections.specops.drafter.plugins.module_utils.service_errors import ServiceError
 from ansible_collections.specops.drafter.plugins.module_utils.service_process import ProcessServer, launch_problems
+from ansible_collections.specops.drafter.plugins.module_utils.service_settings import settings_problems
 from ansible_collections.specops.drafter.plugins.module_utils.service_systemd import SystemdUnit
 from ansible_collections.specops.drafter.plugins.module_utils.sglang_api import SglangApi, offers, releases_weights
 from ansible_collections.specops.drafter.plugins.module_utils.state_files import ensure_dir, read_json, remove, write_json
@@ -81,6 +83,10 @@ class ServiceWindow(object):
         url = params.get("url") or self._adopted_url()
         if not url:
             raise ServiceError("url is required unless an adopted unit's command line gives host and port")
+        # Checked while the server serves, for every state: a wrong host or URL must not stop it.
+        problems = settings_problems(None if self.adopted else params.get("spec"), url)
+        if problems:
+            raise ServiceError("%s is left as it is: %s" % (self.name, "; ".join(problems)))
         if self.adopted.get("api_key_required") and not params.get("api_key"):
             raise ServiceError("%s runs with --api-key: give its key as api_key (sglang_service_api_key)" % self.name)
         if self.adopted.get("admin_api_key_required") and not params.get("admin_api_key"):
@@ -112,7 +118,7 @@ class ServiceWindow(object):
                   "spec": self.params.get("spec"), "url": self.api.url, "api_key": self.api.api_key,
                   "admin_api_key": self.api.admin_api_key,
                   "action": action, "fire_after": fire_after, "grace": float(self.window["guard_grace"]),
-                  "token": self.token, "watch_work": self.token != NO_WINDOW_TOKEN,
+                  "token": self.token, "watch_work": self.token != NO_WINDOW_TOKEN, "owner": self.window["owner"],
                   "health_timeout": self.api.timeout, "stop_timeout": float(self.params["stop_timeout"]),
                   "ready_timeout": float(self.params["ready_timeout"]),
                   "resume_when_done": self.params.get("resume_when_done") if action == "resume" else None}
@@ -500,4 +506,8 @@ class ServiceWindow(object):
                                % (self.name, check["after_restart"], before), weights_check=check)
 
     def run(self) -> dict:
-        return getattr(self, self.params["state"])()
+        result = getattr(self, self.params["state"])()
+        if self.params["state"] in ("started", "restarted", "resumed") and os.path.isdir(self.state_dir):
+            # Outages a guard ended (the play that began them was lost): they go on this run's record.
+            result["earlier_outages"] = take_outages(self.state_dir, self.check_mode)
+        return result

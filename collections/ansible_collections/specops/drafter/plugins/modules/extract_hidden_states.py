@@ -131,9 +131,10 @@ options:
     description: Progress log (tokens done / total, tokens per second); default O(out_dir)/progress.log.
     type: path
   disk_reserve_bytes:
-    description: Bytes that must stay free on the output's file system once the planned shards are written.
+    description: Bytes that must stay free on the output's file system once the planned shards and the files
+      beside them are written (64 MiB; 0 keeps nothing free).
     type: int
-    default: 0
+    default: 67108864
   start_signal:
     description:
       - Start ahead of the GPU window; run as an async task. The extraction prepares (imports, inputs, the
@@ -214,6 +215,10 @@ EXAMPLES = r"""
 """
 
 RETURN = r"""
+inputs_fingerprint:
+  description: The fingerprint of what the output is to be made from (target, completions' tokens, layers, options).
+  returned: check mode, when the output is out of date
+  type: str
 out_dir:
   description: Directory holding the shards and the manifest.
   returned: always
@@ -315,7 +320,7 @@ REQUEST_OPTIONS = dict(
     writer_threads=dict(type="int", default=4),
     fsync=dict(type="bool", default=True),
     progress_log=dict(type="path"),
-    disk_reserve_bytes=dict(type="int", default=0),
+    disk_reserve_bytes=dict(type="int", default=67108864),
     start_signal=dict(type="path"),
     window_mode=dict(type="str", default="stop", choices=["stop", "memory_saver"]),
     host_weights=dict(type="str", default="auto", choices=["auto", "pinned", "pageable"]),

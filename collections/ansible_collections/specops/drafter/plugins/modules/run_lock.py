@@ -16,6 +16,11 @@ description:
     lock with it), so a crashed run never holds it forever.
   - The lock file records who holds it (pid of the holding process, host, start time, playbook, owner);
     a second run fails at once and says so.
+  - Where the module runs below C(ansible-playbook) on the same host (a local connection), the holder also
+    watches that process - once it is gone (killed with the control node) and no process carries
+    C(SPECOPS_RUN_LOCK=<token>) in its environment any more (the guard that brings the service back, the
+    window's work; eval.yml exports it to every task), the holder gives the lock up, so a rerun proceeds
+    without anyone stopping it by hand.
   - The lock is state of a running play, not of the host, so the module never reports C(changed).
 version_added: "0.1.0"
 author:
@@ -88,6 +93,46 @@ import time
 import uuid
 
 from ansible.module_utils.basic import AnsibleModule
+from ansible_collections.specops.drafter.plugins.module_utils import procfs
+
+PLAY_COMMAND = "ansible-playbook"
+
+
+def play_process():
+    """The ansible-playbook process this module runs under on this host (its top one: the workers are its
+    forks), as {pid, starttime}; None under an ssh session or an ad-hoc command."""
+    table = procfs.parents()
+    found = None
+    pid = os.getppid()
+    while pid > 1:
+        if PLAY_COMMAND in procfs.cmdline(pid):
+            found = pid
+        pid = table.get(pid, 1)
+    return {"pid": found, "starttime": procfs.start_time(found)} if found else None
+
+
+def run_carriers(token):
+    """Processes (this one excepted) whose environment holds SPECOPS_RUN_LOCK=<token>."""
+    wanted = ("%s=%s" % (procfs.RUN_LOCK_VARIABLE, token)).encode()
+    found = []
+    for pid in procfs.list_pids():
+        if pid == os.getpid() or procfs.is_gone(pid):
+            continue
+        try:
+            with open("/proc/%d/environ" % pid, "rb") as handle:
+                if wanted in handle.read().split(b"\0"):
+                    found.append(pid)
+        except (IOError, OSError):
+            continue
+    return found
+
+
+def run_is_over(holder):
+    """The play that took the lock is gone, and nothing of its run (its guard, its work) is left."""
+    play = holder.get("play")
+    if not play or procfs.is_same_process(int(play["pid"]), play.get("starttime")):
+        return False
+    return not run_carriers(holder["token"])
 
 
 def read_holder(path):
@@ -96,6 +141,10 @@ def read_holder(path):
             return json.loads(handle.read() or "{}")
     except (IOError, OSError, ValueError):
         return {}
+
+
+# How often the holder looks for its play and its run's processes.
+WATCH_S = 1.0
 
 
 def try_lock(fd):
@@ -130,9 +179,12 @@ class RunLock(object):
 
     def busy(self, holder):
         self.module.fail_json(
-            msg="%s is held by another run: %s; wait for it to finish, or if that run is gone stop pid %s "
+            msg="%s is held by another run: %s; wait for it to finish%s, or if that run is gone stop pid %s "
                 "(the lock is given up at %s at the latest)"
-                % (self.path, describe(holder), holder.get("pid", "?"), holder.get("expires", "?")),
+                % (self.path, describe(holder),
+                   " (the lock lapses once its ansible-playbook, pid %s, and the processes of its run, its guard "
+                   "included, are gone)" % holder["play"]["pid"] if holder.get("play") else "",
+                   holder.get("pid", "?"), holder.get("expires", "?")),
             holder=holder)
 
     def acquire(self):
@@ -160,6 +212,7 @@ class RunLock(object):
             "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(now)),
             "expires": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(now + max_seconds)),
             "owner": self.module.params["owner"],
+            "play": play_process(),
         }
         holder["pid"] = self.spawn_holder(fd, holder, max_seconds)
         os.close(fd)
@@ -187,8 +240,8 @@ class RunLock(object):
             os.write(ready_write, str(os.getpid()).encode("ascii"))
             os.close(ready_write)
             deadline = time.time() + max_seconds
-            while time.time() < deadline:
-                time.sleep(min(60.0, max(deadline - time.time(), 0.01)))
+            while time.time() < deadline and not run_is_over(record):
+                time.sleep(min(WATCH_S if record.get("play") else 60.0, max(deadline - time.time(), 0.01)))
             os._exit(0)
         os.close(ready_write)
         os.waitpid(first, 0)

@@ -32,6 +32,12 @@ options:
     description: What to write into the signal file; nothing is written when omitted.
     type: str
     choices: [wait, go, abort]
+  fresh:
+    description:
+      - A new extraction is about to start on O(path) - remove the state file (C(<path>.state)) that an earlier
+        one left, so that its V(stopped) or V(started) is never read as the new extraction's.
+    type: bool
+    default: false
   lease:
     description: Seconds from now that a V(wait) signal lets the extraction wait for go.
     type: int
@@ -97,6 +103,10 @@ stopped_pids:
   returned: always
   type: list
   elements: int
+removed_state:
+  description: The state an earlier extraction left, removed by O(fresh).
+  returned: when O(fresh) removed one
+  type: dict
 waited:
   description: Seconds waited.
   returned: always
@@ -130,6 +140,14 @@ class StartSignal(object):
         self.params = module.params
         self.state_file = self.params["path"] + STATE_SUFFIX
         self.result = {"changed": False, "state": {}, "job_finished": False, "stopped_pids": [], "waited": 0.0}
+
+    def forget_earlier_state(self):
+        if not os.path.exists(self.state_file):
+            return
+        self.result["changed"] = True
+        self.result["removed_state"] = read_json(self.state_file) or {}
+        if not self.module.check_mode:
+            os.remove(self.state_file)
 
     def write_signal(self):
         value = {"signal": self.params["signal"]}
@@ -166,6 +184,8 @@ class StartSignal(object):
         self.result["changed"] = True
 
     def run(self):
+        if self.params["fresh"]:
+            self.forget_earlier_state()
         if self.params["signal"]:
             self.write_signal()
         if self.params["wait_for"] == "waiting":
@@ -183,6 +203,7 @@ def main():
         argument_spec=dict(
             path=dict(type="path", required=True),
             signal=dict(type="str", choices=["wait", "go", "abort"]),
+            fresh=dict(type="bool", default=False),
             lease=dict(type="int", default=900),
             wait_for=dict(type="str", choices=["waiting", "ended"]),
             results_file=dict(type="path"),
