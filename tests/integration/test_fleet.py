@@ -180,9 +180,7 @@ def test_a_host_that_fails_its_window_is_put_back_and_the_rollout_stops(rolling_
     assert load["failed"] == 0, load["failures"]
 
 
-def test_a_replica_down_at_the_end_of_a_rollout_is_started_again_and_the_run_fails_naming_it(
-    rolling_run, fleet
-):
+def test_a_replica_down_at_the_end_of_a_rollout_is_started_again_and_the_run_fails_naming_it(fleet):
     # Replica1 dies after its turn. The run's stages are left out (--tags): the plan, then the end's check.
     killed = fleet.kill_server("replica1")
     result = fleet.play("eval.yml", args=("--tags", "never-a-stage"))
