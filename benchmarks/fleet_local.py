@@ -73,12 +73,18 @@ def main() -> int:
         "playbook_s": round(play.seconds, 1),
         "fleet_wall_s": fleet["fleet"]["wall_s"],
         "sum_of_host_windows_s": fleet["fleet"]["sum_window_s"],
-        "sum_of_host_downtimes_s": fleet["fleet"]["sum_downtime_s"],
+        # The service's own downtime (host clocks, server stop to ready) and the play's (control node,
+        # drained to answering again): two figures, named apart.
+        "sum_of_host_service_downtimes_s": fleet["fleet"]["sum_service_downtime_s"],
+        "sum_of_host_play_downtimes_s": fleet["fleet"]["sum_play_downtime_s"],
         "per_host": [
             {
                 "host": row["host"],
                 "n_prompts": row["n_prompts"],
-                **{k: row["window"].get(k) for k in ("window_s", "drain_s", "downtime_s", "return_s")},
+                **{
+                    k: row["window"].get(k)
+                    for k in ("window_s", "drain_s", "play_downtime_s", "service_downtime_s", "return_s")
+                },
             }
             for row in fleet["per_host"]
         ],

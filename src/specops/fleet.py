@@ -84,10 +84,29 @@ def merged_online(reports: Sequence[Mapping[str, Any]]) -> dict[str, Any] | None
     }
 
 
+def found_down_warning(host: str, found: Mapping[str, Any]) -> str:
+    return (
+        f"{host}: its server was not running when the rollout reached it (it died, or was stopped outside "
+        f"the run): the {found.get('stage') or 'serve'} stage started it again (pid {found.get('pid')}); "
+        "any request it held when it went down was lost"
+    )
+
+
+def host_window(control_node: Mapping[str, Any], report: Mapping[str, Any]) -> dict[str, Any]:
+    """This run's window of a host, both downtimes named apart: play_downtime_s (the control node's
+    clock, from the drain's end to the service answering) and service_downtime_s (the host's clock,
+    the window record's downtime: the server's stop or pause to its first /health_generate 200)."""
+    if not control_node:
+        return {}
+    record = report.get("window") or {}
+    return {**control_node, "service_downtime_s": record.get("downtime_s")}
+
+
 def merge_reports(
     hosts: Sequence[Mapping[str, Any]], rollout: Mapping[str, Any] | None = None
 ) -> dict[str, Any]:
-    """hosts: [{"host", "report": <a host's report.json>, "window": {...}}] -> the fleet's report."""
+    """hosts: [{"host", "report": <a host's report.json>, "window": {...}, "found_down": {...}}] -> the
+    fleet's report; found_down (stage, pid) names a server the run found not running and started."""
     if not hosts:
         raise StageError("no host shard to merge: the fleet run scored nothing")
     reports = [h["report"] for h in hosts]
@@ -120,7 +139,8 @@ def merge_reports(
                 "reference_tau": (r.get("reference") or {}).get("tau"),
                 "online_tau": (r.get("online") or {}).get("tau"),
                 "warnings": list(r.get("warnings") or []),
-                "window": dict(h.get("window") or {}),
+                "window": host_window(h.get("window") or {}, r),
+                "found_down": dict(h["found_down"]) if h.get("found_down") else None,
             }
         )
     diagnostics = []
@@ -134,7 +154,13 @@ def merge_reports(
             "hosts": [h["host"] for h in hosts],
             "n_hosts": len(hosts),
             "sum_window_s": round(sum(w["window_s"] for w in windows), 3) if windows else None,
-            "sum_downtime_s": round(sum(w.get("downtime_s") or 0 for w in windows), 3) if windows else None,
+            "sum_play_downtime_s": round(sum(w.get("play_downtime_s") or 0 for w in windows), 3)
+            if windows
+            else None,
+            "sum_service_downtime_s": round(sum(w.get("service_downtime_s") or 0 for w in windows), 3)
+            if windows
+            else None,
+            "found_down": [row["host"] for row in per_host if row["found_down"]],
             **dict(rollout or {}),
         },
         "overall": overall,
@@ -145,7 +171,10 @@ def merge_reports(
         "per_host": per_host,
         "per_prompt": per_prompt,
         "diagnostics": diagnostics,
-        "warnings": [f"{h['host']}: {w}" for h in hosts for w in h["report"].get("warnings") or []],
+        "warnings": [
+            *[found_down_warning(h["host"], h["found_down"]) for h in hosts if h.get("found_down")],
+            *[f"{h['host']}: {w}" for h in hosts for w in h["report"].get("warnings") or []],
+        ],
     }
 
 
@@ -165,13 +194,15 @@ def render_markdown(fleet: Mapping[str, Any]) -> str:
         lines += [
             f"Rollout wall time {_fmt(info['wall_s'], 1)} s; sum of the per-host windows "
             f"{_fmt(info.get('sum_window_s'), 1)} s "
-            f"(service down {_fmt(info.get('sum_downtime_s'), 1)} s "
-            "in all).",
+            f"(service down {_fmt(info.get('sum_service_downtime_s'), 1)} s in all by the hosts' clocks, "
+            f"server stop to ready; {_fmt(info.get('sum_play_downtime_s'), 1)} s as the play saw it, "
+            "drained to answering).",
             "",
         ]
     lines += [
-        "| host | prompts | tau | reference tau | online tau | window s | service down s | warnings |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| host | prompts | tau | reference tau | online tau | out of the router s "
+        "| service down s (host) | down s (play) | found down | warnings |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for row in fleet["per_host"]:
         window = row["window"]
@@ -179,7 +210,8 @@ def render_markdown(fleet: Mapping[str, Any]) -> str:
             f"| {row['host']} | {row['n_prompts']} | {_fmt(row['tau'])} "
             f"| {_fmt(row['reference_tau'])} "
             f"| {_fmt(row['online_tau'])} | {_fmt(window.get('window_s'), 1)} "
-            f"| {_fmt(window.get('downtime_s'), 1)} | {len(row['warnings'])} |"
+            f"| {_fmt(window.get('service_downtime_s'), 1)} | {_fmt(window.get('play_downtime_s'), 1)} "
+            f"| {'yes' if row.get('found_down') else 'no'} | {len(row['warnings'])} |"
         )
     lines += ["", "| prompt | host | tau | reference tau | ratio |", "| --- | --- | --- | --- | --- |"]
     for row in fleet["per_prompt"]:
@@ -211,7 +243,8 @@ def scored_part(fleet: Mapping[str, Any]) -> dict[str, Any]:
 
 def merge(request: Mapping[str, Any]) -> dict[str, Any]:
     """{"hosts": [name], "shards_dir": dir of <host>.json reports, "windows": {host: figures},
-    "rollout": {...}, "out_dir"} -> the fleet's report.json and report.md in out_dir."""
+    "found_down": {host: {"stage", "pid"}}, "rollout": {...}, "out_dir"} -> the fleet's report.json
+    and report.md in out_dir."""
     out_dir = Path(str(request.get("out_dir") or ""))
     shards_dir = Path(str(request.get("shards_dir") or ""))
     if not request.get("out_dir") or not request.get("shards_dir"):
@@ -219,6 +252,7 @@ def merge(request: Mapping[str, Any]) -> dict[str, Any]:
             "out_dir and shards_dir are required: where the fleet report goes, where the hosts' reports are"
         )
     windows = request.get("windows") or {}
+    found_down = request.get("found_down") or {}
     hosts = []
     for host in request.get("hosts") or []:
         path = shards_dir / f"{host}.json"
@@ -228,7 +262,12 @@ def merge(request: Mapping[str, Any]) -> dict[str, Any]:
                 "rerun the evaluation for that host"
             )
         hosts.append(
-            {"host": host, "report": json.loads(path.read_text()), "window": windows.get(host) or {}}
+            {
+                "host": host,
+                "report": json.loads(path.read_text()),
+                "window": windows.get(host) or {},
+                "found_down": found_down.get(host),
+            }
         )
     fleet = merge_reports(hosts, request.get("rollout") or {})
     figures = {
@@ -245,6 +284,7 @@ def merge(request: Mapping[str, Any]) -> dict[str, Any]:
         "warnings": fleet["warnings"],
         "wall_s": fleet["fleet"].get("wall_s"),
         "sum_window_s": fleet["fleet"]["sum_window_s"],
+        "found_down": fleet["fleet"]["found_down"],
         "per_host": [{"host": r["host"], "tau": r["tau"], **r["window"]} for r in fleet["per_host"]],
         "report": str(out_dir / FLEET_REPORT_MD),
         "report_md": str(out_dir / FLEET_REPORT_MD),

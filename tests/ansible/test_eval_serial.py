@@ -1,5 +1,6 @@
 """The plan play resolves specops_serial as Ansible does and refuses every value that takes all
-replicas down at once, before any host is touched (it runs only the plan: nothing is served here)."""
+replicas down at once, before any host is touched (it runs only the plan: nothing is served here).
+One rule (playbooks/tasks/serial_rule.yml) for eval.yml's windows and service.yml's rolling restarts."""
 
 from __future__ import annotations
 
@@ -15,7 +16,9 @@ ROOT = Path(__file__).resolve().parents[2]
 PLAYBOOK = Path(sys.executable).parent / "ansible-playbook"
 
 
-def plan(tmp_path: Path, hosts: int, serial, router: str = "") -> subprocess.CompletedProcess:
+def plan(
+    tmp_path: Path, hosts: int, serial, router: str = "", playbook: str = "eval.yml"
+) -> subprocess.CompletedProcess:
     inventory = tmp_path / "hosts.yml"
     inventory.write_text(
         json.dumps(
@@ -41,7 +44,7 @@ def plan(tmp_path: Path, hosts: int, serial, router: str = "") -> subprocess.Com
             str(PLAYBOOK),
             "-i",
             str(inventory),
-            str(ROOT / "playbooks" / "eval.yml"),
+            str(ROOT / "playbooks" / playbook),
             "-e",
             json.dumps(extra),
             "--tags",
@@ -55,9 +58,10 @@ def plan(tmp_path: Path, hosts: int, serial, router: str = "") -> subprocess.Com
     )
 
 
+@pytest.mark.parametrize("playbook", ["eval.yml", "service.yml"])
 @pytest.mark.parametrize("serial", ["100%", 0, [1, 2]])
-def test_a_batch_size_that_takes_every_replica_down_is_refused(tmp_path, serial):
-    result = plan(tmp_path, hosts=2, serial=serial)
+def test_a_batch_size_that_takes_every_replica_down_is_refused(tmp_path, serial, playbook):
+    result = plan(tmp_path, hosts=2, serial=serial, playbook=playbook)
     assert result.returncode != 0
     assert "replicas down at once, i.e. all of them" in result.stdout, result.stdout[-3000:]
 
@@ -68,6 +72,11 @@ def test_a_batch_size_that_leaves_a_replica_serving_passes_the_plan(tmp_path, se
     assert "replicas down at once" not in result.stdout, result.stdout[-3000:]
     # The plan let the rollout begin (what it does next needs a real site, not this inventory).
     assert "PLAY [Evaluate a speculative-decoding drafter" in result.stdout, result.stdout[-3000:]
+
+
+def test_service_yml_passes_a_batch_size_that_leaves_a_replica_serving(tmp_path):
+    result = plan(tmp_path, hosts=3, serial=2, playbook="service.yml")
+    assert result.returncode == 0 and "replicas down at once" not in result.stdout, result.stdout[-3000:]
 
 
 def test_several_hosts_without_a_router_are_warned_about(tmp_path):

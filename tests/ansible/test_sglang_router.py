@@ -114,7 +114,8 @@ def router(tmp_path, workers):
     proc.wait(timeout=30)
 
 
-def run_role(tmp_path, actions, **variables):
+def run_role(tmp_path, actions, show: str = "", **variables):
+    """The role's actions in order; `show`: a template whose value the play prints at the end."""
     tasks = [
         {
             "name": f"sglang_router {a}",
@@ -123,6 +124,8 @@ def run_role(tmp_path, actions, **variables):
         }
         for a in actions
     ]
+    if show:
+        tasks.append({"name": "show", "ansible.builtin.debug": {"msg": f"SHOWN {show} END"}})
     play = [{"hosts": "localhost", "gather_facts": False, "vars": variables, "tasks": tasks}]
     playbook = tmp_path / "play.yml"
     playbook.write_text(json.dumps(play))
@@ -194,3 +197,25 @@ def test_drain_refuses_to_take_the_last_healthy_replica(tmp_path, router, worker
     assert rc != 0
     assert "would leave 1 healthy replica" in output
     assert set(listing(router)) == set(workers)
+
+
+def test_health_says_whether_the_server_answers_and_the_router_reports_it_healthy(tmp_path, router, workers):
+    shown = "{{ sglang_router_serving }}: {{ sglang_router_health_seen }}"
+    rc, output = run_role(
+        tmp_path, ["health"], show=shown, sglang_router_url=router, sglang_router_worker_url=workers[0]
+    )
+    assert rc == 0, output[-3000:]
+    said = " ".join(output.split())
+    assert "SHOWN True: its server answers /health_generate 200, the router reports it healthy END" in said
+    # A server that is gone, and that the router does not list: not serving, and nothing was changed.
+    rc, output = run_role(
+        tmp_path,
+        ["health"],
+        show=shown,
+        sglang_router_url=router,
+        sglang_router_worker_url=f"http://127.0.0.1:{free_port()}",
+    )
+    assert rc == 0, output[-3000:]
+    said = " ".join(output.split())
+    assert "SHOWN False: its server answers /health_generate nothing, the router does not list it END" in said
+    assert listing(router) == {workers[0]: True, workers[1]: True}

@@ -516,6 +516,8 @@ def test_a_disarmed_guard_never_acts(serving):
     started = serving.run("started", window=window("w-disarm"))
 
     assert started["guard"]["disarmed"] is True
+    # The window's own start finds the server down by design: nothing to announce.
+    assert started["found_down"] is False
     assert wait_for(lambda: not Path(f"/proc/{guard}").exists() or _state(guard) == "Z", 120)
     assert "fired" not in serving.guard_log()
     assert not (serving.state_dir / "window.lock").exists()
@@ -543,7 +545,20 @@ def test_check_mode_writes_nothing(serving):
 def test_a_second_start_with_the_same_spec_changes_nothing(serving):
     pid = serving.pid()
     again = serving.run("started")
-    assert again["changed"] is False and again["pid"] == pid
+    assert again["changed"] is False and again["pid"] == pid and again["found_down"] is False
+
+
+def test_a_server_found_dead_outside_a_window_is_started_and_said_to_be_found_down(serving):
+    killed = serving.pid()
+    os.killpg(killed, signal.SIGKILL)
+    assert wait_for(lambda: serving.pid() is None, 60)
+
+    planned = serving.run("started", check=True)
+    started = serving.run("started")
+
+    assert planned["changed"] and planned["found_down"] and planned["pid"] is None
+    assert started["changed"] and started["found_down"] and not started["failed"], started.get("msg")
+    assert started["pid"] not in (None, killed) and http_status(serving.url + "/health_generate") == 200
 
 
 def test_stop_ends_every_process_of_the_servers_tree_and_records_it(site_factory):

@@ -58,6 +58,8 @@ class LocalFleet:
     ports: list[int] = field(default_factory=lambda: free_ports(5))
     router: subprocess.Popen | None = None
     load: subprocess.Popen | None = None
+    # Servers a test killed, by host: the pid each had.
+    crashed: dict[str, int] = field(default_factory=dict)
 
     @property
     def replica_ports(self) -> list[int]:
@@ -102,6 +104,8 @@ class LocalFleet:
             "ANSIBLE_CONFIG": str(REPO / "ansible.cfg"),
             "ANSIBLE_NOCOLOR": "1",
             "ANSIBLE_FORCE_COLOR": "0",
+            # What a play publishes for AWX (set_stats) is printed at its end.
+            "ANSIBLE_SHOW_CUSTOM_STATS": "1",
         }
 
     def play(self, playbook: str, timeout: int = 3600, args: tuple[str, ...] = (), **overrides: Any) -> Play:
@@ -193,6 +197,20 @@ class LocalFleet:
             if time.monotonic() > deadline:
                 raise RuntimeError(f"the router lists {self.healthy_workers()} healthy, not {urls}")
             time.sleep(0.5)
+
+    def kill_server(self, host: str) -> int:
+        """SIGKILL a replica's server (its process group), as a crash would, and wait until the router
+        has seen it: no request of the load that follows is sent to it."""
+        pid = self.server_pid(host)
+        assert pid is not None, f"{host} has no server to kill"
+        os.killpg(pid, signal.SIGKILL)
+        url = self.worker_urls[HOSTS.index(host)]
+        deadline = time.monotonic() + 120
+        while url in self.healthy_workers():
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the router still lists {url} healthy 120 s after its server was killed")
+            time.sleep(0.2)
+        return pid
 
     def server_pid(self, host: str) -> int | None:
         pid_file = self.work_dir / host / "sglang.pid"

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -45,6 +46,9 @@ PACED = 2.0
 
 @pytest.fixture(scope="module")
 def rolling_run(fleet):
+    # Replica3's server crashed before the run (outside any window): the router has stopped sending
+    # to it, and the run finds it down when it reaches it.
+    fleet.crashed = {"replica3": fleet.kill_server("replica3")}
     fleet.start_load("rolling", interval=PACED)
     result = fleet.play("eval.yml")
     load = fleet.stop_load("rolling")
@@ -68,6 +72,45 @@ def test_every_host_returns_to_the_router_healthy(rolling_run, fleet):
     assert fleet.healthy_workers() == set(fleet.worker_urls)
 
 
+def test_a_replica_found_down_is_started_again_and_named_in_the_output_the_report_and_the_stats(
+    rolling_run, fleet
+):
+    result, _ = rolling_run
+    said = " ".join(result.output.split())
+    warnings = re.findall(
+        r"WARNING: (\S+) on (\S+) was not running \(it died, or was stopped outside this play\): "
+        r"started it again, pid (\d+), answering /health_generate",
+        said,
+    )
+    # The serve stage's start; replica3's window restarted it again after.
+    assert len(warnings) == 1 and warnings[0][1] == "replica3", result.output[-6000:]
+    unit, pid = warnings[0][0], int(warnings[0][2])
+    assert pid != fleet.crashed["replica3"]
+    report = json.loads((fleet.work_dir / "replica1" / "run" / "fleet" / "report.json").read_text())
+    assert report["fleet"]["found_down"] == ["replica3"]
+    assert [(row["host"], row["found_down"]) for row in report["per_host"] if row["found_down"]] == [
+        ("replica3", {"stage": "serve", "pid": pid})
+    ]
+    warning = "replica3: its server was not running when the rollout reached it"
+    assert any(w.startswith(warning) and f"(pid {pid})" in w for w in report["warnings"])
+    assert warning in (fleet.work_dir / "replica1" / "run" / "fleet" / "report.md").read_text()
+    # AWX's stats (printed at the play's end): the role's entry for the host.
+    stats = said[said.rindex("CUSTOM STATS") :]
+    entry = stats[stats.index("sglang_service_found_down:") :].split()[:6]
+    assert entry == ["sglang_service_found_down:", "replica3:", "pid:", str(pid), "unit:", unit], stats[:3000]
+
+
+def test_the_run_ends_by_checking_that_every_replica_serves(rolling_run):
+    result, _ = rolling_run
+    assert (
+        result.output.count(
+            "TASK [Stage fleet-check: ask the server and the router whether this replica serves]"
+        )
+        == 1
+    )
+    assert "specops stage 'fleet-check' failed" not in result.output
+
+
 def test_hosts_take_their_windows_one_at_a_time(rolling_run, fleet):
     report = json.loads((fleet.work_dir / "replica1" / "run" / "fleet" / "report.json").read_text())
     windows = sorted(
@@ -87,7 +130,13 @@ def test_one_report_merges_every_hosts_share_of_the_prompts(rolling_run, fleet):
     assert sorted(row["id"] for row in report["per_prompt"]) == sorted(prompts)
     assert {row["host"] for row in report["per_prompt"]} == {"replica1", "replica2", "replica3"}
     assert report["fleet"]["sum_window_s"] > 0 and report["fleet"]["wall_s"] > 0
-    assert all(row["window"]["downtime_s"] > 0 for row in report["per_host"])
+    # Two downtimes, named apart: the play's, on the control node (drained to answering), and the
+    # service's own, on the host's clock (server stop to ready), which lies inside the play's.
+    for row in report["per_host"]:
+        window = row["window"]
+        assert "downtime_s" not in window
+        assert 0 < window["service_downtime_s"] <= window["play_downtime_s"] < window["window_s"], window
+    assert report["fleet"]["sum_service_downtime_s"] <= report["fleet"]["sum_play_downtime_s"]
 
 
 def test_an_unreachable_router_fails_before_any_host_is_drained(rolling_run, fleet, tmp_path):
@@ -129,6 +178,23 @@ def test_a_host_that_fails_its_window_is_put_back_and_the_rollout_stops(rolling_
     }
     assert fleet.healthy_workers() == set(fleet.worker_urls)
     assert load["failed"] == 0, load["failures"]
+
+
+def test_a_replica_down_at_the_end_of_a_rollout_is_started_again_and_the_run_fails_naming_it(fleet):
+    # Replica1 dies after its turn. The run's stages are left out (--tags): the plan, then the end's check.
+    killed = fleet.kill_server("replica1")
+    result = fleet.play("eval.yml", args=("--tags", "never-a-stage"))
+    said = " ".join(result.output.split()).replace("''", "'")  # YAML doubles quotes in quotes
+    assert result.rc != 0
+    assert (
+        "specops stage 'fleet-check' failed: replica1 was not serving at the end of the rollout "
+        "(its server answers /health_generate nothing, the router reports it unhealthy): "
+        "it was started again and is back behind the router" in said
+    ), result.output[-6000:]
+    assert "replica2 was not serving" not in said and "replica3 was not serving" not in said
+    assert "on replica1 was not running (it died, or was stopped outside this play): started it again" in said
+    assert fleet.server_pid("replica1") not in (None, killed)
+    assert fleet.healthy_workers() == set(fleet.worker_urls)
 
 
 def host_files(fleet, hosts) -> dict[str, tuple[int, int]]:
@@ -348,3 +414,43 @@ def test_losing_another_replica_inside_a_window_ends_it_early_and_the_host_comes
     assert run.pids_after["replica2"] == run.pids_before["replica2"]
     # Replica1 is back behind the router beside replica2 (replica3 is the one that died).
     assert run.healthy_after == {fleet.worker_urls[0], fleet.worker_urls[1]}
+
+
+class WorkersWatch(threading.Thread):
+    """Every 0.1 s, which replicas the router lists healthy: how many at once, and which were ever out."""
+
+    def __init__(self, fleet: LocalFleet):
+        super().__init__(daemon=True)
+        self.fleet = fleet
+        self.counts: list[int] = []
+        self.absent: set[str] = set()
+        self.done = threading.Event()
+
+    def run(self) -> None:
+        while not self.done.is_set():
+            healthy = self.fleet.healthy_workers() & set(self.fleet.worker_urls)
+            self.counts.append(len(healthy))
+            self.absent |= set(self.fleet.worker_urls) - healthy
+            self.done.wait(0.1)
+
+
+def test_new_server_options_roll_over_the_fleet_one_replica_at_a_time_and_lose_no_request(fleet):
+    # Last in this module: the replicas keep the memory saver until the fleet is stopped.
+    pids = {host: fleet.server_pid(host) for host in HOSTS}
+    watch = WorkersWatch(fleet)
+    fleet.start_load("options", concurrency=2, interval=0.2)
+    watch.start()
+    result = fleet.play("service.yml", sglang_service_state="started", sglang_service_memory_saver=True)
+    watch.done.set()
+    watch.join()
+    load = fleet.stop_load("options")
+    assert result.rc == 0, result.output[-6000:]
+    assert load["requests"] > 0 and load["failed"] == 0 and load["incomplete"] == 0, load
+    # Every replica was replaced with the new options, each out of the router in its turn, never two at once.
+    assert all(fleet.server_pid(h) not in (None, pids[h]) for h in HOSTS)
+    for host in HOSTS:
+        argv = Path(f"/proc/{fleet.server_pid(host)}/cmdline").read_bytes().split(b"\0")
+        assert b"--enable-memory-saver" in argv
+    assert watch.absent == set(fleet.worker_urls) and min(watch.counts) == len(HOSTS) - 1, watch.counts
+    assert result.output.count("TASK [Stage drain: take the host out of the router") == len(HOSTS)
+    assert fleet.healthy_workers() == set(fleet.worker_urls)

@@ -178,10 +178,12 @@ def _service_play(inventory: Path, state: str, *options: str) -> dict:
 
 
 def _results(play: dict) -> list[tuple[str, dict]]:
-    """(task name without its role's prefix, result on the host) for every task the play ran."""
+    """(task name without its role's prefix, result on the host) for every task the playbook ran, in
+    every play (service.yml looks in check mode first, then acts in the play that fits the change)."""
     return [
         (task["task"]["name"].split(" : ", 1)[-1], task["hosts"][MACHINE])
-        for task in play["plays"][0]["tasks"]
+        for each in play["plays"]
+        for task in each["tasks"]
         if MACHINE in task["hosts"]
     ]
 

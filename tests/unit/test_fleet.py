@@ -9,7 +9,7 @@ import json
 import pytest
 
 from specops import report as rep
-from specops.fleet import main, merge_reports, share, split
+from specops.fleet import main, merge_reports, render_markdown, share, split
 from specops.stage import StageError
 
 BLOCK = 4
@@ -77,19 +77,52 @@ def test_the_merged_interval_and_paired_comparison_resample_the_prompts_of_every
     assert rep.verdict(fleet).endswith(": worse")
 
 
-def test_merged_report_sums_the_per_host_windows():
+def test_merged_report_sums_the_per_host_windows_with_both_downtimes_named_apart():
     seq = [{"id": "p", "accept_lengths": [2]}]
+    # The host's window record: the service's own downtime, on the host's clock.
+    recorded = {**host_report(seq), "window": {"downtime_s": 4.5}}
     fleet = merge_reports(
         [
-            {"host": "h1", "report": host_report(seq), "window": {"window_s": 10.0, "downtime_s": 6.0}},
-            {"host": "h2", "report": host_report(seq), "window": {"window_s": 12.5, "downtime_s": 7.0}},
+            {"host": "h1", "report": recorded, "window": {"window_s": 10.0, "play_downtime_s": 6.0}},
+            {"host": "h2", "report": host_report(seq), "window": {"window_s": 12.5, "play_downtime_s": 7.0}},
+            {"host": "h3", "report": recorded, "window": {}},  # nothing to extract: no window this run
         ],
         {"wall_s": 30.0},
     )
     assert fleet["fleet"]["sum_window_s"] == 22.5
-    assert fleet["fleet"]["sum_downtime_s"] == 13.0
+    assert fleet["fleet"]["sum_play_downtime_s"] == 13.0
+    assert fleet["fleet"]["sum_service_downtime_s"] == 4.5
+    assert "sum_downtime_s" not in fleet["fleet"]
     assert fleet["fleet"]["wall_s"] == 30.0
-    assert [row["window"]["window_s"] for row in fleet["per_host"]] == [10.0, 12.5]
+    assert [row["window"] for row in fleet["per_host"]] == [
+        {"window_s": 10.0, "play_downtime_s": 6.0, "service_downtime_s": 4.5},
+        {"window_s": 12.5, "play_downtime_s": 7.0, "service_downtime_s": None},
+        {},
+    ]
+    table = render_markdown(fleet)
+    assert "| service down s (host) | down s (play) |" in table
+    assert "| 10.0 | 4.5 | 6.0 | no |" in table
+
+
+def test_a_server_found_down_is_named_in_the_fleet_report_and_its_warnings():
+    seq = [{"id": "p", "accept_lengths": [2]}]
+    fleet = merge_reports(
+        [
+            {"host": "h1", "report": host_report(seq), "window": {}},
+            {
+                "host": "h2",
+                "report": host_report(seq),
+                "window": {},
+                "found_down": {"stage": "serve", "pid": 42},
+            },
+        ]
+    )
+    assert fleet["fleet"]["found_down"] == ["h2"]
+    assert [row["found_down"] for row in fleet["per_host"]] == [None, {"stage": "serve", "pid": 42}]
+    assert fleet["warnings"][0].startswith("h2: its server was not running when the rollout reached it")
+    assert "started it again (pid 42)" in fleet["warnings"][0]
+    text = render_markdown(fleet)
+    assert "| h2 |" in text and "| yes | 0 |" in text and "h2: its server was not running" in text
 
 
 def test_merge_names_the_host_whose_report_is_missing(tmp_path, capsys, monkeypatch):

@@ -240,6 +240,9 @@ class ServiceWindow(object):
         self.lock.check(self.token)
         running = self.server.running_pid()
         launching = force_restart or self._needs_launch(running)
+        # Outside a window a server is expected to serve: one that is not running died or was stopped
+        # by someone else, and the play says so. A window's own start finds it down by design.
+        self.result["found_down"] = running is None and self.token == NO_WINDOW_TOKEN
         if self.check_mode:
             self.result.update(changed=launching, pid=running)
             return self.result

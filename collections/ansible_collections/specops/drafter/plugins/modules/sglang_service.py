@@ -323,6 +323,11 @@ guard:
   description: The guard - armed, pid, fires_in, action, unit, log; or disarmed.
   returned: when armed or disarmed
   type: dict
+found_down:
+  description: started or restarted outside a window found no server process (it died, or was stopped
+    outside this run) and started one; in check mode, that it would.
+  returned: started, restarted
+  type: bool
 started_instead:
   description: resumed found no server process (killed inside the window), or one that did not answer after the
     resume, and started it.
