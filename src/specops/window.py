@@ -218,9 +218,10 @@ def memory_plan_summary(plan: Mapping[str, Any] | None) -> dict[str, Any] | None
     return {key: plan.get(key) for key in keys}
 
 
-def _span(start: float | None, end: Any) -> float | None:
+def _span(start: Any, end: Any) -> float | None:
+    """Seconds from start to end (epoch seconds, as numbers or their text); None where either is missing."""
     try:
-        return None if start is None or end is None else round(float(end) - start, 3)
+        return None if start is None or end is None else round(float(end) - float(start), 3)
     except (TypeError, ValueError):
         return None
 
@@ -263,12 +264,6 @@ def read_outages(hidden_states: Path) -> list[dict[str, Any]]:
     except FileNotFoundError:
         return []
     return outages if isinstance(outages, list) else []
-
-
-def _span(down_at: Any, ready_at: Any) -> float | None:
-    if down_at is None or ready_at is None:
-        return None
-    return round(float(ready_at) - float(down_at), 3)
 
 
 def _outage_entry(outage: Mapping[str, Any]) -> dict[str, Any]:

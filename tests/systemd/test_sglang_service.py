@@ -166,7 +166,14 @@ def test_the_guard_brings_the_server_back_when_the_play_dies(converged_host):
     # Started by the guard at its deadline: not earlier (nothing else started it), not much later.
     assert MAX_DOWNTIME - 10 <= started_after <= MAX_DOWNTIME + GUARD_LATENESS, _journal()
     assert in_container("systemctl", "is-active", "sglang-qwen.service") == "active"
-    assert in_container("systemctl", "is-active", "sglang-qwen-guard.service") != "active"
+    # After the server answers, the guard still writes the outage it ended (for the next run's record),
+    # then exits: it is done soon after, not necessarily at the first 200.
+    guard_done = _wait(
+        lambda: in_container("systemctl", "is-active", "sglang-qwen-guard.service") != "active",
+        timeout=4 * STARTUP_ALLOWANCE,
+        step=0.5,
+    )
+    assert guard_done is not None, _journal()
 
 
 def test_memory_saver_keeps_the_server_process_across_the_gpu_window(converged_host):

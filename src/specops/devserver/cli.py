@@ -314,8 +314,17 @@ def main(argv: list[str] | None = None) -> int:
     )
     stop = threading.Event()
     failure: list[str] = []
+
+    def shut_down(*_: object) -> None:
+        # Child exits are expected once the launcher shuts down, not crashes: SGLang stops its watchdog
+        # then (0.5.23 managers/tokenizer_manager.py:3542-3544). A supervisor's stop signals the children
+        # too (systemd's control group), and the tree must still end cleanly.
+        if tree is not None:
+            tree.stop_watching()
+        stop.set()
+
     for signum in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(signum, lambda *_: stop.set())
+        signal.signal(signum, shut_down)
 
     serving = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.2}, name="http")
     serving.start()

@@ -111,6 +111,8 @@ class ProcessTree:
             for rank in range(tp_size)
         ]
         self.detokenizer = Child("sglang::detokenizer", None)
+        self.watching = threading.Event()
+        self.watching.set()
         threading.Thread(target=self._watch, name="subprocess-watchdog", daemon=True).start()
         logger.info(
             "process tree: %s",
@@ -121,6 +123,8 @@ class ProcessTree:
         # utils/watchdog.py:211-221: a child gone with a non-zero code SIGQUITs the launcher.
         while True:
             time.sleep(0.5)
+            if not self.watching.is_set():
+                return
             for child in [*self.schedulers, self.detokenizer]:
                 code = child.process.poll()
                 if code is not None and code != 0:
@@ -130,8 +134,13 @@ class ProcessTree:
                         child.process.pid,
                         code,
                     )
-                    os.kill(os.getpid(), signal.SIGQUIT)
+                    if self.watching.is_set():
+                        os.kill(os.getpid(), signal.SIGQUIT)
                     return
+
+    def stop_watching(self) -> None:
+        """Shutting down: a child that exits now is no crash."""
+        self.watching.clear()
 
     def every_scheduler(self, op: str, tags: list[str]) -> None:
         """Each rank does its part of a release or resume (SGLang runs them on every TP rank)."""
