@@ -38,7 +38,7 @@ from ansible_collections.specops.drafter.plugins.module_utils.service_errors imp
 from ansible_collections.specops.drafter.plugins.module_utils.service_process import ProcessServer, launch_problems
 from ansible_collections.specops.drafter.plugins.module_utils.service_settings import settings_problems
 from ansible_collections.specops.drafter.plugins.module_utils.service_systemd import SystemdUnit
-from ansible_collections.specops.drafter.plugins.module_utils.sglang_api import SglangApi, offers, releases_weights
+from ansible_collections.specops.drafter.plugins.module_utils.sglang_api import SglangApi, offers
 from ansible_collections.specops.drafter.plugins.module_utils.state_files import ensure_dir, read_json, remove, write_json
 from ansible_collections.specops.drafter.plugins.module_utils.window_lock import NO_WINDOW_TOKEN, WindowLock
 
@@ -332,8 +332,7 @@ class ServiceWindow(object):
             self.result["changed"] = True
             return self.result
         # While it serves, so that the checksum adds nothing to the downtime; proven again after the resume.
-        weights_before = (self.api.weights_checksum()
-                          if releases_weights(tags) and offers(info.get("version"), "weights_checker") else None)
+        weights_before = self.api.weights_checksum() if offers(info.get("version"), "weights_checker") else None
         self._take_window()
         self._arm("resume")
         marker = ReleasedMarker(self.state_dir)
