@@ -237,8 +237,12 @@ SCORED_KEYS = (
 
 
 def scored_part(fleet: Mapping[str, Any]) -> dict[str, Any]:
-    """What the hosts' scores decide, without the rollout's timings."""
-    return {key: fleet.get(key) for key in SCORED_KEYS}
+    """What the hosts' scores decide, without the rollout's timings and without what the rollout found
+    (a server found down is that run's news, not the scores')."""
+    found = {f"{row['host']}: its server was not running" for row in fleet.get("per_host") or []}
+    part = {key: fleet.get(key) for key in SCORED_KEYS}
+    part["warnings"] = [w for w in part.get("warnings") or [] if not any(w.startswith(f) for f in found)]
+    return part
 
 
 def merge(request: Mapping[str, Any]) -> dict[str, Any]:

@@ -56,7 +56,16 @@ def test_extraction_waits_before_the_stop_goes_in_the_window_and_is_aborted_by_a
     assert seen["state"]["at"] < datetime.fromisoformat(window["down_at"].replace("Z", "+00:00")).timestamp()
     # The record splits the extraction: before the window, and after go inside it.
     prestart = window["extraction"]["prestart"]
-    assert set(prestart) == {"before_load_s", "host_load_s", "waited_s", "to_device_s", "host_memory"}
+    assert set(prestart) == {
+        "before_load_s",
+        "host_load_s",
+        "waited_s",
+        "to_device_s",
+        "host_memory",
+        # When it saw go, and its set-up from then to the weights' copy: the window record's accounting.
+        "go_seen_at",
+        "setup_s",
+    }
     assert prestart["waited_s"] > 0
     assert "started before the window and waited for it" in (run_dir / "score" / "report.md").read_text()
 

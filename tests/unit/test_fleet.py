@@ -148,8 +148,12 @@ def test_merge_writes_one_report_and_a_rerun_without_windows_changes_nothing(tmp
         "out_dir": str(tmp_path / "fleet"),
         "windows": {"h1": {"window_s": 3.0}, "h2": {"window_s": 4.0}},
     }
-    for expected_change, windows in ((True, request["windows"]), (False, {})):
-        monkeypatch.setattr("sys.stdin", io.StringIO(json.dumps({**request, "windows": windows})))
+    # The first run found h1's server down and started it; the rerun finds nothing: the scores are the
+    # same, so the report is too.
+    found = {"h1": {"stage": "serve", "pid": 4242}}
+    for expected_change, windows, found_down in ((True, request["windows"], found), (False, {}, {})):
+        merged = {**request, "windows": windows, "found_down": found_down}
+        monkeypatch.setattr("sys.stdin", io.StringIO(json.dumps(merged)))
         assert main(["merge"]) == 0
         result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
         assert result["changed"] is expected_change

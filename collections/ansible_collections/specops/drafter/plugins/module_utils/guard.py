@@ -192,6 +192,9 @@ def bring_back(config: dict, api) -> dict:
     claimed = ReleasedMarker(config["state_dir"]).claim() if config["action"] == "resume" else None
     if claimed is not None and claimed.get("at"):
         result["down_at"] = claimed["at"]  # the pause before the release, for the outage's record
+    if claimed is not None and claimed.get("weights_checksum"):
+        # The play proves the weights after the guard's resume (guard.result.json carries the checksum).
+        result["weights_checksum"] = claimed["weights_checksum"]
     if config["action"] == "resume" and server.running_pid():
         try:
             if claimed is not None:

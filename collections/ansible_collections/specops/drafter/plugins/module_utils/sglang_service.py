@@ -461,6 +461,8 @@ class ServiceWindow(object):
                                resume_started_at=fired.get("fired_at"),
                                ready_at=min(float(fired["ready_at"]), float(self.result.get("ready_at") or 1e18)))
             self.result.pop("msg", None)
+            if fired.get("weights_checksum"):
+                self._prove_weights(fired["weights_checksum"])
 
     def _resume_and_check(self, claimed: dict | None) -> None:
         """Resume (once) or continue, then make sure the server answers: a resume whose allocation fails
