@@ -351,9 +351,12 @@ def test_each_sglang_version_releases_its_own_tags_that_keep_the_weights(
     assert not site.run("started")["failed"]
     gpu = fake_nvidia_smi(tmp_path / "bin", 24576, 23000)
 
-    plan = site.run("released", check=True, env=gpu, extraction_gpu=EXTRACTION, gpu_reserve_mib=512)[
-        "memory_plan"
-    ]
+    # 0.5.4's abort-only pause is refused unless the operator accepts it or the host was drained.
+    accept = {"accept_abort_pause": True} if version == "0.5.4" else {}
+    answer = site.run(
+        "released", check=True, env=gpu, extraction_gpu=EXTRACTION, gpu_reserve_mib=512, **accept
+    )
+    plan = answer["memory_plan"]
 
     assert plan["choice"] == "kv_cache" and plan["tags"] == tags, plan
     assert plan["gpus"] == [{"index": "0", "total_mib": 24576, "used_mib": 23000}]

@@ -139,6 +139,9 @@ def test_a_held_extraction_writes_nothing_until_go_then_the_same_shards(
         "host_load_s",
         "waited_s",
         "to_device_s",
+        # When it saw go, and its set-up from then to the weights' copy: the window record's accounting.
+        "go_seen_at",
+        "setup_s",
     }
 
 
