@@ -214,7 +214,9 @@ def memory_saver_site(tmp_path_factory, host_cache_dir):
     fault_file.write_text("")
     # A simulated 16 GiB device, as the local inventory's: the memory plan keeps the weights resident.
     more = ("--release-fault-file", str(fault_file), "--device-memory-gib", "16")
-    settings = {**MEMORY_SAVER, **process_tree(work_dir, *more)}
+    # The tree's arguments replace MEMORY_SAVER's: its keys go with them.
+    keys = MEMORY_SAVER["sglang_service_extra_args"]
+    settings = {**MEMORY_SAVER, **process_tree(work_dir, *keys, *more)}
     site = LocalDefault(work_dir=work_dir, port=free_port(), host_cache_dir=host_cache_dir, settings=settings)
     started = site.play("service.yml", sglang_service_state="started")
     assert started.rc == 0, started.output[-4000:]
