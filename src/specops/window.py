@@ -436,9 +436,8 @@ def _request(request: Mapping[str, Any]) -> tuple[list, str, Path]:
     return marks, str(request.get("mode") or "stop"), Path(request["hidden_states"])
 
 
-def plan(request: dict[str, Any]) -> dict[str, Any]:
-    marks, mode, hidden_states = _request(request)
-    window = build_window(
+def _window_of(request: Mapping[str, Any], marks: list, mode: str, hidden_states: Path) -> dict[str, Any]:
+    return build_window(
         marks,
         mode,
         load_manifest(hidden_states),
@@ -446,6 +445,11 @@ def plan(request: dict[str, Any]) -> dict[str, Any]:
         request.get("service"),
         request.get("follows"),
     )
+
+
+def plan(request: dict[str, Any]) -> dict[str, Any]:
+    marks, mode, hidden_states = _request(request)
+    window = _window_of(request, marks, mode, hidden_states)
     return {"changed": True, "window": window}
 
 
@@ -454,14 +458,7 @@ def run(request: dict[str, Any]) -> dict[str, Any]:
     if not marks and "outages" in request:
         outages = record_outages(hidden_states, list(request["outages"] or []))
         return {"changed": True, "outages": outages, "path": str(hidden_states / OUTAGES_JSON)}
-    window = build_window(
-        marks,
-        mode,
-        load_manifest(hidden_states),
-        request.get("prepared"),
-        request.get("service"),
-        request.get("follows"),
-    )
+    window = _window_of(request, marks, mode, hidden_states)
     if not hidden_states.is_dir():
         # The extraction failed before writing anything: publish the window, create no output for it.
         return {"changed": False, "window": window, "path": None}
