@@ -1,8 +1,11 @@
 """run_lock: one run at a time per run directory; a second run is told who holds it;
 no lock outlives its holder."""
 
+import json
 import os
+import shlex
 import signal
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -88,3 +91,50 @@ def test_the_lock_lapses_after_max_seconds(lock, tmp_path):
     rc, second = run_lock({"path": str(path)}, tmp_path)
     assert rc == 0, second
     holders.append(second["holder"]["pid"])
+
+
+def test_over_ssh_the_lock_follows_the_session_and_lapses_after_it(lock, tmp_path):
+    """The module run through an sshd session (a process titled as OpenSSH titles one): the lock holds while
+    the session lives, and lapses lapse_seconds after it is gone with nothing of the run left."""
+    path, holders = lock
+    args, result = tmp_path / "args.json", tmp_path / "result.json"
+    args.write_text(json.dumps({"ANSIBLE_MODULE_ARGS": {"path": str(path), "lapse_seconds": 1}}))
+    module = "ansible_collections.specops.drafter.plugins.modules.run_lock"
+    # exec -a gives the session's shell the title sshd gives a connection; the module runs below it.
+    session = subprocess.Popen(
+        [
+            "bash",
+            "-c",
+            'exec -a "sshd: tester@notty" bash -c "$0"',
+            f"{shlex.quote(sys.executable)} -m {module} {args} > {result}; exec sleep 600",
+        ],
+        cwd=ROOT,
+        env={
+            **os.environ,
+            "PYTHONPATH": os.pathsep.join([str(ROOT / "collections"), os.environ.get("PYTHONPATH", "")]),
+        },
+    )
+    try:
+        # A bound for a loaded machine, not an expectation: the module answers within a second or two.
+        deadline = time.monotonic() + 120
+        while not (result.is_file() and result.read_text().strip()) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        first = json.loads(result.read_text())
+        holders.append(first["holder"]["pid"])
+        assert first["holder"]["play"]["kind"] == "ssh session", first
+        assert first["holder"]["play"]["pid"] == session.pid
+
+        rc, second = run_lock({"path": str(path)}, tmp_path)
+        assert rc != 0 and f"its ssh session, pid {session.pid}" in second["msg"], second["msg"]
+    finally:
+        session.kill()
+        session.wait()
+    # The holder looks once a second; a bound for a loaded machine, not an expectation.
+    deadline = time.monotonic() + 120
+    while True:
+        rc, third = run_lock({"path": str(path)}, tmp_path)
+        if rc == 0 or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    assert rc == 0, third
+    holders.append(third["holder"]["pid"])

@@ -69,6 +69,23 @@ class LocalDefault:
         values.update(overrides)
         return values
 
+    def popen(self, playbook: str, args: tuple[str, ...] = (), **overrides) -> subprocess.Popen:
+        """The play started, its output (stdout and stderr) read line by line as it runs."""
+        return subprocess.Popen(
+            [
+                str(ANSIBLE_PLAYBOOK),
+                str(REPO / "playbooks" / playbook),
+                "-e",
+                json.dumps(self.extra_vars(**overrides)),
+                *args,
+            ],
+            cwd=REPO,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env={**os.environ, "ANSIBLE_CONFIG": str(REPO / "ansible.cfg"), "ANSIBLE_NOCOLOR": "1"},
+        )
+
     # A bound, not an expectation: a run from scratch takes minutes, more on a busy machine.
     def play(self, playbook: str, timeout: int = 1800, args: tuple[str, ...] = (), **overrides) -> PlayResult:
         cmd = [

@@ -9,6 +9,7 @@ import subprocess
 import sys
 from datetime import datetime
 from pathlib import Path
+from types import SimpleNamespace
 
 from conftest import ADMIN_API_KEY, API_KEY
 
@@ -33,43 +34,57 @@ def test_memory_saver_window_keeps_the_server_process_and_loses_no_request_in_fl
     run_dir = site.seed_run_dir(served.run_dir, site.work_dir / "run-in-flight")  # only the window is new
     pid_before = site.server_pid()
     stop, rows = tmp_path / "stop", tmp_path / "requests.jsonl"
-    client = subprocess.Popen(
-        [
-            sys.executable.replace("/.venv/", "/.venv-ml/"),
-            "-m",
-            "specops.loadgen",
-            "--url",
-            f"http://127.0.0.1:{site.port}",
-            "--out",
-            str(rows),
-            "--stop-file",
-            str(stop),
-            "--kinds",
-            "short,long,stream",
-            "--concurrency",
-            "3",
-            "--max-seconds",
-            "1500",
-            "--long-max-new-tokens",
-            "48",
-            "--timeout",
-            "900",
-            "--api-key",
-            API_KEY,
-        ],
-        cwd=REPO,
-        env={**os.environ, "PYTHONPATH": str(REPO / "src")},
-        stdout=subprocess.PIPE,
-        text=True,
-    )
+    client_argv = [
+        sys.executable.replace("/.venv/", "/.venv-ml/"),
+        "-m",
+        "specops.loadgen",
+        "--url",
+        f"http://127.0.0.1:{site.port}",
+        "--out",
+        str(rows),
+        "--stop-file",
+        str(stop),
+        "--kinds",
+        "short,long,stream",
+        "--concurrency",
+        "3",
+        "--max-seconds",
+        "1500",
+        "--long-max-new-tokens",
+        "48",
+        "--timeout",
+        "900",
+        "--api-key",
+        API_KEY,
+    ]
+    client = None
+    # Up to and through the window: the window's record is what the test reads, scoring adds nothing.
+    play = site.popen("eval.yml", args=("--tags", "prefetch,extract", "-v"), specops_run_dir=str(run_dir))
+    output = ""
     try:
-        # Up to and through the window: the window's record is what the test reads, scoring adds nothing.
-        result = site.play(
-            "eval.yml", args=("--tags", "prefetch,extract", "-v"), specops_run_dir=str(run_dir)
-        )
+        # The requests run from a few tasks before the pause until the window's record: every one of them
+        # is a generation on this machine's CPU, so none is sent while the play does the rest.
+        for line in play.stdout:
+            output += line
+            if client is None and "TASK [Stage prepare-window: draw the window's token" in line:
+                client = subprocess.Popen(
+                    client_argv,
+                    cwd=REPO,
+                    env={**os.environ, "PYTHONPATH": str(REPO / "src")},
+                    stdout=subprocess.PIPE,
+                    text=True,
+                )
+            elif "TASK [Stage record: write the window's record" in line:
+                stop.touch()
+        play.wait(timeout=1800)
     finally:
+        if play.poll() is None:
+            play.kill()
+            play.wait()
         stop.touch()
-        summary = json.loads(client.communicate(timeout=900)[0].splitlines()[-1])
+        summary = json.loads(client.communicate(timeout=900)[0].splitlines()[-1]) if client else None
+    result = SimpleNamespace(rc=play.returncode, output=output)
+    assert client is not None, output[-4000:]
     assert result.rc == 0, result.output[-6000:]
     assert site.server_pid() == pid_before
     assert site.health_generate_status() == 200

@@ -21,6 +21,10 @@ description:
     C(SPECOPS_RUN_LOCK=<token>) in its environment any more (the guard that brings the service back, the
     window's work; eval.yml exports it to every task), the holder gives the lock up, so a rerun proceeds
     without anyone stopping it by hand.
+  - Over SSH the holder watches the connection's C(sshd) session process instead (Ansible's default
+    C(ControlPersist) keeps one session for the whole play, and ends it about a minute after the control
+    node is gone); once it is gone and no process has carried the token for O(lapse_seconds), the lock
+    lapses. Without such an anchor (an ad-hoc command) only O(max_seconds) ends it.
   - The lock is state of a running play, not of the host, so the module never reports C(changed).
 version_added: "0.1.0"
 author:
@@ -44,6 +48,13 @@ options:
     description: The holding process gives the lock up after this many seconds even if never released.
     type: int
     default: 43200
+  lapse_seconds:
+    description:
+      - Over SSH, how long after the session is gone the run's processes must have been absent before the
+        lock lapses (a play without C(ControlPersist) opens a session per task: the gap between two tasks
+        must not free the lock).
+    type: int
+    default: 120
   owner:
     description: What to record about the run (e.g. the playbook and the control node), shown to a second run.
     type: dict
@@ -96,19 +107,29 @@ from ansible.module_utils.basic import AnsibleModule
 from ansible_collections.specops.drafter.plugins.module_utils import procfs
 
 PLAY_COMMAND = "ansible-playbook"
+# The title of OpenSSH's per-connection process (sshd-session since OpenSSH 9.8).
+SSH_SESSION_TITLES = ("sshd:", "sshd-session:")
 
 
 def play_process():
-    """The ansible-playbook process this module runs under on this host (its top one: the workers are its
-    forks), as {pid, starttime}; None under an ssh session or an ad-hoc command."""
+    """What this run lives as on this host: the ansible-playbook process this module runs under (its top
+    one: the workers are its forks) under a local connection, else the sshd session it came through, as
+    {pid, starttime, kind}; None for an ad-hoc command run some other way."""
     table = procfs.parents()
-    found = None
+    found = session = None
     pid = os.getppid()
     while pid > 1:
-        if PLAY_COMMAND in procfs.cmdline(pid):
+        line = procfs.cmdline(pid)
+        if PLAY_COMMAND in line:
             found = pid
+        elif session is None and line.startswith(SSH_SESSION_TITLES):
+            session = pid
         pid = table.get(pid, 1)
-    return {"pid": found, "starttime": procfs.start_time(found)} if found else None
+    if found:
+        return {"pid": found, "starttime": procfs.start_time(found), "kind": PLAY_COMMAND}
+    if session:
+        return {"pid": session, "starttime": procfs.start_time(session), "kind": "ssh session"}
+    return None
 
 
 def run_carriers(token):
@@ -127,12 +148,25 @@ def run_carriers(token):
     return found
 
 
-def run_is_over(holder):
-    """The play that took the lock is gone, and nothing of its run (its guard, its work) is left."""
-    play = holder.get("play")
-    if not play or procfs.is_same_process(int(play["pid"]), play.get("starttime")):
-        return False
-    return not run_carriers(holder["token"])
+class RunWatch(object):
+    """Whether the run that took the lock is over: its anchor (the play, or the ssh session) is gone and
+    nothing of its run (its guard, its work) is left; over SSH, left for lapse_seconds."""
+
+    def __init__(self, holder, lapse_seconds, clock=time.monotonic):
+        self.holder = holder
+        self.clock = clock
+        play = holder.get("play") or {}
+        self.lapse = float(lapse_seconds) if play.get("kind") == "ssh session" else 0.0
+        self.carried_at = clock()
+
+    def over(self):
+        play = self.holder.get("play")
+        if not play or procfs.is_same_process(int(play["pid"]), play.get("starttime")):
+            return False
+        if run_carriers(self.holder["token"]):
+            self.carried_at = self.clock()
+            return False
+        return self.clock() - self.carried_at >= self.lapse
 
 
 def read_holder(path):
@@ -182,8 +216,9 @@ class RunLock(object):
             msg="%s is held by another run: %s; wait for it to finish%s, or if that run is gone stop pid %s "
                 "(the lock is given up at %s at the latest)"
                 % (self.path, describe(holder),
-                   " (the lock lapses once its ansible-playbook, pid %s, and the processes of its run, its guard "
-                   "included, are gone)" % holder["play"]["pid"] if holder.get("play") else "",
+                   " (the lock lapses once its %s, pid %s, and the processes of its run, its guard "
+                   "included, are gone)" % (holder["play"].get("kind", PLAY_COMMAND), holder["play"]["pid"])
+                   if holder.get("play") else "",
                    holder.get("pid", "?"), holder.get("expires", "?")),
             holder=holder)
 
@@ -240,7 +275,8 @@ class RunLock(object):
             os.write(ready_write, str(os.getpid()).encode("ascii"))
             os.close(ready_write)
             deadline = time.time() + max_seconds
-            while time.time() < deadline and not run_is_over(record):
+            watch = RunWatch(record, self.module.params["lapse_seconds"])
+            while time.time() < deadline and not watch.over():
                 time.sleep(min(WATCH_S if record.get("play") else 60.0, max(deadline - time.time(), 0.01)))
             os._exit(0)
         os.close(ready_write)
@@ -285,6 +321,7 @@ def main():
             state=dict(type="str", default="acquired", choices=["acquired", "released"]),
             token=dict(type="str", no_log=False),
             max_seconds=dict(type="int", default=43200),
+            lapse_seconds=dict(type="int", default=120),
             owner=dict(type="dict", default={}),
         ),
         supports_check_mode=True,
