@@ -277,6 +277,9 @@ def _outage_entry(outage: Mapping[str, Any]) -> dict[str, Any]:
         "server": outage.get("server"),
         "failed": bool(outage.get("failed")),
         "msg": outage.get("msg"),
+        # "guard": an outage a guard ended; "found_down": a server this run found not running (its start
+        # unknown) and started.
+        "kind": str(outage.get("kind") or "guard"),
     }
 
 
@@ -286,18 +289,28 @@ def record_outages(hidden_states: Path, outages: Sequence[Mapping[str, Any]]) ->
     for outage in (_outage_entry(o) for o in outages):
         if outage not in known:
             known.append(outage)
-    known.sort(key=lambda outage: outage["down_at"] or "")
+    known.sort(key=lambda outage: outage["down_at"] or outage["ready_at"] or "")
     hidden_states.mkdir(parents=True, exist_ok=True)
     atomic_write_json(hidden_states / OUTAGES_JSON, known)
     return known
 
 
 def render_outages(outages: Sequence[Mapping[str, Any]]) -> str:
-    """A report.md section for the outages no play saw end; empty when there were none."""
-    if not outages:
-        return ""
-    lines = ["", "## Outages the guard ended", ""]
-    for outage in outages:
+    """report.md sections for the outages no play saw end and the servers found down; empty when there
+    were none."""
+    guarded = [o for o in outages if o.get("kind", "guard") == "guard"]
+    found = [o for o in outages if o.get("kind") == "found_down"]
+    lines = []
+    if found:
+        lines += ["", "## Servers found down", ""]
+        lines += [
+            f"- {o.get('server') or 'the server'} was not running when this run reached it ({o['cause']}); "
+            f"started again, answering at {o.get('ready_at') or '?'}. When it went down is not known."
+            for o in found
+        ]
+    if guarded:
+        lines += ["", "## Outages the guard ended", ""]
+    for outage in guarded:
         span = (
             f"{outage['downtime_s']:.1f} s"
             if outage.get("downtime_s") is not None
@@ -309,7 +322,7 @@ def render_outages(outages: Sequence[Mapping[str, Any]]) -> str:
             f"{outage.get('owner') or 'an earlier run'}: {outage['cause']}"
             + (f"; it failed: {outage['msg']}" if outage.get("failed") else "")
         )
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines) + "\n" if lines else ""
 
 
 def render_markdown(window: Mapping[str, Any] | None) -> str:

@@ -367,6 +367,10 @@ def test_a_port_taken_inside_the_window_fails_start_server_disarms_the_guard_and
     assert site.health_generate_status() == 200 and site.server_pid() is not None
     assert log.read_text().count(" starting: ") == launches + 1  # `serve` only: no window
     assert (run_dir / "hidden_states" / "manifest.json").read_bytes() == extracted
+    # The server the rerun found down is on the run's record, for its report.
+    outages = json.loads((run_dir / "hidden_states" / "outages.json").read_text())
+    assert [o["kind"] for o in outages] == ["found_down"]
+    assert f"pid {site.server_pid()}" in outages[0]["cause"]
 
 
 def test_a_server_killed_inside_a_memory_saver_window_is_started_again_and_the_play_says_so(

@@ -222,6 +222,21 @@ def test_outages_the_guard_ended_are_recorded_once_and_shown_in_the_report(tmp_p
     assert window.render_outages([]) == "" and window.read_outages(tmp_path / "nowhere") == []
 
 
+def test_a_server_found_down_is_recorded_and_shown_apart_from_the_guards_outages(tmp_path):
+    hidden_states = tmp_path / "hidden_states"
+    found = {
+        "kind": "found_down",
+        "server": "sglang-qwen",
+        "ready_at": 1_700_000_100.0,
+        "cause": "found not running at the serve stage and started as pid 4242",
+    }
+    [kept] = window.run({"hidden_states": str(hidden_states), "outages": [found]})["outages"]
+    assert kept["kind"] == "found_down" and kept["down_at"] is None and kept["downtime_s"] is None
+    shown = window.render_outages([kept])
+    assert "## Servers found down" in shown and "pid 4242" in shown and "2023-11-14T22:15:00" in shown
+    assert "## Outages the guard ended" not in shown
+
+
 def test_a_window_right_after_another_runs_says_so_and_why():
     marks = [["stop-server", 100.0], ["extract", 101.0], ["ready", 110.0]]
     follows = {"owner": "/srv/run-a (eval)", "ago_s": 16.2, "same_work": False, "differs": ["the layers"]}
