@@ -417,7 +417,8 @@ def test_losing_another_replica_inside_a_window_ends_it_early_and_the_host_comes
 
 
 class WorkersWatch(threading.Thread):
-    """Every 0.1 s, which replicas the router lists healthy: how many at once, and which were ever out."""
+    """Every 0.25 s, which replicas the router lists healthy: how many at once, and which were ever out (a
+    replica is out of the router for seconds: its drain, its restart, its return)."""
 
     def __init__(self, fleet: LocalFleet):
         super().__init__(daemon=True)
@@ -431,14 +432,16 @@ class WorkersWatch(threading.Thread):
             healthy = self.fleet.healthy_workers() & set(self.fleet.worker_urls)
             self.counts.append(len(healthy))
             self.absent |= set(self.fleet.worker_urls) - healthy
-            self.done.wait(0.1)
+            self.done.wait(0.25)
 
 
 def test_new_server_options_roll_over_the_fleet_one_replica_at_a_time_and_lose_no_request(fleet):
     # Last in this module: the replicas keep the memory saver until the fleet is stopped.
     pids = {host: fleet.server_pid(host) for host in HOSTS}
     watch = WorkersWatch(fleet)
-    fleet.start_load("options", concurrency=2, interval=0.2)
+    # Two users, each a request a second: requests during every replica's drain and restart, without
+    # keeping the replicas busy generating for the whole roll.
+    fleet.start_load("options", concurrency=2, interval=1.0)
     watch.start()
     result = fleet.play("service.yml", sglang_service_state="started", sglang_service_memory_saver=True)
     watch.done.set()
