@@ -22,7 +22,7 @@ is 4x the largest difference seen (a top-2 gap moves by at most twice that diffe
 does the same work whatever the tokens are; only the number of steps (~L / tau) depends on them.
 
 Timed: the batched engine on all completions, in each mode; the sequential loop (the oracle in
-specops.acceptance: one completion at a time, one block at a time, the context K/V cached and
+specops.score.acceptance: one completion at a time, one block at a time, the context K/V cached and
 grown as tokens are accepted, one host sync per step, as z-lab's generate loop does) on a subset,
 extrapolated per completion. Accept lengths must be identical on the subset, and on all completions
 between modes and to the planted walk's. Prints JSON and writes $OUT/score_h200.json (or --out).
@@ -46,15 +46,14 @@ except ImportError:
 import torch
 from transformers import Qwen3Config
 
-from specops.acceptance import (
+from specops.score.acceptance import (
     SequenceInput,
-    SequentialDrafter,
     offline_acceptance,
     overall_tau,
-    sequential_acceptance,
 )
-from specops.drafter import DFlashDrafter
-from specops.target_head import TargetHead
+from specops.score.drafter import DFlashDrafter
+from specops.score.sequential_acceptance import SequentialDrafter, sequential_acceptance
+from specops.score.target_head import TargetHead
 
 REALISTIC = dict(
     hidden=2048,

@@ -28,10 +28,10 @@ except ImportError:
 import torch
 from transformers import Qwen3Config
 
-import specops.acceptance as acceptance
-from specops.acceptance import SequenceInput, offline_acceptance, overall_tau
-from specops.drafter import DFlashDrafter
-from specops.target_head import TargetHead
+import specops.score.acceptance as acceptance
+from specops.score.acceptance import SequenceInput, offline_acceptance, overall_tau
+from specops.score.drafter import DFlashDrafter
+from specops.score.target_head import TargetHead
 
 SHAPE = dict(hidden=5120, layers=5, heads=32, kv_heads=8, head_dim=128, intermediate=17408, block=16)
 VOCAB = 248320
@@ -99,7 +99,7 @@ def main() -> None:
     started, cpu_started = time.perf_counter(), time.process_time()
     results = offline_acceptance(drafter, head, sequences)
     seconds, cpu_seconds = time.perf_counter() - started, time.process_time() - cpu_started
-    groups = acceptance._groups(drafter, sequences, budget)
+    groups = acceptance.group_indices(drafter, sequences, budget)
     record = {
         "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "command": "python3 benchmarks/score_real_cpu.py " + " ".join(sys.argv[1:]),

@@ -26,7 +26,7 @@ every step drafts full blocks and takes the argmax over the whole vocabulary; wh
 decide (the number of steps, the positions the head needs) is what the planting sets.
 
 Timed on all completions, each stage written to the record as it ends:
-  - the engine (specops.acceptance, frontier mode): the head, and the drafter's last layer after its
+  - the engine (specops.score.acceptance, frontier mode): the head, and the drafter's last layer after its
     attention, computed only at the draft positions the walk needs;
   - the sequential oracle on a subset;
   - the engine again with a StepTimer: inputs (features to the device, context K/V), drafter layers
@@ -61,11 +61,12 @@ import torch
 import torch.nn.functional as F
 from score_h200 import build_models, logit_noise, plant_tokens, timed
 
-import specops.block_attention as block_attention
-import specops.leading_matches as matching
-import specops.target_head as target_head
-from specops.acceptance import SequenceInput, offline_acceptance, overall_tau, sequential_acceptance
-from specops.step_timer import StepTimer
+import specops.score.block_attention as block_attention
+import specops.score.leading_matches as matching
+import specops.score.target_head as target_head
+from specops.score.acceptance import SequenceInput, offline_acceptance, overall_tau
+from specops.score.sequential_acceptance import sequential_acceptance
+from specops.score.step_timer import StepTimer
 
 N_FEATURES = 5
 REAL = dict(
@@ -203,7 +204,7 @@ def flops_per_completion(
 
 @torch.inference_mode()
 def choose_kernels(drafter, head, sequences, device: str, rows_per_pass: int) -> dict:
-    """Time every attention kernel (specops.block_attention) on one layer of the engine's largest step,
+    """Time every attention kernel (specops.score.block_attention) on one layer of the engine's largest step,
     and the head's argmax with several vocabulary chunks on one pass's rows; keep the fastest of each.
 
     Same inputs for all: the attention outputs are compared with the reference's, the head's tokens

@@ -50,14 +50,14 @@ def render_plots(report: Mapping[str, Any], out_dir: str | Path) -> list[str]:
         [i - width / 2 if reference else i for i in x],
         [r["tau"] or 0 for r in rows],
         width,
-        label=f"{drafter_label} (tau {rep._fmt(overall['tau'])})",
+        label=f"{drafter_label} (tau {rep.format_figure(overall['tau'])})",
     )
     if reference:
         ax.bar(
             [i + width / 2 for i in x],
             [r["reference_tau"] or 0 for r in rows],
             width,
-            label=f"{reference_label} (tau {rep._fmt(reference['tau'])})",
+            label=f"{reference_label} (tau {rep.format_figure(reference['tau'])})",
         )
     online_points = [
         (i, r["online_tau"]) for i, r in zip(x, rows, strict=True) if r["online_tau"] is not None

@@ -142,7 +142,7 @@ def online_from_offline(accept_lengths: Sequence[int], num_draft_tokens: int | N
     """SGLang's per-request spec figures implied by the offline walk of the same greedy completion.
 
     The prefill produces the first output token without a verify step. SGLang counts it in
-    completion_tokens but not in spec_verify_ct; the offline walk (specops.acceptance) starts after
+    completion_tokens but not in spec_verify_ct; the offline walk (specops.score.acceptance) starts after
     it. So, with steps = len(accept_lengths) and walked = sum(accept_lengths) = completion_tokens - 1:
 
         spec_verify_ct     = steps
@@ -283,7 +283,8 @@ def build_report(
     }
 
 
-def _fmt(value: float | None, digits: int = 2) -> str:
+def format_figure(value: float | None, digits: int = 2) -> str:
+    """The figure with `digits` decimals, "n/a" for None or NaN."""
     if value is None or (isinstance(value, float) and math.isnan(value)):
         return "n/a"
     return f"{value:.{digits}f}"
@@ -292,11 +293,11 @@ def _fmt(value: float | None, digits: int = 2) -> str:
 def _interval(value: Sequence[float] | None, digits: int = 2) -> str:
     """The interval written after its figure, as " [low, high]"; nothing where a run had too few
     prompts for one (specops.stats.MIN_PROMPTS)."""
-    return f" [{_fmt(value[0], digits)}, {_fmt(value[1], digits)}]" if value else ""
+    return f" [{format_figure(value[0], digits)}, {format_figure(value[1], digits)}]" if value else ""
 
 
 def _tau(figures: Mapping[str, Any]) -> str:
-    return _fmt(figures["tau"]) + _interval(figures.get("interval"))
+    return format_figure(figures["tau"]) + _interval(figures.get("interval"))
 
 
 def verdict(report: Mapping[str, Any]) -> str:
@@ -304,13 +305,13 @@ def verdict(report: Mapping[str, Any]) -> str:
     better, worse, or no difference shown at this size) and SGLang's online figure when known."""
     line = f"drafter tau {_tau(report['overall'])}"
     if report.get("reference"):
-        line += f" vs reference {_tau(report['reference'])} ({_fmt(report['ratio'])}x)"
+        line += f" vs reference {_tau(report['reference'])} ({format_figure(report['ratio'])}x)"
         if report.get("vs_reference"):
             line += f": {report['vs_reference']['verdict']}"
     else:
         line += " (no reference drafter given)"
     if report.get("online"):
-        line += f"; SGLang online tau {_fmt(report['online']['tau'])}"
+        line += f"; SGLang online tau {format_figure(report['online']['tau'])}"
     warned = [d["name"] for d in report["diagnostics"] if d["status"] == "warning"]
     if warned:
         line += f"; {len(warned)} diagnostic{'s' if len(warned) > 1 else ''} warn: {', '.join(warned)}"
@@ -355,7 +356,7 @@ def summary_verdict(summary: Mapping[str, Any]) -> str:
     best, runner_up = ranked[0], ranked[1]
     line = f"{len(drafters)} drafters; best {best['name']} tau {_tau(best['overall'])}"
     if summary.get("reference"):
-        line += f" vs reference {_tau(summary['reference'])} ({_fmt(best.get('ratio'))}x)"
+        line += f" vs reference {_tau(summary['reference'])} ({format_figure(best.get('ratio'))}x)"
         if best.get("vs_reference"):
             line += f": {best['vs_reference']['verdict']}"
     against = next(
@@ -455,7 +456,7 @@ def _environment():
         keep_trailing_newline=True,
         autoescape=False,
     )
-    env.filters.update(fmt=_fmt, cell=_cell, interval=_interval)
+    env.filters.update(fmt=format_figure, cell=_cell, interval=_interval)
     env.globals.update(
         verdict=verdict,
         titles=PLOT_TITLES,

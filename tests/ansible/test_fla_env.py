@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 
 from specops import envcheck
+from specops.stage import StageError
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from module_call import call_module  # noqa: E402
@@ -522,18 +523,16 @@ def test_auto_on_a_gpu_says_it_required_fla_because_of_the_gpu():
 
 def test_the_envcheck_stage_takes_the_extractions_values_and_names_fla_for_fla_cuda():
     for require in ("auto", "fla", "torch", "any"):
-        assert envcheck._options({"require_backend": require})[0] == require
-    assert envcheck._options({})[0] == "any"
-    with pytest.raises(
-        envcheck.StageError, match=r"'fla-cuda' is not one of auto, fla, torch, any: fla requires"
-    ):
-        envcheck._options({"require_backend": "fla-cuda"})
+        assert envcheck.parse_request({"require_backend": require})[0] == require
+    assert envcheck.parse_request({})[0] == "any"
+    with pytest.raises(StageError, match=r"'fla-cuda' is not one of auto, fla, torch, any: fla requires"):
+        envcheck.parse_request({"require_backend": "fla-cuda"})
 
 
 def test_gdr_sizes_are_validated_with_the_fix_in_the_message():
-    with pytest.raises(envcheck.StageError, match="v_heads 5 must be a multiple of k_heads 2"):
+    with pytest.raises(StageError, match="v_heads 5 must be a multiple of k_heads 2"):
         envcheck.normalize_sizes([{"k_heads": 2, "v_heads": 5}])
-    with pytest.raises(envcheck.StageError, match="dtype 'float16' is not one of"):
+    with pytest.raises(StageError, match="dtype 'float16' is not one of"):
         envcheck.normalize_sizes([{"dtype": "float16"}])
     assert envcheck.normalize_sizes([{"seq_len": 77}])[0]["seq_len"] == 77
 

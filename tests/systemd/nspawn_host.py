@@ -1,4 +1,6 @@
-"""The systemd host the suite runs on: a Debian root booted with systemd-nspawn (molecule/sglang_service)."""
+"""The systemd host the suite runs on: a Debian root booted with systemd-nspawn (the sglang_service
+role's molecule scenario, roles/sglang_service/molecule/default).
+"""
 
 from __future__ import annotations
 
@@ -12,7 +14,9 @@ from pathlib import Path
 import yaml
 
 ROOT = Path(__file__).resolve().parents[2]
-SCENARIO = ROOT / "molecule" / "sglang_service"
+# The role's molecule scenario, run from the role's directory with the checkout as the project.
+ROLE = ROOT / "roles" / "sglang_service"
+SCENARIO = ROLE / "molecule" / "default"
 # Written by the scenario's create.yml: the container, reached with community.docker.nsenter.
 INVENTORY = ROOT / ".work" / "sglang_service" / "inventory.yml"
 SETTINGS = yaml.safe_load((SCENARIO / "vars" / "nspawn.yml").read_text())
@@ -31,8 +35,8 @@ def molecule_env() -> dict[str, str]:
 
 def molecule(*command: str, timeout: float = 900) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        ["molecule", *command, "-s", "sglang_service"],
-        cwd=ROOT,
+        ["molecule", *command, "-s", SCENARIO.name],
+        cwd=ROLE,
         env=molecule_env(),
         capture_output=True,
         text=True,

@@ -1,8 +1,9 @@
 """The sglang_service role on a real systemd host: a Debian root booted with systemd-nspawn.
 
 Needs root (systemd-nspawn) and, the first time, about 3 minutes of debootstrap from the Debian
-mirror apt uses; the root is cached in .work/nspawn/rootfs. The scenario lives in
-molecule/sglang_service/; its vars/nspawn.yml holds the server's settings (port 30123, max_downtime 20 s).
+mirror apt uses; the root is cached in .work/nspawn/rootfs. The scenario lives in the role, in
+roles/sglang_service/molecule/default/; its vars/nspawn.yml holds the server's settings (port 30123,
+max_downtime 20 s).
 """
 
 from __future__ import annotations
@@ -50,7 +51,7 @@ pytestmark = [
 
 
 def _window(mode: str, seconds: int, **popen: object) -> subprocess.Popen[str]:
-    """Start the scenario's GPU-window play (molecule/sglang_service/window.yml)."""
+    """Start the scenario's GPU-window play (roles/sglang_service/molecule/default/window.yml)."""
     return subprocess.Popen(
         [
             str(ROOT / ".venv" / "bin" / "ansible-playbook"),

@@ -6,18 +6,17 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from specops.acceptance import (  # noqa: E402
+from specops.fixtures.train_drafter import greedy_completions  # noqa: E402
+from specops.score.acceptance import (  # noqa: E402
     SequenceAcceptance,
     SequenceInput,
-    SequentialDrafter,
     offline_acceptance,
     overall_tau,
-    sequential_acceptance,
     walk,
 )
-from specops.drafter import load_drafter  # noqa: E402
-from specops.fixtures.train_drafter import greedy_completions  # noqa: E402
-from specops.target_head import load_target_head  # noqa: E402
+from specops.score.drafter import load_drafter  # noqa: E402
+from specops.score.sequential_acceptance import SequentialDrafter, sequential_acceptance  # noqa: E402
+from specops.score.target_head import load_target_head  # noqa: E402
 
 MODES = ("frontier", "all-anchors")
 
@@ -164,7 +163,7 @@ def test_the_last_layer_and_head_where_needed_give_the_oracles_lengths_for_runs_
 ):
     # Runs end in every head pass, and some blocks match all the way: every pass of the drafter's
     # last layer and of the head is reached, on fewer blocks each time.
-    import specops.leading_matches as matching
+    import specops.score.leading_matches as matching
 
     monkeypatch.setattr(matching, "DEFAULT_POSITIONS_PER_PASS", per_pass)
     drafter = load_drafter(fixture_models.drafter)

@@ -1,6 +1,6 @@
 """The fast paths of the scoring engine against the plain ones they replace.
 
-- every attention kernel of specops.block_attention against the reference, for each layer rule;
+- every attention kernel of specops.score.block_attention against the reference, for each layer rule;
 - the drafter's fused projections and its first layer's mask rows projected once against the plain
   forward;
 - the head's argmax over vocabulary chunks against one argmax over the whole vocabulary, ties and NaN
@@ -15,10 +15,10 @@ import pytest
 torch = pytest.importorskip("torch")
 from transformers import Qwen3Config  # noqa: E402
 
-import specops.acceptance as acceptance  # noqa: E402
-import specops.block_attention as block_attention  # noqa: E402
-from specops.drafter import DFlashDrafter  # noqa: E402
-from specops.target_head import TargetHead  # noqa: E402
+import specops.score.acceptance as acceptance  # noqa: E402
+import specops.score.block_attention as block_attention  # noqa: E402
+from specops.score.drafter import DFlashDrafter  # noqa: E402
+from specops.score.target_head import TargetHead  # noqa: E402
 
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM, BLOCK, WINDOW = 32, 4, 2, 8, 4, 3
 RULES = {

@@ -13,12 +13,13 @@ torch = pytest.importorskip("torch")
 
 from specops import diagnostics as diag  # noqa: E402
 from specops import report as rep  # noqa: E402
-from specops.acceptance import SequenceInput, offline_acceptance, sequential_acceptance  # noqa: E402
 from specops.devserver.engine import Engine  # noqa: E402
 from specops.devserver.launch import SRC_DIR, free_port  # noqa: E402
 from specops.devserver.protocol import parse_generate  # noqa: E402
-from specops.drafter import load_drafter, select_target_features  # noqa: E402
-from specops.target_head import load_target_head  # noqa: E402
+from specops.score.acceptance import SequenceInput, offline_acceptance  # noqa: E402
+from specops.score.drafter import load_drafter, select_target_features  # noqa: E402
+from specops.score.sequential_acceptance import sequential_acceptance  # noqa: E402
+from specops.score.target_head import load_target_head  # noqa: E402
 
 pytestmark = pytest.mark.slow
 

@@ -10,9 +10,9 @@ import pytest
 torch = pytest.importorskip("torch")
 from safetensors.torch import load_file, save_file  # noqa: E402
 
-from specops.acceptance import SequentialDrafter  # noqa: E402
-from specops.drafter import DrafterError, load_drafter, select_target_features  # noqa: E402
-from specops.target_head import TargetHead, TargetHeadError, load_target_head  # noqa: E402
+from specops.score.drafter import DrafterError, load_drafter, select_target_features  # noqa: E402
+from specops.score.sequential_acceptance import SequentialDrafter  # noqa: E402
+from specops.score.target_head import TargetHead, TargetHeadError, load_target_head  # noqa: E402
 
 
 @pytest.fixture(autouse=True)

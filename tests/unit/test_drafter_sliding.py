@@ -19,7 +19,7 @@ torch = pytest.importorskip("torch")
 from transformers import Qwen3Config  # noqa: E402
 from transformers.models.qwen3.modeling_qwen3 import rotate_half  # noqa: E402
 
-from specops.drafter import DFlashDrafter  # noqa: E402
+from specops.score.drafter import DFlashDrafter  # noqa: E402
 
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM, BLOCK, WINDOW = 32, 4, 2, 8, 4, 3
 START = 9  # the block's first position: its context (0..8) is longer than the window

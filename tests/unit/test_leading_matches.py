@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specops.leading_matches import leading_matches
-from specops.target_head import TargetHead
+from specops.score.leading_matches import leading_matches
+from specops.score.target_head import TargetHead
 
 
 @pytest.mark.parametrize("per_pass", [1, 2, 3, 4, 15])

@@ -7,9 +7,10 @@ import pytest
 torch = pytest.importorskip("torch")
 from test_drafter_sliding import HIDDEN, build, one_thread  # noqa: E402, F401 (an autouse fixture)
 
-from specops.acceptance import SequenceInput, SequentialDrafter, offline_acceptance  # noqa: E402
-from specops.margins import closest_call  # noqa: E402
-from specops.target_head import TargetHead  # noqa: E402
+from specops.score.acceptance import SequenceInput, offline_acceptance  # noqa: E402
+from specops.score.margins import closest_call  # noqa: E402
+from specops.score.sequential_acceptance import SequentialDrafter  # noqa: E402
+from specops.score.target_head import TargetHead  # noqa: E402
 
 VOCAB, LENGTH, PROMPT = 64, 40, 6
 

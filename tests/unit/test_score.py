@@ -309,7 +309,7 @@ def test_layer_offset_check_fires_on_deliberately_shifted_hidden_states(
         meta["id"]: features
         for meta, _, features in open_hidden_states(run_dir / "hidden_states").select_layers(trained_on)
     }
-    monkeypatch.setattr("specops.acceptance.offline_acceptance", layer_sensitive_engine(true_features))
+    monkeypatch.setattr("specops.score.acceptance.offline_acceptance", layer_sensitive_engine(true_features))
     # Stored under layer k is layer k + 1: the drafter's configured ids now read the next layers.
     write_hidden_states(
         fixture_models.target,
@@ -343,7 +343,7 @@ def test_layer_offset_check_stays_quiet_on_correctly_labelled_hidden_states(
         meta["id"]: features
         for meta, _, features in open_hidden_states(run_dir / "hidden_states").select_layers(trained_on)
     }
-    monkeypatch.setattr("specops.acceptance.offline_acceptance", layer_sensitive_engine(true_features))
+    monkeypatch.setattr("specops.score.acceptance.offline_acceptance", layer_sensitive_engine(true_features))
     request = request_for(
         fixture_models, run_dir, tmp_path / "score", reference_drafter=None, diagnostics=["layer_offset"]
     )

@@ -103,8 +103,8 @@ class DFlashSpeculator:
         """Load and check the drafter against the target; SpeculativeError says what does not fit."""
         import torch
 
-        from specops.drafter import DrafterError, load_drafter
-        from specops.target_head import TargetHeadError, load_target_head
+        from specops.score.drafter import DrafterError, load_drafter
+        from specops.score.target_head import TargetHeadError, load_target_head
 
         where = f"the DFlash drafter {draft_path}"
         try:
@@ -158,7 +158,7 @@ class DFlashSpeculator:
         """Greedy next tokens [T] and the drafter's features [T, n, hidden] for every position of ids."""
         import torch
 
-        from specops.drafter import select_target_features
+        from specops.score.drafter import select_target_features
 
         device = self.head.device
         out = model(torch.tensor([ids], device=device), output_hidden_states=True, use_cache=False)
@@ -169,7 +169,7 @@ class DFlashSpeculator:
 
     def _drafts(self, features: Any, token: int, start: int) -> list[int]:
         """The N-1 drafts of the block [token, MASK...] at start, from the context features 0..start-1."""
-        from specops.acceptance import SequentialDrafter
+        from specops.score.sequential_acceptance import SequentialDrafter
 
         return SequentialDrafter(self._drafting, self.head, features[:start]).drafts(token, start)
 

@@ -10,8 +10,8 @@ from pathlib import Path
 from typing import Any
 
 from specops import preflight
-from specops.dflash_config import DrafterError, target_layer_ids
 from specops.manifest import sha256_file
+from specops.score.dflash_config import DrafterError, target_layer_ids
 from specops.stage import StageError
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 from specops.backend import resolve_require_backend
-from specops.envcheck_kernel import GDR_TOLERANCE
+from specops.envcheck.kernel import GDR_TOLERANCE
 
 # What the environment gives; require_backend fla (auto where torch sees a CUDA GPU) needs fla-cuda.
 BACKENDS = ("fla-cuda", "torch-cuda", "torch-cpu")

@@ -15,7 +15,7 @@ from urllib3.exceptions import NewConnectionError
 from urllib3.exceptions import TimeoutError as Urllib3Timeout
 from urllib3.util.retry import Retry
 
-from specops.completions_request import Settings
+from specops.completions.request import Settings
 from specops.stage import StageError, log
 
 MAX_BACKOFF_S = 30.0

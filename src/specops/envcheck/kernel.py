@@ -8,7 +8,7 @@ import math
 import time
 from typing import Any
 
-from specops.envcheck_facts import torch_reference
+from specops.envcheck.facts import torch_reference
 from specops.stage import StageError, log
 
 # Relative error ||kernel - reference|| / ||reference|| (Frobenius; the larger of the output's and

@@ -11,9 +11,10 @@ from typing import Any
 
 from specops import diagnostics as diag
 from specops import window as win
-from specops.dflash_config import DrafterError, target_layer_ids
 from specops.manifest import file_identity, load_manifest
-from specops.score_request import Options
+from specops.model_files import read_json, text_config
+from specops.score.dflash_config import DrafterError, target_layer_ids
+from specops.score.request import Options
 from specops.stage import StageError
 
 # The target's files that identify it cheaply; its weights are tens of GB and the hidden-state
@@ -123,8 +124,8 @@ def checked_config(
 ) -> tuple[dict[str, Any], list[int]]:
     """A drafter's config and target layers, checked against the target and the hidden states before
     any model loads (a bad mask id or layer would only crash the engine)."""
-    config = diag.read_json(path / "config.json") or {}
-    text = diag.text_config(target_config)
+    config = read_json(path / "config.json") or {}
+    text = text_config(target_config)
     layer_ids = drafter_layer_ids(config, label)
     require_layers(layer_ids, captured, label, text.get("num_hidden_layers"))
     if text.get("hidden_size") and config.get("hidden_size") != text["hidden_size"]:

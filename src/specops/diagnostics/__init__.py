@@ -3,22 +3,22 @@
 Each check returns one report entry {"name", "status": ok|warning|skipped, "message", "details"}.
 The config and tokenizer checks read JSON and safetensors headers only: no model is loaded.
 
-The checks live by what they read: diagnostics_files (configs, safetensors headers, the tokenizer),
-diagnostics_scores (what scoring measured); the report entry's shape is in diagnostic_finding and
-the reading of a model directory in model_files. Every name is importable from here.
+The checks live by what they read: files (configs, safetensors headers, the tokenizer), scores
+(what scoring measured); the report entry's shape is in finding, and the reading of a model
+directory in specops.model_files. The checks' names are importable from here.
 """
 
 from __future__ import annotations
 
-from specops.diagnostic_finding import DIAGNOSTICS, ONLINE_AGREEMENT, finding
-from specops.diagnostics_files import (
+from specops.diagnostics.files import (
     FALLBACK_ALIGNED_TRANSFORMERS,
     backend_check,
     mask_token_error,
     tokenizer_entry,
     vocabulary_check,
 )
-from specops.diagnostics_scores import (
+from specops.diagnostics.finding import DIAGNOSTICS, ONLINE_AGREEMENT, finding
+from specops.diagnostics.scores import (
     COLLAPSE_AFTER,
     COLLAPSE_BEFORE,
     COLLAPSE_MIN_STEPS,
@@ -34,7 +34,6 @@ from specops.diagnostics_scores import (
     online_agreement_check,
     shifted_layer_ids,
 )
-from specops.model_files import read_json, safetensors_shapes, text_config
 
 __all__ = [
     "COLLAPSE_AFTER",
@@ -56,10 +55,7 @@ __all__ = [
     "layer_offset_check",
     "mask_token_error",
     "online_agreement_check",
-    "read_json",
-    "safetensors_shapes",
     "shifted_layer_ids",
-    "text_config",
     "tokenizer_entry",
     "vocabulary_check",
 ]

@@ -7,9 +7,9 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from specops.completions_client import snippet
-from specops.completions_prompts import Prompt
-from specops.completions_request import is_int
+from specops.completions.client import snippet
+from specops.completions.prompts import Prompt
+from specops.completions.request import is_int
 from specops.stage import StageError
 
 

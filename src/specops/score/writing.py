@@ -12,8 +12,8 @@ from specops import report as rep
 from specops import speedup as spd
 from specops import window as win
 from specops.manifest import atomic_write_json, atomic_write_text, write_manifest
-from specops.score_request import STAGE, Options
-from specops.score_result import REPORT_JSON, REPORT_MD, key_figures
+from specops.score.request import STAGE, Options
+from specops.score.result import REPORT_JSON, REPORT_MD, key_figures
 from specops.stage import log
 
 DRAFTERS_DIR = "drafters"

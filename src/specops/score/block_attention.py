@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 if TYPE_CHECKING:
-    from specops.drafter import DFlashAttention
+    from specops.score.drafter import DFlashAttention
 
 # Spare positions after the context hold the block's keys and values; the buffer's length is rounded up
 # to this multiple (the memory-efficient kernel wants its mask's rows aligned to 16 elements).

@@ -18,8 +18,8 @@ from collections.abc import Callable
 
 import torch
 
-from specops.step_timer import NoTimer, StepTimer
-from specops.target_head import TargetHead
+from specops.score.step_timer import NoTimer, StepTimer
+from specops.score.target_head import TargetHead
 
 # Positions per head pass: small enough to stop soon after a block's first mismatch, large enough that
 # each pass's matrix product has many rows.

@@ -5,13 +5,12 @@ Prompts are tokenized here with the target's tokenizer and sent as `input_ids`, 
 through a tokenizer does not guarantee. Finished records are appended to a partial file one by one,
 so an interrupted run resumes where it stopped; the final file and the manifest are written last.
 
-Request (JSON on stdin, see specops.stage): `REQUEST` in completions_request, the one declaration of
-its options.
+Request (JSON on stdin, see specops.stage): `REQUEST` in specops.completions.request, the one
+declaration of its options.
 
 This module holds the stage itself (prepare, plan, the concurrent fetch, run); the request is in
-completions_request, the prompts and tokenizer in completions_prompts, the HTTP client in
-completions_client, the validation of an answer in completions_answer and the records on disk in
-completions_records. Their public names are importable from here.
+request, the prompts and tokenizer in prompts, the HTTP client in client, the validation of an
+answer in answer and the records on disk in records.
 """
 
 from __future__ import annotations
@@ -24,17 +23,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from specops.completions_answer import check_generation
-from specops.completions_client import MAX_BACKOFF_S, ServerClient, StageRetry
-from specops.completions_prompts import (
-    MAX_ERRORS_SHOWN,
-    TOKENIZER_FILES,
+from specops.completions.answer import check_generation
+from specops.completions.client import ServerClient
+from specops.completions.prompts import (
     Prompt,
     load_prompts,
     tokenize,
     tokenizer_identity,
 )
-from specops.completions_records import (
+from specops.completions.records import (
     OUTPUT_NAME,
     PARTIAL_NAME,
     PartialWriter,
@@ -43,7 +40,7 @@ from specops.completions_records import (
     line_sha256,
     read_partial,
 )
-from specops.completions_request import DEFAULTS, REQUEST, REQUIRED, STAGE, Settings, parse_request
+from specops.completions.request import STAGE, Settings, parse_request
 from specops.manifest import (
     MANIFEST_NAME,
     atomic_write_text,
@@ -56,37 +53,6 @@ from specops.manifest import (
     write_manifest,
 )
 from specops.stage import StageError, log, serve
-
-__all__ = [
-    "DEFAULTS",
-    "MAX_BACKOFF_S",
-    "MAX_ERRORS_SHOWN",
-    "OUTPUT_NAME",
-    "PARTIAL_NAME",
-    "REQUEST",
-    "REQUIRED",
-    "STAGE",
-    "TEMPERATURE",
-    "TOKENIZER_FILES",
-    "PartialWriter",
-    "Prepared",
-    "Prompt",
-    "ServerClient",
-    "Settings",
-    "StageRetry",
-    "check_generation",
-    "damaged_records",
-    "intact_records",
-    "load_prompts",
-    "main",
-    "parse_request",
-    "plan",
-    "prepare",
-    "read_partial",
-    "run",
-    "tokenize",
-    "tokenizer_identity",
-]
 
 TEMPERATURE = 0.0  # greedy: the only setting under which offline scoring can reproduce the server
 
@@ -266,7 +232,3 @@ def run(request: dict[str, Any]) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     return serve(STAGE, plan, run, argv)
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from specops.diagnostic_finding import ONLINE_AGREEMENT, finding
+from specops.diagnostics.finding import ONLINE_AGREEMENT, finding
 
 LAYER_OFFSETS = (-1, 1)
 # A shifted layer choice must beat the configured one by this fraction of tau to count as "clearly
@@ -119,7 +119,7 @@ def online_agreement_check(
     Under greedy decoding they agree exactly once the prefill's token is counted as SGLang counts
     it (report.online_from_offline), unless a greedy draft was a near-tie: across kernels and dtypes
     a draft whose logit margin is tiny can flip. margins: per differing prompt, the smallest logit
-    margin that decided any of its drafts offline (specops.margins). Every differing prompt has
+    margin that decided any of its drafts offline (specops.score.margins). Every differing prompt has
     one below `near_tie` and an online tau within NEAR_TIE_MAX_TAU_CHANGE of the offline walk's -> a
     near-tie (ok); any other -> a configuration error (the server ran another drafter, block size,
     target or sampling than the ones scored).

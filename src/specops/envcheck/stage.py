@@ -14,62 +14,26 @@ torch is imported lazily: `decide()` and the constants are usable without it (th
 tests them with injected facts).
 
 This module holds the stage (its options, report, plan and run); the facts are gathered in
-envcheck_facts, the kernel check is in envcheck_kernel and the decision in envcheck_decision. Their
-public names are importable from here.
+facts, the kernel check is in kernel and the decision in decision.
 """
 
 from __future__ import annotations
 
-import sys
 from typing import Any
 
-from specops.backend import REQUIRE_BACKENDS, check_require_backend
-from specops.envcheck_decision import (
-    BACKENDS,
-    FLA_CRASH_WARNING,
-    FLA_NOT_USABLE_NOTE,
+from specops.backend import check_require_backend
+from specops.envcheck.decision import (
     decide,
 )
-from specops.envcheck_facts import collect_facts, driver_facts, torch_reference, transformers_gdr_choice
-from specops.envcheck_kernel import (
-    DEFAULT_GDR_SIZES,
-    GDR_TOLERANCE,
-    SIZE_KEYS,
-    compare_gdr,
-    gdr_inputs,
+from specops.envcheck.facts import collect_facts
+from specops.envcheck.kernel import (
     normalize_sizes,
     run_gdr_checks,
-    summarize_checks,
 )
 from specops.stage import StageError, log, serve
 
-__all__ = [
-    "BACKENDS",
-    "DEFAULT_GDR_SIZES",
-    "FLA_CRASH_WARNING",
-    "FLA_NOT_USABLE_NOTE",
-    "GDR_TOLERANCE",
-    "REQUIRE_BACKENDS",
-    "SIZE_KEYS",
-    "StageError",
-    "collect_facts",
-    "compare_gdr",
-    "decide",
-    "driver_facts",
-    "gdr_inputs",
-    "main",
-    "normalize_sizes",
-    "plan",
-    "report",
-    "run",
-    "run_gdr_checks",
-    "summarize_checks",
-    "torch_reference",
-    "transformers_gdr_choice",
-]
 
-
-def _options(request: dict[str, Any]) -> tuple[str, list[dict[str, Any]], int]:
+def parse_request(request: dict[str, Any]) -> tuple[str, list[dict[str, Any]], int]:
     require = check_require_backend(request.get("require_backend", "any"))
     seed = request.get("gdr_seed", 0)
     if not isinstance(seed, int):
@@ -94,7 +58,7 @@ def report(facts: dict[str, Any], gdr: dict[str, Any] | None, verdict: dict[str,
 
 
 def _check(request: dict[str, Any], planning: bool) -> dict[str, Any]:
-    require, sizes, seed = _options(request)
+    require, sizes, seed = parse_request(request)
     facts = collect_facts()
     gdr = None
     if not planning and facts["cuda_available"] and facts["fla_importable"]:
@@ -124,7 +88,3 @@ def run(request: dict[str, Any]) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     return serve("envcheck", plan, run, argv)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

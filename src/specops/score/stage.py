@@ -36,8 +36,8 @@ The inputs fingerprint covers the hidden-state and completions manifests, the dr
 the target's small files and the options; plan mode decides from it without loading a model.
 
 This module holds the stage itself (plan, run, and the diagnostics run puts in each report); the
-request is in score_request, the inputs read before any model loads in score_inputs, the engine in
-scorer, and the writing of the reports in score_writing. Their public names are importable from here.
+request is in request, the inputs read before any model loads in inputs, the models and the engine's
+run in scorer, and the writing of the reports in writing (the package's __init__ lists them all).
 """
 
 from __future__ import annotations
@@ -50,51 +50,23 @@ from specops import diagnostics as diag
 from specops import report as rep
 from specops.devices import resolve_device
 from specops.manifest import fingerprint, is_up_to_date, load_manifest, remove_stale_temporaries
-from specops.score_inputs import (
-    TARGET_IDENTITY_FILES,
+from specops.model_files import read_json
+from specops.score.inputs import (
     checked_config,
-    drafter_layer_ids,
     inputs_of,
     online_acceptance,
-    require_layers,
 )
-from specops.score_request import DEVICES, DTYPES, REQUEST, STAGE, Options, drafter_names, parse_request
-from specops.score_result import REPORT_JSON, REPORT_MD, key_figures
-from specops.score_writing import DRAFTERS_DIR, write_outputs
-from specops.scorer import (
-    FLOAT32_MEMORY_SHARE,
+from specops.score.request import STAGE, Options, parse_request
+from specops.score.result import REPORT_JSON, REPORT_MD, key_figures
+from specops.score.scorer import (
     Scorer,
     limit_gpu_memory,
     model_errors,
     resolve_dtype,
     versions,
 )
+from specops.score.writing import write_outputs
 from specops.stage import StageError, log, serve
-
-__all__ = [
-    "DEVICES",
-    "DRAFTERS_DIR",
-    "DTYPES",
-    "FLOAT32_MEMORY_SHARE",
-    "REQUEST",
-    "STAGE",
-    "TARGET_IDENTITY_FILES",
-    "Options",
-    "Scorer",
-    "drafter_layer_ids",
-    "drafter_names",
-    "inputs_of",
-    "limit_gpu_memory",
-    "main",
-    "model_errors",
-    "online_acceptance",
-    "parse_request",
-    "plan",
-    "require_layers",
-    "resolve_dtype",
-    "run",
-    "versions",
-]
 
 
 def plan(request: dict[str, Any]) -> dict[str, Any]:
@@ -147,7 +119,7 @@ def run(request: dict[str, Any]) -> dict[str, Any]:
 
     hidden_manifest = load_manifest(opts.hidden_states) or {}
     captured = list(hidden_manifest.get("layer_ids") or [])
-    target_config = diag.read_json(opts.target / "config.json") or {}
+    target_config = read_json(opts.target / "config.json") or {}
     names = opts.names
     label = {name: "drafter" if len(names) == 1 else f"drafter {name}" for name in names}
     configs = {
@@ -295,7 +267,3 @@ def _config_findings(
 
 def main() -> int:
     return serve(STAGE, plan, run)
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -14,9 +14,9 @@ from typing import Any
 
 import torch
 
-from specops.acceptance import SequenceInput, _Group
-from specops.drafter import DFlashDrafter
-from specops.target_head import TargetHead
+from specops.score.acceptance import SequenceGroup, SequenceInput
+from specops.score.drafter import DFlashDrafter
+from specops.score.target_head import TargetHead
 
 STEPS_PER_FORWARD = 8
 
@@ -30,7 +30,7 @@ def closest_call(
     accept_lengths: Sequence[int],
 ) -> dict[str, Any]:
     """{"closest": smallest deciding margin or None, "block_start", "position"} of one walked sequence."""
-    group = _Group(drafter, head, [sequence])
+    group = SequenceGroup(drafter, head, [sequence])
     length = sequence.input_ids.shape[0]
     bs = drafter.block_size
     best: dict[str, Any] = {"closest": None, "block_start": None, "position": None}

@@ -9,7 +9,7 @@ Architecture (z-lab's DFlashDraftModel, block diffusion):
 - A block starting at position s is `[token at s, MASK x (block_size - 1)]` at positions
   s..s+block_size-1; its context is the target's features at positions 0..s-1. The outputs at block
   positions 1..block_size-1, through the *target's* lm_head, are the drafts for s+1..s+block_size-1.
-- The drafter has no embedding and no lm_head of its own (see `specops.target_head`).
+- The drafter has no embedding and no lm_head of its own (see `specops.score.target_head`).
 
 Because the context K/V never depend on the block, `context_kv` computes them once for a whole
 sequence and `forward` drafts many blocks at once, each block seeing only the context before it.
@@ -28,9 +28,9 @@ from torch import nn
 from transformers import Qwen3Config
 from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RotaryEmbedding
 
-from specops.block_attention import block_attention, slots_length
-from specops.dflash_config import DrafterError, dflash_value, target_layer_ids
-from specops.drafter_ops import RMSNorm, apply_rope, fuse_linears, fused_linears
+from specops.score.block_attention import block_attention, slots_length
+from specops.score.dflash_config import DrafterError, dflash_value, target_layer_ids
+from specops.score.drafter_ops import RMSNorm, apply_rope, fuse_linears, fused_linears
 
 SUPPORTED_ARCHITECTURES = ("DFlashDraftModel",)
 SUPPORTED_LAYER_TYPES = ("full_attention", "sliding_attention")
@@ -261,7 +261,7 @@ class DFlashDrafter(nn.Module):
 
         features: [B, T, n, hidden] target features. These K/V do not depend on any block.
         block_slots: leave spare positions after the context (zeros) for a block's own keys and
-        values, so the fused attention needs no concatenation (`specops.block_attention`); pass
+        values, so the fused attention needs no concatenation (`specops.score.block_attention`); pass
         `context_len=T` to `trunk` then.
         """
         ctx = self.project_context(features)

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from specops import speedup as spd
-from specops.score_request import Options
+from specops.score.request import Options
 from specops.stage import StageError, log
 from specops.versions import installed_versions
 
@@ -67,7 +67,7 @@ class Scorer:
         import torch
 
         from specops.hidden_states import open_hidden_states
-        from specops.target_head import load_target_head
+        from specops.score.target_head import load_target_head
 
         self.device = device
         self.dtype = getattr(torch, dtype)
@@ -75,7 +75,7 @@ class Scorer:
         self.head = load_target_head(opts.target, device=device, dtype=self.dtype)
 
     def load(self, path: Path):
-        from specops.drafter import load_drafter
+        from specops.score.drafter import load_drafter
 
         return load_drafter(path, device=self.device, dtype=self.dtype)
 
@@ -92,7 +92,7 @@ class Scorer:
     def score(self, drafter, layer_ids: list[int]) -> dict[str, Any]:
         """{"block_size", "sequences": [{"id", "accept_lengths", "block_starts"}]} for one drafter and
         layer choice."""
-        from specops.acceptance import offline_acceptance
+        from specops.score.acceptance import offline_acceptance
 
         scored: list[dict[str, Any]] = []
         chunk: list[dict[str, Any]] = []
@@ -124,9 +124,9 @@ class Scorer:
     def margins(
         self, drafter, layer_ids: list[int], scores: Mapping[str, Any], ids: Sequence[str]
     ) -> dict[str, dict[str, Any]]:
-        """The closest call of every draft of the given prompts (specops.margins)."""
-        from specops.acceptance import as_input
-        from specops.margins import closest_call
+        """The closest call of every draft of the given prompts (specops.score.margins)."""
+        from specops.score.acceptance import as_input
+        from specops.score.margins import closest_call
 
         walked = {seq["id"]: seq for seq in scores["sequences"]}
         found = {}
@@ -141,8 +141,8 @@ class Scorer:
 
 def model_errors() -> tuple[type[Exception], ...]:
     """The engine's errors that name a fix; anything else is a crash with a traceback."""
-    from specops.drafter import DrafterError
     from specops.hidden_states import HiddenStatesError
-    from specops.target_head import TargetHeadError
+    from specops.score.drafter import DrafterError
+    from specops.score.target_head import TargetHeadError
 
     return DrafterError, HiddenStatesError, TargetHeadError

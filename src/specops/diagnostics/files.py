@@ -8,7 +8,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from specops.diagnostic_finding import finding
+from specops.diagnostics.finding import finding
 from specops.model_files import read_json, safetensors_shapes, text_config
 
 # From this transformers version on, the torch fallback of gated_delta_rule matches fla's kernels to
