@@ -224,11 +224,6 @@ class FlaEnvInstall(object):
 
     def _pip(self, args):
         cmd = [self.venv_python, "-m", "pip"] + args[:1] + ["--disable-pip-version-check", "--no-input"]
-        if args[:1] == ["install"]:
-            # Byte-compiling every file of torch and transformers costs twice the install itself (47 against
-            # 15 CPU-s for the pair, 2026-12-04); the verification right after imports what the stages use,
-            # which compiles just that.
-            cmd.append("--no-compile")
         env = {"PIP_NO_INPUT": "1"}
         if self.params["pip_isolated"]:
             cmd.append("--isolated")
