@@ -43,10 +43,13 @@ scorer, and the writing of the reports in score_writing. Their public names are 
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Mapping
 from typing import Any
 
+from specops import cpu_bounds, report_reuse
 from specops import diagnostics as diag
+from specops import placement as where
 from specops import report as rep
 from specops.devices import resolve_device
 from specops.manifest import fingerprint, is_up_to_date, load_manifest, remove_stale_temporaries
@@ -136,7 +139,9 @@ def _server_drafter_name(opts: Options) -> str:
 
 
 def run(request: dict[str, Any]) -> dict[str, Any]:
+    started = time.monotonic()
     opts = parse_request(request)
+    cpu_bounds.apply_threads(opts.cpu_bounds)
     remove_stale_temporaries(opts.out_dir)
     inputs = inputs_of(opts)
     inputs_fingerprint = fingerprint(inputs)
@@ -144,6 +149,9 @@ def run(request: dict[str, Any]) -> dict[str, Any]:
         log(f"score: {opts.out_dir} is up to date, nothing to do")
         report = json.loads((opts.out_dir / REPORT_JSON).read_text())
         return key_figures(report, opts.out_dir, changed=False)
+    reused = report_reuse.reusable(opts, inputs)
+    if reused is not None:
+        return _refresh(opts, inputs, inputs_fingerprint, reused, started)
 
     hidden_manifest = load_manifest(opts.hidden_states) or {}
     captured = list(hidden_manifest.get("layer_ids") or [])
@@ -247,7 +255,50 @@ def run(request: dict[str, Any]) -> dict[str, Any]:
     except model_errors() as error:
         raise StageError(str(error)) from error
 
-    return write_outputs(opts, inputs, inputs_fingerprint, reports)
+    placed = where.record(opts.placement, time.monotonic() - started, cpu_bounds.observed())
+    return write_outputs(opts, inputs, inputs_fingerprint, reports, placement=placed)
+
+
+def _refresh(
+    opts: Options,
+    inputs: dict[str, Any],
+    inputs_fingerprint: str,
+    reused: report_reuse.Reusable,
+    started: float,
+) -> dict[str, Any]:
+    """Rewrite the report from the drafters' scores made in the window, running only the diagnostics
+    left for after it (the layer offsets)."""
+    placed = dict(reused.placement or {})
+    if "layer_offset" in reused.missing:
+        captured = list((load_manifest(opts.hidden_states) or {}).get("layer_ids") or [])
+        scorer = Scorer(opts, "cpu", resolve_dtype(opts.dtype, "cpu", opts.target, list(opts.drafter)))
+        for report, path in zip(reused.reports, opts.drafter, strict=True):
+            drafter = scorer.load(path)
+
+            def tau_at(ids: list[int], drafter=drafter) -> float | None:
+                scores = scorer.score(drafter, ids)
+                return rep.summarize(scores["sequences"], scores["block_size"])["tau"]
+
+            log(f"score: the layer-offset check of {report['name']} after the window")
+            finding = diag.layer_offset_check(
+                tau_at,
+                captured,
+                report["run"]["target_layer_ids"],
+                report["overall"]["tau"],
+                tolerance=opts.layer_offset_tolerance,
+            )
+            report_reuse.add_diagnostic(report, finding)
+            del drafter
+        placed["after_window"] = where.record(
+            {"where": "cpu", "why": "the layer offsets run after the window"},
+            time.monotonic() - started,
+            cpu_bounds.observed(),
+        )
+    log(
+        f"score: the scores made in the window are reused; {opts.out_dir} is rewritten with the window's "
+        "record"
+    )
+    return write_outputs(opts, inputs, inputs_fingerprint, reused.reports, placement=placed or None)
 
 
 def _online_check(
