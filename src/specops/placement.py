@@ -16,9 +16,9 @@ below is stated in this formula's FLOPs, so the two agree there). On a GPU the t
 documented GPU_FLOPS; on the CPU it is measured on this host with the bounded thread count (a float32
 product), times CPU_EFFICIENCY.
 
-Request: {placement, device, target, drafters: [...], reference_drafter, completions, diagnostics,
-extraction_seconds, budget_seconds, threads}. Result: {placement, why, window_seconds, cpu_seconds,
-estimate: {...}}.
+Request: {placement, device (the extraction's), window (whether one is taken), target, drafters: [...],
+reference_drafter, completions, diagnostics, extraction_seconds, budget_seconds (0: none), threads}.
+Result: {placement, why, device, window_seconds, cpu_seconds, warning, estimate: {...}}.
 """
 
 from __future__ import annotations
@@ -112,9 +112,15 @@ def passes(n_drafters: int, reference: bool, diagnostics: Sequence[str]) -> dict
 
 
 def choose(
-    placement: str, window_seconds: float, extraction_seconds: float, budget_seconds: float
+    placement: str,
+    window_seconds: float,
+    extraction_seconds: float,
+    budget_seconds: float,
+    window_taken: bool = True,
 ) -> tuple[str, str]:
     """(where, why): the rule that chose it, in words. A forced window that cannot fit is refused."""
+    if not window_taken and placement != "cpu":
+        return "cpu", "no window is taken (the hidden states are up to date), so it scores on the bounded CPU"
     planned = extraction_seconds + window_seconds
     fits = budget_seconds <= 0 or planned <= budget_seconds
     budget = f"the downtime budget of {budget_seconds:.0f} s" if budget_seconds > 0 else "no downtime budget"
@@ -179,6 +185,7 @@ def plan(request: Mapping[str, Any]) -> dict[str, Any]:
         window_seconds,
         float(request.get("extraction_seconds") or 0),
         float(request.get("budget_seconds") or 0),
+        window_taken=bool(request.get("window", True)),
     )
     after = offset_flops / cpu_rate if where == "window" else cpu_seconds
     warning = None
@@ -194,6 +201,7 @@ def plan(request: Mapping[str, Any]) -> dict[str, Any]:
         "window_seconds": round(window_seconds, 1) if where == "window" else 0.0,
         "cpu_seconds": round(after, 1),
         "warning": warning,
+        "device": device if where == "window" else "cpu",
         "estimate": {
             "tokens": tokens,
             "passes": counted,
