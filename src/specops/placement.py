@@ -14,7 +14,7 @@ completion token once through the drafter and the target's head, so
 TFLOP per completion of 1,000 tokens at the real shape, where this formula gives 6.4: the throughput
 below is stated in this formula's FLOPs, so the two agree there). On a GPU the throughput is the
 documented GPU_FLOPS; on the CPU it is measured on this host with the bounded thread count (a float32
-product), times CPU_EFFICIENCY.
+product with numpy, its threads held by OMP_NUM_THREADS), times CPU_EFFICIENCY.
 
 Request: {placement, device (the extraction's), window (whether one is taken), target, drafters: [...],
 reference_drafter, completions, diagnostics, extraction_seconds, budget_seconds (0: none), threads}.
@@ -85,21 +85,20 @@ def completion_tokens(completions: Path) -> int:
     return tokens
 
 
-def cpu_flops(threads: int, size: int = 512, repeats: int = 5) -> float:
-    """float32 matrix-product FLOP/s on this host with `threads` threads (a quick measurement)."""
-    import torch
+def cpu_flops(size: int = 384, repeats: int = 5) -> float:
+    """float32 matrix-product FLOP/s on this host, with the threads the environment bounds
+    (OMP_NUM_THREADS / OPENBLAS_NUM_THREADS, set by the play to the scoring's thread count). numpy,
+    not torch: quick to import, and the same BLAS-style kernel a pass spends its time in."""
+    import numpy as np
 
-    before = torch.get_num_threads()
-    torch.set_num_threads(max(1, threads))
-    try:
-        a, b = torch.randn(size, size), torch.randn(size, size)
-        a @ b  # warm-up
-        start = time.perf_counter()
-        for _ in range(repeats):
-            a @ b
-        elapsed = time.perf_counter() - start
-    finally:
-        torch.set_num_threads(before)
+    rng = np.random.default_rng(0)
+    a = rng.standard_normal((size, size), dtype=np.float32)
+    b = rng.standard_normal((size, size), dtype=np.float32)
+    a @ b  # warm-up
+    start = time.perf_counter()
+    for _ in range(repeats):
+        a @ b
+    elapsed = time.perf_counter() - start
     return 2 * size**3 * repeats / max(elapsed, 1e-9)
 
 
@@ -172,7 +171,7 @@ def plan(request: Mapping[str, Any]) -> dict[str, Any]:
     )
     device = str(request.get("device") or "cpu")
     threads = int(request.get("threads") or 1)
-    cpu_rate = cpu_flops(threads) * CPU_EFFICIENCY
+    cpu_rate = cpu_flops() * CPU_EFFICIENCY
     window_rate, window_source = (
         (GPU_FLOPS, f"documented {GPU_FLOPS:.1e} FLOP/s per GPU (benchmarks/score_real_h200.json)")
         if device.startswith("cuda")

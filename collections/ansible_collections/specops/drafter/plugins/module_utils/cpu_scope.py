@@ -27,6 +27,15 @@ def default_threads(cores):
     return max(1, int(cores) // 4)
 
 
+def with_defaults(bounds, cores):
+    """The bounds with what they leave out filled in (nice 10, a quarter of the cores); empty stays empty."""
+    if not bounds:
+        return {}
+    filled = {"nice": 10, "cpu_quota_percent": default_quota_percent(cores), "threads": default_threads(cores)}
+    filled.update((key, value) for key, value in bounds.items() if value is not None)
+    return filled
+
+
 def systemd_manager(pid1_comm, euid, user_bus_exists):
     """Which systemd manager may run a scope: 'system' (root), 'user', or None (fall back to nice)."""
     if pid1_comm.strip() != "systemd":

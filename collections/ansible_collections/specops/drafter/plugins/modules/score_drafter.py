@@ -347,6 +347,7 @@ plots:
   elements: str
 """
 
+import os
 import re
 
 from ansible_collections.specops.drafter.plugins.module_utils import cpu_scope
@@ -410,7 +411,7 @@ def main():
     # Refused here, before the ML environment is started for nothing.
     if not DEVICE_FORM.match(module.params["device"]):
         module.fail_json(msg="device %r is not one of auto, cpu, cuda, cuda:N" % module.params["device"])
-    bounds = module.params["cpu_bounds"] or {}
+    bounds = cpu_scope.with_defaults(module.params["cpu_bounds"] or {}, os.cpu_count() or 1)
     problems = cpu_scope.check_bounds(bounds)
     if problems:
         module.fail_json(msg="cpu_bounds %r: %s" % (bounds, "; ".join(problems)))
