@@ -29,15 +29,18 @@ def stage_request(module, request_options):
     return dict((key, module.params[key]) for key in request_options if module.params[key] is not None)
 
 
-def stage_result(module, stage, request_options, figures=None, renamed=None, optional=(), wrap=None, extra_env=None):
+def stage_result(module, stage, request_options, figures=None, renamed=None, optional=(),
+                 wrap=None, extra_env=None):
     """Run the stage with the module's request and return the module's result.
 
     With `figures` (key -> value when the package leaves it out), the result is those keys, `changed`
     and the package's `msg`; `renamed` (package key -> figure key) takes a figure from a key the
     package names otherwise; `optional` keys are returned only when the package gives them. Without
-    `figures`, it is the package's result as it came.
+    `figures`, it is the package's result as it came. `wrap` turns the command into the one run (bounds);
+    `extra_env` is added to its environment.
     """
-    outcome = run_stage(module, module.params["python"], stage, stage_request(module, request_options))
+    outcome = run_stage(module, module.params["python"], stage, stage_request(module, request_options),
+                        extra_env=extra_env, wrap=wrap)
     if figures is None:
         outcome.setdefault("changed", False)
         return outcome
