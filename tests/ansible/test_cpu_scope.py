@@ -67,5 +67,6 @@ def test_the_default_quota_and_threads_are_a_quarter_of_the_cores():
 
 
 def test_bounds_that_leave_keys_out_get_the_defaults_and_none_stay_none():
-    assert cpu_scope.with_defaults({"nice": 5}, cores=16) == {"nice": 5, "cpu_quota_percent": 400, "threads": 4}
+    filled = cpu_scope.with_defaults({"nice": 5}, cores=16)
+    assert filled == {"nice": 5, "cpu_quota_percent": 400, "threads": 4}
     assert cpu_scope.with_defaults({}, cores=16) == {}

@@ -18,7 +18,9 @@ MODELS = Path(os.environ.get("SPECOPS_TEST_MODELS", ".work/test-models"))
 def test_auto_scores_in_the_window_when_extraction_and_scoring_fit_the_budget():
     where, why = placement.choose("auto", window_seconds=30, extraction_seconds=60, budget_seconds=600)
     assert where == "window"
-    assert why == "auto: the window with scoring fits the downtime budget of 600 s (extraction 60 s + scoring 30 s = 90 s)"
+    assert why == (
+        "auto: the window with scoring fits the downtime budget of 600 s (extraction 60 s + scoring 30 s = 90 s)"
+    )
 
 
 def test_auto_falls_back_to_the_bounded_cpu_when_the_budget_is_too_small_and_says_why():
