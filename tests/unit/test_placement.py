@@ -19,7 +19,8 @@ def test_auto_scores_in_the_window_when_extraction_and_scoring_fit_the_budget():
     where, why = placement.choose("auto", window_seconds=30, extraction_seconds=60, budget_seconds=600)
     assert where == "window"
     assert why == (
-        "auto: the window with scoring fits the downtime budget of 600 s (extraction 60 s + scoring 30 s = 90 s)"
+        "auto: the window with scoring fits the downtime budget of 600 s "
+        "(extraction 60 s + scoring 30 s = 90 s)"
     )
 
 
