@@ -110,6 +110,11 @@ def passes(n_drafters: int, reference: bool, diagnostics: Sequence[str]) -> dict
     }
 
 
+def _s(seconds: float) -> str:
+    """Seconds as a plan states them: whole above 10, one decimal below (a tiny model's scoring)."""
+    return f"{seconds:.0f}" if seconds >= 10 else f"{seconds:.1f}"
+
+
 def choose(
     placement: str,
     window_seconds: float,
@@ -122,8 +127,12 @@ def choose(
         return "cpu", "no window is taken (the hidden states are up to date), so it scores on the bounded CPU"
     planned = extraction_seconds + window_seconds
     fits = budget_seconds <= 0 or planned <= budget_seconds
-    budget = f"the downtime budget of {budget_seconds:.0f} s" if budget_seconds > 0 else "no downtime budget"
-    sums = f"extraction {extraction_seconds:.0f} s + scoring {window_seconds:.0f} s = {planned:.0f} s"
+    budget = (
+        f"the downtime budget of {budget_seconds:.0f} s"
+        if budget_seconds > 0
+        else "any downtime (no budget: sglang_service_max_downtime is 0 or the guard is off)"
+    )
+    sums = f"extraction {_s(extraction_seconds)} s + scoring {_s(window_seconds)} s = {_s(planned)} s"
     if placement == "cpu":
         return "cpu", "forced: specops_score_placement is cpu"
     if placement == "window":
