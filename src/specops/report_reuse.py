@@ -8,13 +8,21 @@ The score stage would otherwise score every pass again for a record that only ad
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from specops import cpu_bounds
+from specops import diagnostics as diag
+from specops import placement as where
+from specops import report as rep
 from specops.manifest import load_manifest
 from specops.score_request import Options
 from specops.score_result import REPORT_JSON
+from specops.score_writing import write_outputs
+from specops.scorer import Scorer, resolve_dtype
+from specops.stage import log
 
 # Inputs that say how the report is presented, not what the passes computed.
 PRESENTATION = ("window", "outages")
@@ -70,3 +78,41 @@ def add_diagnostic(report: dict[str, Any], finding: Mapping[str, Any]) -> None:
     report["diagnostics"].insert(at, dict(finding))
     if finding["status"] == "warning":
         report["warnings"].append(f"{finding['name']}: {finding['message']}")
+
+
+def refresh(
+    opts: Options, inputs: dict[str, Any], inputs_fingerprint: str, reused: Reusable, started: float
+) -> dict[str, Any]:
+    """Rewrite the report from the drafters' scores made in the window, running only the diagnostics
+    left for after it (the layer offsets, on the CPU)."""
+    placed = dict(reused.placement or {})
+    if "layer_offset" in reused.missing:
+        captured = list((load_manifest(opts.hidden_states) or {}).get("layer_ids") or [])
+        scorer = Scorer(opts, "cpu", resolve_dtype(opts.dtype, "cpu", opts.target, list(opts.drafter)))
+        for report, path in zip(reused.reports, opts.drafter, strict=True):
+            drafter = scorer.load(path)
+
+            def tau_at(ids: list[int], drafter=drafter) -> float | None:
+                scores = scorer.score(drafter, ids)
+                return rep.summarize(scores["sequences"], scores["block_size"])["tau"]
+
+            log(f"score: the layer-offset check of {report['name']} after the window")
+            finding = diag.layer_offset_check(
+                tau_at,
+                captured,
+                report["run"]["target_layer_ids"],
+                report["overall"]["tau"],
+                tolerance=opts.layer_offset_tolerance,
+            )
+            add_diagnostic(report, finding)
+            del drafter
+        placed["after_window"] = where.record(
+            {"where": "cpu", "why": "the layer offsets run after the window"},
+            time.monotonic() - started,
+            cpu_bounds.observed(),
+        )
+    log(
+        f"score: the scores made in the window are reused; {opts.out_dir} is rewritten with the "
+        "window's record"
+    )
+    return write_outputs(opts, inputs, inputs_fingerprint, reused.reports, placement=placed or None)

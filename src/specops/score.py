@@ -151,7 +151,7 @@ def run(request: dict[str, Any]) -> dict[str, Any]:
         return key_figures(report, opts.out_dir, changed=False)
     reused = report_reuse.reusable(opts, inputs)
     if reused is not None:
-        return _refresh(opts, inputs, inputs_fingerprint, reused, started)
+        return report_reuse.refresh(opts, inputs, inputs_fingerprint, reused, started)
 
     hidden_manifest = load_manifest(opts.hidden_states) or {}
     captured = list(hidden_manifest.get("layer_ids") or [])
@@ -257,48 +257,6 @@ def run(request: dict[str, Any]) -> dict[str, Any]:
 
     placed = where.record(opts.placement, time.monotonic() - started, cpu_bounds.observed())
     return write_outputs(opts, inputs, inputs_fingerprint, reports, placement=placed)
-
-
-def _refresh(
-    opts: Options,
-    inputs: dict[str, Any],
-    inputs_fingerprint: str,
-    reused: report_reuse.Reusable,
-    started: float,
-) -> dict[str, Any]:
-    """Rewrite the report from the drafters' scores made in the window, running only the diagnostics
-    left for after it (the layer offsets)."""
-    placed = dict(reused.placement or {})
-    if "layer_offset" in reused.missing:
-        captured = list((load_manifest(opts.hidden_states) or {}).get("layer_ids") or [])
-        scorer = Scorer(opts, "cpu", resolve_dtype(opts.dtype, "cpu", opts.target, list(opts.drafter)))
-        for report, path in zip(reused.reports, opts.drafter, strict=True):
-            drafter = scorer.load(path)
-
-            def tau_at(ids: list[int], drafter=drafter) -> float | None:
-                scores = scorer.score(drafter, ids)
-                return rep.summarize(scores["sequences"], scores["block_size"])["tau"]
-
-            log(f"score: the layer-offset check of {report['name']} after the window")
-            finding = diag.layer_offset_check(
-                tau_at,
-                captured,
-                report["run"]["target_layer_ids"],
-                report["overall"]["tau"],
-                tolerance=opts.layer_offset_tolerance,
-            )
-            report_reuse.add_diagnostic(report, finding)
-            del drafter
-        placed["after_window"] = where.record(
-            {"where": "cpu", "why": "the layer offsets run after the window"},
-            time.monotonic() - started,
-            cpu_bounds.observed(),
-        )
-    log(
-        f"score: the scores made in the window are reused; {opts.out_dir} is rewritten with the window's "
-        "record"
-    )
-    return write_outputs(opts, inputs, inputs_fingerprint, reused.reports, placement=placed or None)
 
 
 def _online_check(
