@@ -58,8 +58,14 @@ def test_memory_saver_window_keeps_the_server_process_and_loses_no_request_in_fl
         API_KEY,
     ]
     client = None
-    # Up to and through the window: the window's record is what the test reads, scoring adds nothing.
-    play = site.popen("eval.yml", args=("--tags", "prefetch,extract", "-v"), specops_run_dir=str(run_dir))
+    # Up to and through the window, with the scoring placed inside it (after the extraction, before the
+    # resume): the window's record and the report it wrote are what the test reads.
+    play = site.popen(
+        "eval.yml",
+        args=("--tags", "prefetch,extract", "-v"),
+        specops_run_dir=str(run_dir),
+        specops_score_placement="window",
+    )
     output = ""
     try:
         # The requests run from a few tasks before the pause until the window's record: every one of them
@@ -92,6 +98,17 @@ def test_memory_saver_window_keeps_the_server_process_and_loses_no_request_in_fl
     assert record["pause_mode"] == "retract" and record["server_version"] == "0.5.23"
     assert record["started_instead"] is False
     # The memory plan kept the weights on the (simulated 16 GiB) device: only the KV cache and graphs went.
+    # The scoring ran inside the window: its stage comes after the extraction and before the resume, so
+    # the server was released while it ran, and the report says where it ran and why.
+    stages = [stage["stage"] for stage in record["stages"]]
+    assert stages.index("extract") < stages.index("score") < stages.index("start-server"), stages
+    assert record["resumed_by"] != "guard", record
+    assert "scoring runs inside the window on cpu" in " ".join(result.output.split())
+    report = json.loads((run_dir / "score" / "report.json").read_text())
+    assert report["placement"]["where"] == "window", report["placement"]
+    assert report["placement"]["why"].startswith("forced: specops_score_placement is window")
+    assert report["placement"]["seconds"] > 0
+    assert "layer_offset" not in [d["name"] for d in report["diagnostics"]]
     plan = record["memory_plan"]
     assert plan["choice"] == "kv_cache" and plan["tags"] == ["kv_cache", "cuda_graph"], plan
     assert plan["fits_beside_weights"] and "weights stay on the GPU" in plan["reason"]

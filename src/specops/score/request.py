@@ -91,6 +91,8 @@ REQUEST = Schema(
         ),
         Option("history", "path", "Directory of past runs (index.jsonl and one directory per run)."),
         Option("force", "bool", "Score again even when the report is up to date.", default=False),
+        Option("placement", "dict", "Where the play placed the scoring and why (said in the report)."),
+        Option("cpu_bounds", "dict", "nice, cpu_quota_percent and threads the stage runs within."),
     ),
 )
 
@@ -113,6 +115,9 @@ class Options:
     step_costs: tuple[tuple[str, float], ...] = ()
     history: Path | None = None
     force: bool = REQUEST.option("force").default
+    # Neither is an input of the report's figures: they say where and how it was made.
+    placement: Mapping[str, Any] | None = None
+    cpu_bounds: Mapping[str, Any] | None = None
 
     @property
     def names(self) -> list[str]:
@@ -247,4 +252,6 @@ def parse_request(request: Mapping[str, Any]) -> Options:
         step_costs=_step_costs(request.get("step_costs")),
         history=Path(request["history"]).expanduser() if request.get("history") else None,
         force=bool(request.get("force", False)),
+        placement=dict(request.get("placement") or {}) or None,
+        cpu_bounds=dict(request.get("cpu_bounds") or {}) or None,
     )

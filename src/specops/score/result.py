@@ -74,4 +74,5 @@ def key_figures(report: Mapping[str, Any], out_dir: Path, changed: bool) -> dict
         "report_json": str(out_dir / REPORT_JSON),
         "report_md": str(out_dir / REPORT_MD),
         "plots": [str(out_dir / name) for name in report.get("plots") or []],
+        "placement": report.get("placement"),
     }

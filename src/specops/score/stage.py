@@ -43,14 +43,18 @@ run in scorer, and the writing of the reports in writing (the package's __init__
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Mapping
 from typing import Any
 
+from specops import cpu_bounds
 from specops import diagnostics as diag
+from specops import placement as where
 from specops import report as rep
 from specops.devices import resolve_device
 from specops.manifest import fingerprint, is_up_to_date, load_manifest, remove_stale_temporaries
 from specops.model_files import read_json
+from specops.score import report_reuse
 from specops.score.inputs import (
     checked_config,
     inputs_of,
@@ -108,7 +112,9 @@ def _server_drafter_name(opts: Options) -> str:
 
 
 def run(request: dict[str, Any]) -> dict[str, Any]:
+    started = time.monotonic()
     opts = parse_request(request)
+    cpu_bounds.apply_threads(opts.cpu_bounds)
     remove_stale_temporaries(opts.out_dir)
     inputs = inputs_of(opts)
     inputs_fingerprint = fingerprint(inputs)
@@ -116,6 +122,9 @@ def run(request: dict[str, Any]) -> dict[str, Any]:
         log(f"score: {opts.out_dir} is up to date, nothing to do")
         report = json.loads((opts.out_dir / REPORT_JSON).read_text())
         return key_figures(report, opts.out_dir, changed=False)
+    reused = report_reuse.reusable(opts, inputs)
+    if reused is not None:
+        return report_reuse.refresh(opts, inputs, inputs_fingerprint, reused, started)
 
     hidden_manifest = load_manifest(opts.hidden_states) or {}
     captured = list(hidden_manifest.get("layer_ids") or [])
@@ -219,7 +228,8 @@ def run(request: dict[str, Any]) -> dict[str, Any]:
     except model_errors() as error:
         raise StageError(str(error)) from error
 
-    return write_outputs(opts, inputs, inputs_fingerprint, reports)
+    placed = where.record(opts.placement, time.monotonic() - started, cpu_bounds.observed())
+    return write_outputs(opts, inputs, inputs_fingerprint, reports, placement=placed)
 
 
 def _online_check(

@@ -8,6 +8,7 @@ import shutil
 from typing import Any
 
 from specops import history as hist
+from specops import placement as where
 from specops import report as rep
 from specops import speedup as spd
 from specops import window as win
@@ -37,7 +38,11 @@ def _speedup(opts: Options, reports: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def write_outputs(
-    opts: Options, inputs: dict[str, Any], inputs_fingerprint: str, reports: list[dict[str, Any]]
+    opts: Options,
+    inputs: dict[str, Any],
+    inputs_fingerprint: str,
+    reports: list[dict[str, Any]],
+    placement: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Every drafter's directory, then the summary; the history; the manifest last."""
     from specops import plots
@@ -78,11 +83,13 @@ def write_outputs(
     summary["plots"] = summary_plots
     summary["window"] = win.read_window(opts.hidden_states)
     summary["outages"] = win.read_outages(opts.hidden_states)
+    summary["placement"] = placement
     atomic_write_text(
         out / REPORT_MD,
         rep.render_summary(summary, plot_dirs, summary_plots)
         + win.render_markdown(summary["window"])
-        + win.render_outages(summary["outages"]),
+        + win.render_outages(summary["outages"])
+        + where.render_markdown(placement),
     )
     atomic_write_json(out / REPORT_JSON, summary)
     files = [REPORT_JSON, REPORT_MD, *summary_plots, *files]

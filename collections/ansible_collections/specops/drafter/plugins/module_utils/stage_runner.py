@@ -29,15 +29,18 @@ def stage_request(module, request_options):
     return dict((key, module.params[key]) for key in request_options if module.params[key] is not None)
 
 
-def stage_result(module, stage, request_options, figures=None, renamed=None, optional=()):
+def stage_result(module, stage, request_options, figures=None, renamed=None, optional=(),
+                 wrap=None, extra_env=None):
     """Run the stage with the module's request and return the module's result.
 
     With `figures` (key -> value when the package leaves it out), the result is those keys, `changed`
     and the package's `msg`; `renamed` (package key -> figure key) takes a figure from a key the
     package names otherwise; `optional` keys are returned only when the package gives them. Without
-    `figures`, it is the package's result as it came.
+    `figures`, it is the package's result as it came. `wrap` turns the command into the one run (bounds);
+    `extra_env` is added to its environment.
     """
-    outcome = run_stage(module, module.params["python"], stage, stage_request(module, request_options))
+    outcome = run_stage(module, module.params["python"], stage, stage_request(module, request_options),
+                        extra_env=extra_env, wrap=wrap)
     if figures is None:
         outcome.setdefault("changed", False)
         return outcome
@@ -51,7 +54,7 @@ def stage_result(module, stage, request_options, figures=None, renamed=None, opt
     return result
 
 
-def run_stage(module, python, stage, request, plan=None, extra_env=None):
+def run_stage(module, python, stage, request, plan=None, extra_env=None, wrap=None):
     """Run one package stage and return its JSON result; fail the module with a clear message.
 
     `plan` defaults to the module's check mode: the package then reports what it would do.
@@ -64,6 +67,8 @@ def run_stage(module, python, stage, request, plan=None, extra_env=None):
             "run the fla_env role/module first or set 'python' to an environment with specops" % python
         )
     cmd = [python, "-m", "specops.%s" % stage, "--plan" if plan else "--run"]
+    if wrap is not None and not plan:
+        cmd = wrap(cmd)
     env = dict(os.environ)
     env.update(extra_env or {})
     env.setdefault("PYTHONUNBUFFERED", "1")

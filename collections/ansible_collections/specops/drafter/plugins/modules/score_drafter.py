@@ -149,6 +149,22 @@ options:
       - Score again even when the report in O(out_dir) is up to date.
     type: bool
     default: false
+  placement:
+    description:
+      - Where the play placed the scoring and why, said in the report beside how long the stage took
+        (C(where) is C(window) or C(cpu); C(why) the rule that chose it; C(estimated_seconds)).
+      - Not part of the inputs' fingerprint; a report refreshed after the window keeps the placement it
+        was scored with.
+    type: dict
+  cpu_bounds:
+    description:
+      - Run the stage with its CPU share and priority bounded, keys C(nice), C(cpu_quota_percent) (100 is one
+        core) and C(threads). Where systemd is PID 1 and may be asked (root, or a user manager), the stage
+        runs in C(systemd-run --scope -p CPUQuota=... --nice=...); elsewhere under C(nice -n) with its
+        threads bounded (C(OMP_NUM_THREADS) and C(torch.set_num_threads)), the quota not enforced.
+      - The stage records the nice value, the cgroup's C(cpu.max) and the thread count it ran with in
+        the report (C(placement.bounds)). Empty runs it unbounded.
+    type: dict
 attributes:
   check_mode:
     support: full
@@ -201,6 +217,11 @@ EXAMPLES = r"""
 """
 
 RETURN = r"""
+placement:
+  description: Where the scoring ran, why, how long it took (C(seconds)) and the bounds it observed
+    (C(bounds), with O(cpu_bounds)); null when the stage did not say.
+  returned: always
+  type: dict
 tau:
   description: The drafter's mean acceptance length (accepted tokens per verify step, bonus included). Null in
     check mode when the report would be written.
@@ -326,8 +347,10 @@ plots:
   elements: str
 """
 
+import os
 import re
 
+from ansible_collections.specops.drafter.plugins.module_utils import cpu_scope
 from ansible_collections.specops.drafter.plugins.module_utils.stage_runner import stage_module, stage_result
 
 # The request's options: specops.score REQUEST declares them (tests/ansible/test_stage_schemas.py checks).
@@ -350,6 +373,8 @@ REQUEST_OPTIONS = dict(
     step_costs=dict(type="dict"),
     history=dict(type="path"),
     force=dict(type="bool", default=False),
+    placement=dict(type="dict"),
+    cpu_bounds=dict(type="dict"),
 )
 
 FIGURES = {
@@ -375,6 +400,7 @@ FIGURES = {
     "report_json": None,
     "report_md": None,
     "plots": [],
+    "placement": None,
 }
 
 DEVICE_FORM = re.compile(r"^(auto|cpu|cuda(:[0-9]+)?)$")
@@ -385,8 +411,15 @@ def main():
     # Refused here, before the ML environment is started for nothing.
     if not DEVICE_FORM.match(module.params["device"]):
         module.fail_json(msg="device %r is not one of auto, cpu, cuda, cuda:N" % module.params["device"])
+    bounds = cpu_scope.with_defaults(module.params["cpu_bounds"] or {}, os.cpu_count() or 1)
+    problems = cpu_scope.check_bounds(bounds)
+    if problems:
+        module.fail_json(msg="cpu_bounds %r: %s" % (bounds, "; ".join(problems)))
+    manager = cpu_scope.host_systemd_manager() if bounds else None
     # Ansible reserves 'warnings' in a module result for its own display.
-    result = stage_result(module, "score", REQUEST_OPTIONS, FIGURES, renamed={"warnings": "diagnostic_warnings"})
+    result = stage_result(module, "score", REQUEST_OPTIONS, FIGURES, renamed={"warnings": "diagnostic_warnings"},
+                          wrap=lambda cmd: cpu_scope.bounded_argv(cmd, bounds, manager),
+                          extra_env=cpu_scope.thread_environment(bounds))
     result["diagnostic_warnings"] = list(result["diagnostic_warnings"] or [])
     for warning in result["diagnostic_warnings"]:
         module.warn(warning)
