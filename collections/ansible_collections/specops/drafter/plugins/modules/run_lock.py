@@ -51,8 +51,8 @@ options:
   lapse_seconds:
     description:
       - Over SSH, how long after the session is gone the run's processes must have been absent before the
-        lock lapses (a play without C(ControlPersist) opens a session per task: the gap between two tasks
-        must not free the lock).
+        lock lapses (a play without C(ControlPersist) opens a session per task, and the gap between two
+        tasks must not free the lock).
     type: int
     default: 120
   owner:
