@@ -575,3 +575,34 @@ def test_the_guards_resume_that_kills_the_server_is_followed_by_a_start(memory_s
     assert "not_serving" in last and last["started_pid"] == site.server_pid(), last
     assert "CUDA out of memory" in (site.work_dir / "sglang.log").read_text()
     assert _window_is_over(site)
+
+
+def test_a_full_disk_at_the_score_stage_names_the_file_and_the_fix(served, tmp_path):
+    """The score stage's output on a file system with no space left (a 64 KiB tmpfs, filled): the play
+    fails naming the stage, the file and what to do, not with a traceback; the server is not touched."""
+    site = served
+    run_dir = site.seed_run_dir(site.run_dir, tmp_path / "run", stages=("completions", "hidden_states"))
+    score_dir = run_dir / "score"
+    score_dir.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(score_dir)], check=False)
+    if mounted.returncode != 0:
+        pytest.skip("mounting a small tmpfs needs root")
+    try:
+        filler = os.open(score_dir / "filler", os.O_WRONLY | os.O_CREAT)
+        try:
+            while os.write(filler, b"\0" * 4096):
+                pass
+        except OSError:  # full: what the test wants
+            pass
+        finally:
+            os.close(filler)
+        pid = site.server_pid()
+        result = site.play("eval.yml", specops_run_dir=str(run_dir), args=("--tags", "score"))
+    finally:
+        subprocess.run(["umount", "-l", str(score_dir)], check=False)
+    assert result.rc != 0
+    assert "specops stage 'score' failed" in said(result), result.output[-4000:]
+    assert "no space left to write" in said(result) and str(score_dir) in said(result), result.output[-4000:]
+    assert "free space on that file system" in said(result)
+    assert "Traceback" not in result.output
+    assert site.server_pid() == pid and site.health_generate_status() == 200
