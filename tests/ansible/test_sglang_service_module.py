@@ -36,7 +36,13 @@ from sglang_service_site import FIXTURES, KEYS, ML_PYTHON, Site, module_env, wai
 pytestmark = pytest.mark.skipif(not ML_PYTHON.exists(), reason="needs the ML environment (.venv-ml)")
 
 MEMORY_SAVER = ("--enable-memory-saver", "--enable-weights-cpu-backup")
-SLEEPER = [sys.executable, "-c", "import time; time.sleep(300)"]
+# Ctrl-C ends it whoever started the suite: a shell's background job (make test started with `&`) passes
+# SIGINT on ignored, and Python then installs no handler of its own.
+SLEEPER = [
+    sys.executable,
+    "-c",
+    "import signal, time; signal.signal(signal.SIGINT, signal.default_int_handler); time.sleep(300)",
+]
 
 
 @pytest.fixture(scope="module", autouse=True)
