@@ -305,7 +305,8 @@ def render_outages(outages: Sequence[Mapping[str, Any]]) -> str:
         lines += ["", "## Servers found down", ""]
         lines += [
             f"- {o.get('server') or 'the server'} was not running when this run reached it ({o['cause']}); "
-            f"started again, answering at {o.get('ready_at') or '?'}. When it went down is not known."
+            f"started, answering at {o.get('ready_at') or '?'}. A first start on this host reads the same; "
+            f"otherwise it died or was stopped outside any window, when is not known."
             for o in found
         ]
     if guarded:
