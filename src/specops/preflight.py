@@ -51,20 +51,32 @@ def read_config(path: Path, what: str) -> dict[str, Any]:
     return config
 
 
-def check_drafter(drafter: str | os.PathLike[str], target_dir: Path, target_vocab_size: int) -> None:
-    """The drafter's vocabulary and mask token against the target: either wrong makes every draft garbage."""
+def drafter_problems(drafter: str | os.PathLike[str], target_dir: Path, target_vocab_size: int) -> list[str]:
+    """The drafter's vocabulary and mask token against the target, each problem found (either wrong makes
+    every draft garbage); a config that cannot be read is refused at once, nothing else can be checked."""
     path = Path(drafter) / "config.json"
     config = read_config(path, "drafter config")
+    problems = []
     vocab = config.get("vocab_size")
     if vocab is not None and vocab != target_vocab_size:
-        raise StageError(
+        problems.append(
             f"{path}: vocab_size {vocab} differs from the target's {target_vocab_size} "
             f"({target_dir / 'config.json'}): the drafter was built for another target or "
             f"tokenizer; point drafter at the one trained for this target"
         )
     error = diag.mask_token_error(diag.vocabulary_check(config, target_dir))
     if error:
-        raise StageError(f"{path}: {error}")
+        problems.append(f"{path}: {error}")
+    return problems
+
+
+def refuse(problems: list[str]) -> None:
+    """One StageError naming every problem found, so one run shows all there is to fix."""
+    if len(problems) == 1:
+        raise StageError(problems[0])
+    if problems:
+        listed = "; ".join(f"({number}) {problem}" for number, problem in enumerate(problems, 1))
+        raise StageError(f"{len(problems)} problems, each to fix: {listed}")
 
 
 def check_completions_file(path: Path) -> None:

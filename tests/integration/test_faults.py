@@ -60,55 +60,41 @@ def assert_refused_before_the_window(site, result, pid_before, *causes):
 
 
 # Every cause the extraction's plan refuses is tested in detail on the stage
-# (tests/unit/test_extract_faults.py and test_extract.py); these show the play's side of each: refused
-# before the window, the server untouched.
-def test_a_mask_token_out_of_range_is_refused_before_the_window(serving, refused_run_dir, tmp_path):
-    drafter = copy_drafter(serving, tmp_path, mask_token_id=10**6)
+# (tests/unit/test_extract_faults.py and test_extract.py); these show the play's side: refused before the
+# window, the server untouched. The plan names every problem it finds at once, so one play shows four.
+def test_every_problem_the_plan_finds_is_named_at_once_before_the_window(serving, refused_run_dir, tmp_path):
+    drafter = copy_drafter(serving, tmp_path, mask_token_id=10**6, vocab_size=123457)
+    # The reserve makes the output's file system too small for the shards, whatever its real size.
+    free = shutil.disk_usage(tmp_path).free
+    pid = serving.server_pid()
+    result = serving.play(
+        "eval.yml",
+        specops_run_dir=refused_run_dir,
+        specops_drafter=str(drafter),
+        extract_hidden_states_require_backend="fla",
+        extract_hidden_states_disk_reserve_bytes=free,
+    )
+    assert_refused_before_the_window(serving, result, pid, "4 problems, each to fix")
+    for number, pattern in enumerate(
+        (
+            rf"{re.escape(str(drafter))}/config\.json: vocab_size 123457 differs from the target's",
+            r"mask_token_id 1000000 is out of range",
+            r"require_backend is fla",
+            r"not enough disk space.*the hidden states need \d+\.\d\d [KM]iB",
+        ),
+        1,
+    ):
+        assert re.search(rf"\({number}\) [^;]*{pattern}", said(result)), result.output[-4000:]
+
+
+def test_a_drafter_config_that_is_not_json_is_named_before_the_window(serving, refused_run_dir, tmp_path):
+    drafter = copy_drafter(serving, tmp_path)
+    (drafter / "config.json").write_text('{"dflash_config": {')
     pid = serving.server_pid()
     result = serving.play("eval.yml", specops_run_dir=refused_run_dir, specops_drafter=str(drafter))
     assert_refused_before_the_window(
-        serving, result, pid, f"{drafter}/config.json", "mask_token_id 1000000 is out of range"
+        serving, result, pid, f"drafter config {drafter}/config.json is not valid JSON"
     )
-
-
-# Each fault gives the play's extra variables and patterns its message must match.
-def garbled_config(site, tmp_path):
-    drafter = copy_drafter(site, tmp_path)
-    (drafter / "config.json").write_text('{"dflash_config": {')
-    message = f"drafter config {drafter}/config.json is not valid JSON"
-    return {"specops_drafter": str(drafter)}, [re.escape(message)]
-
-
-def other_vocabulary(site, tmp_path):
-    drafter = copy_drafter(site, tmp_path, vocab_size=123457)
-    return {"specops_drafter": str(drafter)}, ["vocab_size 123457 differs from the target's"]
-
-
-def fla_required(site, tmp_path):
-    return {"extract_hidden_states_require_backend": "fla"}, ["require_backend is fla"]
-
-
-def too_little_disk(site, tmp_path):
-    # The reserve makes the output's file system too small for the shards, whatever its real size.
-    free = shutil.disk_usage(tmp_path).free
-    return {"extract_hidden_states_disk_reserve_bytes": free}, [
-        "not enough disk space",
-        r"the hidden states need \d+\.\d\d [KM]iB",
-    ]
-
-
-@pytest.mark.parametrize(
-    "fault",
-    [garbled_config, other_vocabulary, fla_required, too_little_disk],
-    ids=lambda fault: fault.__name__,
-)
-def test_each_cause_the_plan_refuses_is_named_before_the_window(serving, refused_run_dir, tmp_path, fault):
-    extra_vars, patterns = fault(serving, tmp_path)
-    pid = serving.server_pid()
-    result = serving.play("eval.yml", specops_run_dir=refused_run_dir, **extra_vars)
-    assert_refused_before_the_window(serving, result, pid)
-    for pattern in patterns:
-        assert re.search(pattern, said(result)), result.output[-4000:]
     assert "the request is not JSON" not in said(result)  # the file is named, not blamed on a request
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import errno
 import io
 import json
+import re
 import shutil
 import types
 from pathlib import Path
@@ -127,6 +128,38 @@ def test_too_little_disk_is_refused_by_the_plan_with_the_real_figure(
             request(fixture_models, completions, tmp_path / "not-yet-created", disk_reserve_bytes=0)
         )
     assert planned is None and "0.00 GiB" not in str(error.value)
+
+
+def test_the_plan_names_every_problem_it_finds_in_one_refusal(
+    fixture_models, completions, tmp_path, monkeypatch
+):
+    # Four problems of three kinds (the drafter's config twice, the backend, the disk): one run names them
+    # all, numbered, so the operator fixes everything before the next run.
+    drafter = drafter_with(fixture_models, tmp_path, vocab_size=512, mask_token_id=10**6)
+    monkeypatch.setattr(preflight.shutil, "disk_usage", lambda path: types.SimpleNamespace(free=4096))
+    with pytest.raises(StageError) as error:
+        extract.plan(
+            request(
+                fixture_models,
+                completions,
+                tmp_path / "out",
+                drafter=str(drafter),
+                require_backend="fla",
+                disk_reserve_bytes=0,
+            )
+        )
+    message = str(error.value)
+    assert message.startswith("4 problems, each to fix: (1) ")
+    for number, pattern in enumerate(
+        (
+            r"vocab_size 512 differs from the target's 400",
+            r"the drafter's mask_token_id 1000000 is out of range",
+            r"require_backend is fla but",
+            r"the hidden states need \d+\.\d\d KiB",
+        ),
+        1,
+    ):
+        assert re.search(rf"\({number}\) [^;]*{pattern}", message), (number, message)
 
 
 def test_the_disk_check_counts_the_files_beside_the_shards_their_blocks_and_a_reserve(tmp_path, monkeypatch):

@@ -49,8 +49,9 @@ class Prepared:
         return len(self.layer_ids) * self.target.hidden_size * self.dtype.itemsize + 8
 
 
-def prepare(request: dict[str, Any]) -> Prepared:
-    """Validate everything and fingerprint the inputs; loads no model."""
+def prepare(request: dict[str, Any], problems: list[str] | None = None) -> Prepared:
+    """Validate everything and fingerprint the inputs; loads no model. The drafters' problems are added to
+    `problems` where it is given (the plan names them with its own), else refused here."""
     req = parse_request(request)
     target = inspect_target(req["target"])
     completions_dir = Path(req["completions"])
@@ -75,8 +76,15 @@ def prepare(request: dict[str, Any]) -> Prepared:
     layer_ids, skipped = captured_layers(target_ids, req["capture_offsets"], target.num_layers)
     device, dtype = resolve_device_dtype(first_device(req), req["dtype"])
     require = resolve_require_backend(req["require_backend"], cuda=device.type == "cuda")
-    for drafter in drafter_list(req["drafter"]):
-        preflight.check_drafter(drafter, target.path, target.vocab_size)
+    found = [
+        problem
+        for drafter in drafter_list(req["drafter"])
+        for problem in preflight.drafter_problems(drafter, target.path, target.vocab_size)
+    ]
+    if problems is None:
+        preflight.refuse(found)
+    else:
+        problems.extend(found)
     inputs = {
         "format_version": FORMAT_VERSION,
         "target": target.identity,

@@ -64,22 +64,27 @@ def load_model(prep: Prepared) -> Any:
 
 
 def plan(request: dict[str, Any]) -> dict[str, Any]:
-    prep = prepare(request)
+    # What the run would refuse after the service is down, refused now: every problem at once, so that
+    # one run names all there is to fix.
+    problems: list[str] = []
+    prep = prepare(request, problems)
     fp = fingerprint(prep.inputs)
     reason = staleness(prep.out_dir, fp)
     if reason is None:
+        preflight.refuse(problems)
         return {
             **stage_result(load_manifest(prep.out_dir) or {}, prep.out_dir, changed=False),
             "estimated_seconds": 0.0,
         }
     resumable = resumable_shards(prep, fp)
-    # What the run would refuse after the service is down, refused now.
     from transformers import AutoConfig
 
-    backend_plan(prep, modeling_module_for(AutoConfig.from_pretrained(str(prep.target.path))))
+    modeling = modeling_module_for(AutoConfig.from_pretrained(str(prep.target.path)))
+    checked(problems, backend_plan, prep, modeling)
     todo = [s for s in prep.shards if s.name not in resumable]
-    needed = disk_check(prep, todo)
-    memory = host_memory(prep)  # refuses here, before the service is touched, when the host is too small
+    needed = checked(problems, disk_check, prep, todo)
+    memory = checked(problems, host_memory, prep)  # refused here, before the service is touched
+    preflight.refuse(problems)
     log(memory["msg"])
     return {
         "changed": True,
@@ -102,6 +107,15 @@ def plan(request: dict[str, Any]) -> dict[str, Any]:
         "estimated_seconds": round(estimated_seconds(prep, todo, needed), 1),
         "host_memory": memory,
     }
+
+
+def checked(problems: list[str], check: Any, *args: Any) -> Any:
+    """check(*args), its refusal added to problems instead of raised."""
+    try:
+        return check(*args)
+    except StageError as error:
+        problems.append(str(error))
+        return None
 
 
 def gpu_need(prep: Prepared) -> dict[str, int]:
