@@ -255,13 +255,13 @@ def listening_inodes(port: int, proc_root: str = "/proc") -> set[str]:
     return inodes
 
 
-def socket_owners(inodes: set[str], proc_root: str = "/proc") -> set[int]:
-    """Pids with one of the socket inodes open; only the processes we may inspect."""
+def socket_owners(inodes: set[str], proc_root: str = "/proc", pids=None) -> set[int]:
+    """Pids (of `pids`, else every process) with one of the socket inodes open; only those we may inspect."""
     wanted = set("socket:[%s]" % inode for inode in inodes)
     owners: set[int] = set()
     if not wanted:
         return owners
-    for pid in list_pids(proc_root):
+    for pid in sorted(pids) if pids is not None else list_pids(proc_root):
         try:
             fds = os.listdir("%s/%d/fd" % (proc_root, pid))
         except OSError:

@@ -25,8 +25,18 @@ def url_port(url: str) -> int:
 
 def foreign_listener(port: int, our_pid: int | None) -> int | None:
     """A process that is not ours listening on the port, or None (owners we cannot see are not foreign)."""
-    owners = procfs.port_listeners(port)
-    strangers = sorted(owners - (set(procfs.process_tree(our_pid)) if our_pid else set()))
+    inodes = procfs.listening_inodes(port)
+    if not inodes:
+        return None
+    # Our server (or its tree) holding the socket settles it without reading every process's descriptors
+    # and states: the readiness loop asks once a poll.
+    if our_pid and procfs.socket_owners(inodes, pids={our_pid}):
+        return None
+    ours = set(procfs.process_tree(our_pid)) if our_pid else set()
+    if ours and procfs.socket_owners(inodes, pids=ours):
+        return None
+    owners = procfs.socket_owners(inodes)
+    strangers = sorted(owners - ours)
     return strangers[0] if strangers and owners == set(strangers) else None
 
 

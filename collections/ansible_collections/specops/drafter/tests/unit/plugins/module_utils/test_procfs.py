@@ -12,7 +12,7 @@ import subprocess
 import sys
 import time
 
-from ansible_collections.specops.drafter.plugins.module_utils import procfs
+from ansible_collections.specops.drafter.plugins.module_utils import procfs, readiness
 
 
 def test_a_process_is_known_by_pid_and_start_time():
@@ -37,7 +37,23 @@ def test_the_listener_of_a_port_is_named():
     listener.bind(("127.0.0.1", 0))
     listener.listen(1)
     try:
-        assert procfs.port_listeners(listener.getsockname()[1]) == {os.getpid()}
+        port = listener.getsockname()[1]
+        assert procfs.port_listeners(port) == {os.getpid()}
+        # Looked for among given pids only: found in this process, not in another.
+        inodes = procfs.listening_inodes(port)
+        assert procfs.socket_owners(inodes, pids={os.getpid()}) == {os.getpid()}
+        assert procfs.socket_owners(inodes, pids={os.getppid()}) == set()
+        # Held by the server's tree (this process, or its parent's tree): nobody foreign. Seen from a
+        # server that is a child of ours, or from none, this process is the stranger holding the port.
+        assert readiness.foreign_listener(port, os.getpid()) is None
+        assert readiness.foreign_listener(port, os.getppid()) is None
+        child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+        try:
+            assert readiness.foreign_listener(port, child.pid) == os.getpid()
+        finally:
+            child.kill()
+            child.wait()
+        assert readiness.foreign_listener(port, None) == os.getpid()
     finally:
         listener.close()
 
