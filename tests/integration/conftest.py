@@ -64,10 +64,6 @@ class LocalDefault:
             # The tests seed run directories with the shared run's completions to take a window of their
             # own: the same work is not taken over from the shared run (test_faults.py tests that it is).
             "specops_reuse_extractions": False,
-            # The layer-offset diagnostic (the demo's) doubles the extraction's layers and the scoring's
-            # passes; these tests are about the service and the stages, and the unit tests cover it.
-            "extract_hidden_states_capture_offsets": [0],
-            "score_drafter_diagnostics": ["acceptance", "backend", "vocabulary"],
             **self.settings,
         }
         values.update(overrides)
