@@ -154,38 +154,36 @@ test-models: $(ML_VENV)/.stamp
 test-fixtures: $(ML_VENV)/.stamp
 	$(HEARTBEAT) fixtures $(ML_VENV)/bin/python -m specops.fixtures --out $(TEST_FIXTURES) --no-reference-training
 
-# The suites, four at a time (make -j4): the four long ones first, then the unit tests, started as soon as
-# a long suite ends (the systemd suite, mostly waiting, ends first).
+# The suites, four at a time (make -j4), in this order: the four long ones first, then the checks,
+# each started as soon as a suite ends, so whichever suites end first share the run's
+# tail. With fixed lanes (2026-12-03: the systemd suite then ansible-lint, sanity, units and the unit
+# tests in one lane) the lane that held the most checks ended the run alone: 2026-12-04, 1150 s, of
+# which the last ~175 s with one lane left.
 #  - integration: plays against development servers of their own, on free ports, in their own
 #    directories, a test file per worker (each worker runs the shared evaluation once);
 #  - module tests (tests/ansible), spread over both cores;
 #  - fleet: three servers behind the router, the suite's longest fixture;
 #  - systemd: mostly waiting (debootstrap, a container booting systemd);
-#  - the unit tests, on both cores.
-# The checks that only read the tree (ansible-test sanity and units, ruff and mypy, ansible-lint) run
-# beside them from the start at the lowest priority (nice 19): they take the CPU the suites leave idle
-# (about a tenth of the cores, 2026-12-05: 2,712 core-s used of 3,030 in a 1515 s run) instead of a slot
-# and a share of the busy cores. Nothing in them waits on a clock.
+#  - then the checks: ansible-test sanity, ruff and mypy, ansible-lint, ansible-test units, and the unit
+#    tests last, on both cores, so that the run ends with both cores busy and the unit tests' servers run
+#    beside fewer others (2026-12-04: started beside three suites, they took 207 core-s, against 157 at
+#    the end of the run).
 # More at once does not help on 2 cores: with the unit tests as a fifth lane from the start
 # (2026-12-03) the run took 2550 s and 4,929 core-s instead of 2287 s and 4,087 (busier cores stretch
 # every wait, and each stretched wait costs CPU), and six timing-sensitive tests failed.
 # A suite that fails does not stop the others (--keep-going): the run says everything that failed.
-# The environments are built first, side by side, so that the two makes never build one together.
-# Every line a suite prints carries its name and shows as soon as it is written; a suite quiet for 25 s
-# says so. Each pytest run keeps its own temporary root, so no run's clean-up of old temporary
+# The environments and the fixture models are built in the same make, once, the two environments side
+# by side; the checks wait for the fixture models (CHECKS_AFTER) so that the long suites get the slots
+# first. Every line a suite prints carries its name and shows as soon as it is written; a suite quiet
+# for 25 s says so. Each pytest run keeps its own temporary root, so no run's clean-up of old temporary
 # directories removes another's.
 LONG_SUITES := test-integration test-ansible test-fleet test-systemd
-QUIET_CHECKS := test-sanity test-python-checks test-lint test-units
-CHECKS := $(QUIET_CHECKS) test-unit
+CHECKS := test-sanity test-python-checks test-lint test-units test-unit
 CHECKS_AFTER ?=
 test: system-deps
 	mkdir -p $(TEST_REPORTS)
-	$(MAKE) -j2 $(VENV)/.stamp $(ML_VENV)/.stamp
-	nice -n 19 $(MAKE) -j2 --keep-going --output-sync=none $(QUIET_CHECKS) & checks=$$!; \
-	$(MAKE) -j4 --keep-going --output-sync=none $(LONG_SUITES) test-unit; suites=$$?; \
-	wait $$checks; checked=$$?; \
-	$(PYTHON_CONTROL) .ci/durations.py --top 5 $(TEST_REPORTS)/*.xml; \
-	test $$suites -eq 0 -a $$checked -eq 0
+	$(MAKE) -j4 --keep-going --output-sync=none CHECKS_AFTER="test-models test-fixtures" $(LONG_SUITES) $(CHECKS)
+	$(PYTHON_CONTROL) .ci/durations.py --top 5 $(TEST_REPORTS)/*.xml
 
 # What needs neither playbooks nor systemd, one suite after another.
 test-in-order: $(VENV)/.stamp $(ML_VENV)/.stamp
