@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -109,7 +109,7 @@ def plan(request: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def checked(problems: list[str], check: Any, *args: Any) -> Any:
+def checked(problems: list[str], check: Callable[..., Any], *args: Any) -> Any:
     """check(*args), its refusal added to problems instead of raised."""
     try:
         return check(*args)

@@ -276,11 +276,6 @@ def socket_owners(inodes: set[str], proc_root: str = "/proc", pids=None) -> set[
     return owners
 
 
-def port_listeners(port: int, proc_root: str = "/proc") -> set[int]:
-    """Pids listening on a TCP port (those we may inspect)."""
-    return socket_owners(listening_inodes(port, proc_root), proc_root)
-
-
 def carries_token(pid: int, token: str, proc_root: str = "/proc") -> bool:
     """pid's environment holds SPECOPS_WINDOW_TOKEN=<token>: it is the window's work."""
     try:

@@ -38,9 +38,9 @@ def test_the_listener_of_a_port_is_named():
     listener.listen(1)
     try:
         port = listener.getsockname()[1]
-        assert procfs.port_listeners(port) == {os.getpid()}
-        # Looked for among given pids only: found in this process, not in another.
         inodes = procfs.listening_inodes(port)
+        assert procfs.socket_owners(inodes) == {os.getpid()}
+        # Looked for among given pids only: found in this process, not in another.
         assert procfs.socket_owners(inodes, pids={os.getpid()}) == {os.getpid()}
         assert procfs.socket_owners(inodes, pids={os.getppid()}) == set()
         # Held by the server's tree (this process, or its parent's tree): nobody foreign. Seen from a
