@@ -52,7 +52,7 @@ PREVIOUS=${PREVIOUS:-}
 SERVE_DRAFTER=${SERVE_DRAFTER:-big}
 # The completions' length for the targets built by build_target.py (the fixture keeps the default).
 MAX_NEW_TOKENS_14b=${MAX_NEW_TOKENS_14b:-128}
-export SERVE_DRAFTER MAX_NEW_TOKENS_14b
+export SERVE_DRAFTER MAX_NEW_TOKENS_14b SCORE_DEVICE_14b=${SCORE_DEVICE_14b:-cuda}
 mkdir -p "$WORK/vars" "$WORK/logs" "$WORK/done" "$WORK/junit"
 touch "$WORK/plays.jsonl"
 
@@ -105,6 +105,9 @@ if target != "fixture":  # built by build_target.py into $WORK/<target>
     v["sglang_service_draft_model_path"] = f"{work}/{target}/drafter" if target in os.environ.get("SERVE_DRAFTER", "").split() else ""
     if os.environ.get(f"MAX_NEW_TOKENS_{target}"):
         v["specops_max_new_tokens"] = int(os.environ[f"MAX_NEW_TOKENS_{target}"])
+# SCORE_DEVICE_<target>=cpu: scoring after the window on the host's CPU (beside a 14 B server whose KV pool
+# fills the GPU as SGLang's does, scoring on cuda runs out of memory).
+v["score_drafter_device"] = os.environ.get(f"SCORE_DEVICE_{target}", "cuda")
 print(json.dumps(v))
 PY
 }

@@ -100,10 +100,12 @@ def build_window(
     prepared: Mapping[str, Any] | None = None,
     service: Mapping[str, Any] | None = None,
     follows: Mapping[str, Any] | None = None,
+    finished: float | None = None,
 ) -> dict[str, Any]:
     """The window record from the play's marks and the extraction's manifest; `prepared` is what
     specops.prewarm did before the window (outside the downtime, recorded beside it); `service`
-    holds the moments the service went down and answered again, on the host's clock."""
+    holds the moments the service went down and answered again, on the host's clock; `finished` the
+    moment the extraction said its outputs were written and the device's memory given back."""
     if mode not in MODES:
         raise StageError(f"window mode {mode!r} is not one of {', '.join(MODES)}")
     parsed = _parse_marks(marks)
@@ -116,6 +118,7 @@ def build_window(
     down_at, ready_at = moments or (parsed[0][1], parsed[-1][1])
     downtime = ready_at - down_at
     extraction = extraction_figures(manifest)
+    extraction["finished_at"] = finished
     extract_stage = sum(s["s"] for s in stages if s["stage"] == EXTRACT_STAGE)
     if extract_stage and extraction["loop_s"] is not None:
         # Process start, imports, planning and the play's polling: the stage's time outside the work.
@@ -174,7 +177,8 @@ def account(
     """The downtime split at the moments both sides recorded: pause + release, the GPU memory check, go
     reaching the extraction, its set-up, the weights' copy, its loop (parity and forwards), from the loop's
     end to the resume's start (the manifest, the extraction's exit, and the play's tasks unless the guard
-    resumed at the work's end), and the resume to the first 200.
+    resumed at the work's end), and the resume to the first 200. Where the extraction said finished, that
+    span is split there: the manifest and the device's memory given back, then the guard's reaction.
     None where a moment is missing (stop mode, or an extraction not started ahead)."""
     service = service or {}
     prestart = extraction.get("prestart") or {}
@@ -197,6 +201,15 @@ def account(
         "loop_end_to_resume_s": resume - ended,
         "resume_to_ready_s": ready_at - resume,
     }
+    finished = _moment(extraction.get("finished_at"))
+    if finished is not None and ended <= finished <= resume:
+        ready = parts.pop("resume_to_ready_s")
+        del parts["loop_end_to_resume_s"]
+        parts.update(
+            outputs_and_device_release_s=finished - ended,
+            finished_to_resume_s=resume - finished,
+            resume_to_ready_s=ready,
+        )
     parts = {key: round(value, 3) for key, value in parts.items()}
     parts["unexplained_s"] = round((ready_at - down_at) - sum(parts.values()), 3)
     return parts
@@ -438,12 +451,19 @@ def render_markdown(window: Mapping[str, Any] | None) -> str:
 
 
 def _request(request: Mapping[str, Any]) -> tuple[list, str, Path]:
-    unknown = set(request) - {"marks", "mode", "hidden_states", "prepared", "service", "outages", "follows"}
+    allowed = {
+        "marks",
+        "mode",
+        "hidden_states",
+        "prepared",
+        "service",
+        "outages",
+        "follows",
+        "extraction_state",
+    }
+    unknown = set(request) - allowed
     if unknown:
-        raise StageError(
-            f"unknown request keys {sorted(unknown)}: allowed are follows, hidden_states, marks, mode, "
-            "outages, prepared, service"
-        )
+        raise StageError(f"unknown request keys {sorted(unknown)}: allowed are {', '.join(sorted(allowed))}")
     if not request.get("hidden_states"):
         raise StageError("'hidden_states' is required: the extraction's output directory")
     marks = list(request.get("marks") or [])
@@ -458,7 +478,21 @@ def _window_of(request: Mapping[str, Any], marks: list, mode: str, hidden_states
         request.get("prepared"),
         request.get("service"),
         request.get("follows"),
+        finished_at(request.get("extraction_state")),
     )
+
+
+def finished_at(state_file: Any) -> float | None:
+    """When the extraction started ahead said finished (its state file), None where it did not."""
+    if not state_file:
+        return None
+    try:
+        state = json.loads(Path(state_file).read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+    if not isinstance(state, dict) or state.get("state") != "finished":
+        return None
+    return _moment(state.get("finished_at"))
 
 
 def plan(request: dict[str, Any]) -> dict[str, Any]:

@@ -272,17 +272,22 @@ def test_the_weights_stay_on_the_gpu_where_the_extraction_fits_beside_them(site_
     assert resumed["changed"] and not resumed["failed"], resumed.get("msg")
 
 
-@pytest.mark.parametrize("end", ["result written", "result read and removed"])
+@pytest.mark.parametrize("end", ["result written", "result read and removed", "extraction finished"])
 def test_the_guard_resumes_the_moment_the_windows_work_has_ended_and_the_play_finds_it_serving(
     serving, tmp_path, end
 ):
     """One step on the host: the release tells the waiting work to go, the guard resumes when its job's
-    result appears (or, read by the play's wait first, is gone); the play's resume finds the server
-    serving and reports the guard's first 200."""
+    result appears (or, read by the play's wait first, is gone), or when the extraction says finished
+    while its process still exits; the play's resume finds the server serving and reports the guard's
+    first 200."""
     go, job = tmp_path / "extract.start", tmp_path / "job.json"
+    state = tmp_path / "extract.start.state"
     go.write_text(json.dumps({"signal": "wait", "until": time.time() + 600}))
     job.write_text(json.dumps({"started": 1, "finished": 0}))
-    released = serving.run("released", window=window("w-done"), go_file=str(go), resume_when_done=str(job))
+    state.write_text(json.dumps({"state": "waiting", "pid": 1}))
+    released = serving.run(
+        "released", window=window("w-done"), go_file=str(go), resume_when_done=[str(job), str(state)]
+    )
     assert not released["failed"], released.get("msg")
     assert json.loads(go.read_text())["signal"] == "go" and released["go_at"] >= released["released_at"]
     assert http_status(serving.url + "/health_generate", timeout=5) != 200  # paused and released
@@ -290,8 +295,11 @@ def test_the_guard_resumes_the_moment_the_windows_work_has_ended_and_the_play_fi
     if end == "result written":
         # The work's end, as the async job writes it.
         job.write_text(json.dumps({"changed": True, "finished": 1}))
-    else:
+    elif end == "result read and removed":
         job.unlink()  # job_wait's cleanup, when it read the end before the guard looked
+    else:
+        # Outputs written, device memory given back; the job runs on while the process exits.
+        state.write_text(json.dumps({"state": "finished", "finished_at": time.time(), "pid": 1}))
     assert wait_for(lambda: (serving.state_dir / "guard.result.json").exists(), 120)
     assert http_status(serving.url + "/health_generate") == 200
     resumed = serving.run("resumed", window=window("w-done"))

@@ -143,6 +143,23 @@ def test_a_held_extraction_writes_nothing_until_go_then_the_same_shards(
         "go_seen_at",
         "setup_s",
     }
+    # Its end, said before the process exits: outputs written first, the device's memory given back.
+    finished = json.loads(state_path(signal).read_text())
+    assert finished["state"] == "finished" and finished["device_reserved_bytes"] == 0
+    assert held["progress"]["loop_ended_at"] <= finished["finished_at"]
+
+
+def test_finished_is_not_said_while_the_device_keeps_memory_of_the_extraction(tmp_path, monkeypatch):
+    signal = tmp_path / "start"
+    held = start_signal.Held(model=object(), figures={"go_seen_at": 1.0})
+    monkeypatch.setattr(
+        start_signal, "release_device", lambda device: start_signal.MAX_RESERVED_WHEN_FINISHED + 1
+    )
+    assert start_signal.say_finished(signal, held, "cuda") is False
+    assert not state_path(signal).exists() and held.model is None
+    monkeypatch.setattr(start_signal, "release_device", lambda device: 0)
+    assert start_signal.say_finished(signal, held, "cuda") is True
+    assert json.loads(state_path(signal).read_text())["state"] == "finished"
 
 
 def test_an_aborted_extraction_leaves_no_output(fixture_models, completions, tmp_path):  # noqa: F811

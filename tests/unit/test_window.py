@@ -194,6 +194,23 @@ def test_every_second_of_a_memory_saver_window_is_accounted_for():
     assert "Released: kv_cache, cuda_graph (the weights stayed on the GPU, pause + release 10.50 s)" in text
     assert "Where the downtime went: pause and release 10.50 s" in text and "unexplained 0.00 s" in text
 
+    # The extraction said finished (outputs written, device memory given back) before its exit: the span
+    # from its loop's end to the resume splits there.
+    finished = window.build_window(marks, "memory_saver", manifest, None, service, None, 1014.2)
+    split = finished["accounted"]
+    assert "loop_end_to_resume_s" not in split and split["unexplained_s"] == 0.0
+    assert (split["outputs_and_device_release_s"], split["finished_to_resume_s"]) == (0.3, 0.4)
+    assert list(split)[-2:] == ["resume_to_ready_s", "unexplained_s"]
+
+
+def test_the_extractions_finished_moment_is_read_from_its_state_file(tmp_path):
+    state = tmp_path / "extract.start.state"
+    assert window.finished_at(str(state)) is None  # not there
+    state.write_text(json.dumps({"state": "started", "pid": 1}))
+    assert window.finished_at(str(state)) is None
+    state.write_text(json.dumps({"state": "finished", "finished_at": 1014.2, "pid": 1}))
+    assert window.finished_at(str(state)) == 1014.2 and window.finished_at(None) is None
+
 
 def test_without_the_extractions_moments_nothing_is_accounted():
     service = {"down_at": 1000.0, "ready_at": 1015.0, "released_at": 1001.0}

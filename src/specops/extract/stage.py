@@ -270,6 +270,10 @@ def run_single(
         devices.describe(),
     )
     log(f"wrote {len(prep.shards)} shards to {prep.out_dir} ({stats['tokens_per_second']:.0f} tok/s)")
+    if held:
+        # The window's end: the server resumes while this process exits.
+        del model, cap, monitor
+        start_signal.say_finished(Path(prep.req["start_signal"]), held, prep.device)
     return stage_result(manifest, prep.out_dir, changed=True)
 
 

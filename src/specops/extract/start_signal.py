@@ -11,8 +11,12 @@ atomically, one JSON object:
 
 The extraction exits without touching the GPU's memory and without writing any output on "abort",
 when the lease runs out (a play lost before the window cannot leave it waiting) or when the signal
-file is gone. Its state goes to `<signal>.state` (preparing, waiting, started, stopped), with its pid,
-so the play can tell when it waits and stop one that outlives an abort.
+file is gone. Its state goes to `<signal>.state` (preparing, waiting, started, stopped, finished), with
+its pid, so the play can tell when it waits and stop one that outlives an abort.
+
+"finished" is the window's end on the host: the outputs are on disk and the device has its memory back,
+so the guard resumes the server then, while this process exits (giving back tens of GiB of pinned host
+memory takes seconds at exit, which the service no longer waits for).
 """
 
 from __future__ import annotations
@@ -31,7 +35,12 @@ from specops.stage import StageError, log
 
 GO, WAIT, ABORT, GONE = "go", "wait", "abort", "gone"
 STATE_SUFFIX = ".state"
+FINISHED = "finished"
 POLL_S = 0.05
+# Device memory the caching allocator may still reserve when the extraction says finished: a server
+# that resumes into a device short of it fails its allocation and dies (sglang 0.5.23
+# srt/managers/scheduler_components/weight_updater.py:383-406). Above it the window waits for the exit.
+MAX_RESERVED_WHEN_FINISHED = 256 << 20
 
 
 class NotStarted(StageError):
@@ -197,3 +206,35 @@ def _wait(
         raise
     write_state(path, "started", **figures)
     return Held(model, figures, load_on)
+
+
+def release_device(device: Any) -> int:
+    """Give the caching allocator's free blocks back to the device; the bytes it still reserves."""
+    if getattr(device, "type", "cpu") != "cuda":
+        return 0
+    import gc
+
+    import torch
+
+    gc.collect()
+    torch.cuda.synchronize(device)
+    torch.cuda.empty_cache()
+    return int(torch.cuda.memory_reserved(device))
+
+
+def say_finished(path: Path, held: Held, device: Any) -> bool:
+    """The outputs are durable: drop the target, give the device its memory back and say "finished".
+
+    The caller holds no reference to the model any more. False (nothing said) where the device keeps
+    more than MAX_RESERVED_WHEN_FINISHED: the window then ends with the process, as without a signal.
+    """
+    started = time.perf_counter()
+    held.model = None
+    held.load_on = None
+    reserved = release_device(device)
+    figures = {**held.figures, "device_release_s": round(time.perf_counter() - started, 3)}
+    if reserved > MAX_RESERVED_WHEN_FINISHED:
+        log(f"the device still holds {reserved >> 20} MiB of this extraction: the window ends with its exit")
+        return False
+    write_state(path, FINISHED, finished_at=time.time(), device_reserved_bytes=reserved, **figures)
+    return True

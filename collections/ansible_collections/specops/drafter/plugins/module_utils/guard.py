@@ -8,8 +8,9 @@ The module extracts this file and the stdlib-only files it imports into <state_d
 starts it detached (systemd-run on systemd hosts). It fires after min(guard_after, max_downtime)
 seconds, or guard_grace seconds after the window's work (processes carrying
 SPECOPS_WINDOW_TOKEN=<token> under a live process that is not part of it) is gone, or, with
-resume_when_done (the job file of a memory-saver window's extraction), the moment that job has
-ended: the normal path, so that the service comes back without waiting for the play's next tasks
+resume_when_done (a memory-saver window's extraction: its job file and its state file), the moment
+the extraction says finished (outputs written, the device's memory given back) or its job has ended:
+the normal path, so that the service comes back without waiting for the play's next tasks
 (it records its first /health_generate 200 in guard.result.json and leaves the window lock to the
 play). Disarmed (<state_dir>/guard.armed removed or holding another arm id), it exits without
 acting. Firing stops the window's work and waits until its GPU memory is freed, brings the server
@@ -123,24 +124,45 @@ WORK_ENDED = "the window's work has ended: the server is resumed at once, withou
 WORK_END_POLL_S = 0.05
 
 
+# The extraction's state file (beside its start signal): "finished" once its outputs are on disk and
+# the device has its memory back, before the process exits (src/specops/extract/start_signal.py).
+STATE_SUFFIX = ".state"
+FINISHED = "finished"
+
+
+def done_files_of(config: dict) -> list:
+    """The files whose end resumes the server: the extraction's job file and its state file."""
+    value = config.get("resume_when_done") or []
+    return [value] if isinstance(value, str) else [path for path in value if path]
+
+
+def work_ended(path: str) -> bool:
+    """An extraction's state file says finished, or an async job's file holds its final result."""
+    if path.endswith(STATE_SUFFIX):
+        return (read_json(path) or {}).get("state") == FINISHED
+    return job_result(path) is not None
+
+
 def wait_for_reason(config: dict) -> str | None:
     """Why the guard fires, or None once it was disarmed."""
     started = time.monotonic()
     fire_after = float(config["fire_after"])
     last_work = last_scan = started
-    done_file = config.get("resume_when_done") if config.get("action") == "resume" else None
-    seen = False
+    done_files = done_files_of(config) if config.get("action") == "resume" else []
+    seen = set()
     while True:
         if not is_armed(config["state_dir"], config["arm_id"]):
             return None
         now = time.monotonic()
-        if done_file:
-            # The play's wait removes the job's file once it has read the end: a file seen, then gone,
-            # is an end too (the guard may have been held up reading /proc of the exiting work).
+        for done_file in done_files:
+            # The play's wait removes the job's file once it has read the end: a job file seen, then
+            # gone, is an end too (the guard may have been held up reading /proc of the exiting work).
             present = os.path.exists(done_file)
-            if (present and job_result(done_file) is not None) or (seen and not present):
+            if (present and work_ended(done_file)) or (done_file in seen and not present
+                                                        and not done_file.endswith(STATE_SUFFIX)):
                 return WORK_ENDED
-            seen = seen or present
+            if present:
+                seen.add(done_file)
         if now - started >= fire_after:
             return "the window's time of %.0f s is up (min of guard_after and max_downtime)" % fire_after
         if config.get("watch_work") and (not done_file or now - last_scan >= 1.0):
@@ -149,7 +171,7 @@ def wait_for_reason(config: dict) -> str | None:
                 last_work = now
             elif now - last_work >= float(config["grace"]):
                 return "the window's work is gone and the play did not disarm within %.0f s" % float(config["grace"])
-        time.sleep(WORK_END_POLL_S if done_file else min(1.0, max(0.05, fire_after - (now - started))))
+        time.sleep(WORK_END_POLL_S if done_files else min(1.0, max(0.05, fire_after - (now - started))))
 
 
 def gpu_process_pids() -> set[int] | None:

@@ -143,11 +143,15 @@ options:
     default: 2048
   resume_when_done:
     description:
-      - C(released) only - the results file of the window's work (the extraction's async job). The guard, armed
-        to resume, resumes the server the moment that job has ended and waits for the first
-        C(/health_generate) 200, so the service comes back without waiting for the play's next tasks; C(resumed)
-        then finds it resumed and returns the guard's moment as RV(ready_at).
-    type: path
+      - C(released) only - the files that say the window's work has ended - the extraction's async job's results
+        file (its final result) and its state file (C(<start signal>.state), V(finished) once the outputs are
+        written and the device has its memory back, before the process exits). The guard, armed to resume,
+        resumes the server the moment either says so and waits for the first C(/health_generate) 200, so the
+        service comes back without waiting for the extraction's exit or the play's next tasks; C(resumed) then
+        finds it resumed and returns the guard's moment as RV(ready_at).
+    type: list
+    elements: path
+    default: []
   go_file:
     description:
       - C(released) only - the start signal of an extraction waiting for the GPUs (M(specops.drafter.start_signal));
@@ -381,7 +385,7 @@ ARGUMENT_SPEC = dict(
     extraction_gpu=dict(type="dict", default={}),
     gpu_reserve_mib=dict(type="int", default=2048),
     go_file=dict(type="path"),
-    resume_when_done=dict(type="path"),
+    resume_when_done=dict(type="list", elements="path", default=[]),
     tags=dict(type="list", elements="str", default=[]),
     ready_timeout=dict(type="float", default=900),
     ready_delay=dict(type="float", default=0.5),
