@@ -158,8 +158,8 @@ def wait_for_reason(config: dict) -> str | None:
             # The play's wait removes the job's file once it has read the end: a job file seen, then
             # gone, is an end too (the guard may have been held up reading /proc of the exiting work).
             present = os.path.exists(done_file)
-            if (present and work_ended(done_file)) or (done_file in seen and not present
-                                                        and not done_file.endswith(STATE_SUFFIX)):
+            removed_job = done_file in seen and not present and not done_file.endswith(STATE_SUFFIX)
+            if (present and work_ended(done_file)) or removed_job:
                 return WORK_ENDED
             if present:
                 seen.add(done_file)
