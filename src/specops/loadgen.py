@@ -5,8 +5,9 @@ sends greedy /generate requests from a few threads until the stop file appears, 
 sent or max_seconds passed (each thread back to back, or `--interval` seconds apart); each answer is
 one JSON line (start, latency, status, error, and whether the request completed fully), and the
 last line of stdout is the summary (requests, failed, incomplete, p50/p99 latency).
-`--kinds short,long,stream` mixes short, long and streaming requests, so requests are in flight
-whenever the service is paused or released. Standard library only.
+`--kinds short,long,stream,constrained` mixes short, long, streaming and constrained (regex: through the
+grammar queue) requests, so requests are in flight whenever the service is paused or released. Standard
+library only.
 
 A request completed fully when it answered 200 with every token it asked for (`ignore_eos`, so the
 count is known) and a finish_reason that is not an abort; a stream also had to end with
@@ -29,7 +30,10 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-KINDS = ("short", "long", "stream")
+KINDS = ("short", "long", "stream", "constrained")
+# A constraint any text meets: the request goes through SGLang's grammar queue (0.5.23
+# srt/managers/scheduler.py:4084-4088) and still runs to its max_new_tokens.
+ANY_TEXT_REGEX = r"[\s\S]*"
 
 PROMPTS = (
     "def fibonacci(n):",
@@ -120,13 +124,15 @@ class LoadGenerator:
 
     def _one(self, number: int) -> dict[str, Any]:
         kind = self.kinds[number % len(self.kinds)]
-        expected = self.max_new_tokens if kind == "short" else self.long_max_new_tokens
+        expected = self.max_new_tokens if kind in ("short", "constrained") else self.long_max_new_tokens
         body: dict[str, Any] = {
             "text": PROMPTS[number % len(PROMPTS)],
             "sampling_params": {"max_new_tokens": expected, "temperature": 0, "ignore_eos": True},
         }
         if kind == "stream":
             body["stream"] = True
+        if kind == "constrained":
+            body["sampling_params"]["regex"] = ANY_TEXT_REGEX
         headers = {"Content-Type": "application/json"}
         if self.api_key:
             headers["Authorization"] = f"Bearer {self.api_key}"

@@ -230,7 +230,9 @@ def memory_saver_site(tmp_path_factory, host_cache_dir):
     fault_file = work_dir / "release-fault"
     fault_file.write_text("")
     # A simulated 16 GiB device, as the local inventory's: the memory plan keeps the weights resident.
+    # A constrained request waits a second for its grammar: the window's flush and release meet it queued.
     more = ("--release-fault-file", str(fault_file), "--device-memory-gib", "16")
+    more += ("--grammar-compile-delay", "1")
     # The tree's arguments replace MEMORY_SAVER's: its keys go with them.
     keys = MEMORY_SAVER["sglang_service_extra_args"]
     settings = {**MEMORY_SAVER, **process_tree(work_dir, *keys, *more)}

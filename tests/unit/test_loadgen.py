@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -89,3 +90,40 @@ def test_a_paced_thread_waits_the_interval_after_each_answer():
     # a loaded machine only makes the gap longer).
     for earlier, later in zip(rows, rows[1:], strict=False):
         assert later["start"] - (earlier["start"] + earlier["latency_s"]) >= 0.19
+
+
+class Recording(BaseHTTPRequestHandler):
+    """Keeps every /generate body and answers it complete."""
+
+    bodies: list = []
+
+    def do_POST(self):
+        request = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        Recording.bodies.append(request)
+        tokens = request["sampling_params"]["max_new_tokens"]
+        meta = {"completion_tokens": tokens, "finish_reason": "length"}
+        body = json.dumps({"text": "x", "meta_info": meta})
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body.encode())
+
+    def log_message(self, *args):
+        pass
+
+
+def test_a_constrained_request_carries_a_regex_any_text_meets_and_is_short():
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Recording)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}"
+        rows = LoadGenerator(
+            url, 1, 2, 30, max_new_tokens=3, timeout=5, stop_file=None, kinds=("short", "constrained")
+        ).run()
+    finally:
+        server.shutdown()
+    plain, constrained = Recording.bodies
+    assert "regex" not in plain["sampling_params"]
+    assert re.fullmatch(constrained["sampling_params"]["regex"], "any\ntext {}") is not None
+    assert constrained["sampling_params"]["max_new_tokens"] == 3
+    assert [row["complete"] for row in rows] == [True, True]
