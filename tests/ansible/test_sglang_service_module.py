@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -179,6 +180,12 @@ def test_a_weight_cache_or_a_waiting_timeout_the_window_would_outlast_is_refused
     assert "sglang_service_release: kv_cache" in cached["msg"]
     assert waiting["failed"] and "SGLANG_REQ_WAITING_TIMEOUT=30" in waiting["msg"], waiting.get("msg")
     assert "45 s" in waiting["msg"] and waiting["waiting_timeout"]["seconds"] == 30
+    # Both at once: one refusal names each, numbered, so one refused run shows everything to fix.
+    both = site.run("released", window=window("w-refused", planned_seconds=45))
+    assert both["failed"] and both["msg"].startswith("2 problems, each to fix: (1) "), both.get("msg")
+    assert re.search(
+        r"\(1\) [^;]*SGLANG_REQ_WAITING_TIMEOUT=30.*; \(2\) [^;]*--weight-cache-mode daemon", both["msg"]
+    )
     assert not (site.state_dir / "window.lock").exists() and not (site.state_dir / "released.json").exists()
     assert http_status(site.url + "/ready") == 200  # not paused
     # Planned within the timeout, the guard allowing more: released, with a warning that gives both figures.

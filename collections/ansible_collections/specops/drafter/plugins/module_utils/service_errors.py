@@ -14,3 +14,15 @@ class ServiceError(Exception):
         super(ServiceError, self).__init__(msg)
         self.msg = msg
         self.fields = fields
+
+
+def one_refusal(problems: list, **fields) -> ServiceError:
+    """Several errors as one: each numbered with its fix, their fields merged (one alone is returned as it is)."""
+    merged = dict(fields)
+    for problem in problems:
+        merged.update(problem.fields)
+    if len(problems) == 1:
+        return ServiceError(problems[0].msg, **merged)
+    return ServiceError("%d problems, each to fix: %s" % (
+        len(problems), "; ".join("(%d) %s" % (number, problem.msg) for number, problem in enumerate(problems, 1))),
+        **merged)

@@ -34,7 +34,7 @@ from ansible_collections.specops.drafter.plugins.module_utils.release_checks imp
     check_waiting_timeout,
     process_environment,
 )
-from ansible_collections.specops.drafter.plugins.module_utils.service_errors import ServiceError
+from ansible_collections.specops.drafter.plugins.module_utils.service_errors import ServiceError, one_refusal
 from ansible_collections.specops.drafter.plugins.module_utils.service_process import ProcessServer, launch_problems
 from ansible_collections.specops.drafter.plugins.module_utils.service_settings import settings_problems
 from ansible_collections.specops.drafter.plugins.module_utils.service_systemd import SystemdUnit
@@ -282,7 +282,7 @@ class ServiceWindow(object):
         return self.result
 
     def _memory_saver_info(self) -> dict:
-        """The server's info (its keys redacted), once every check before a release has passed."""
+        """The server's info (its keys redacted); the memory saver checked first, without which nothing else matters."""
         info = self.api.server_info()
         if info is None:
             raise ServiceError("%s: %s/server_info (and /get_server_info) gave %s: the server is not serving (or "
@@ -293,34 +293,48 @@ class ServiceWindow(object):
                 "%s runs without --enable-memory-saver: a release would answer 200 and free nothing. Launch it with "
                 "--enable-memory-saver (sglang_service_memory_saver: true) or use the stop window "
                 "(specops_gpu_window_mode: stop)" % self.name)
-        note = check_abort_pause(self.name, info.get("version"), bool(self.params.get("accept_abort_pause")),
-                                 bool(self.params.get("drained")))
-        if note:
-            self.result["abort_pause"] = note
+        return info
+
+    def _release_problems(self, info: dict, plan: dict) -> list:
+        """Every check of a release against the server's version, flags and environment; the errors found."""
+        problems = []
+        try:
+            note = check_abort_pause(self.name, info.get("version"), bool(self.params.get("accept_abort_pause")),
+                                     bool(self.params.get("drained")))
+            if note:
+                self.result["abort_pause"] = note
+        except ServiceError as error:
+            problems.append(error)
         bound = min(float(self.window["guard_after"]), float(self.window["max_downtime"]))
         planned = float(self.window.get("planned_seconds") or bound)
-        figures = check_waiting_timeout(self.name, process_environment(self.server.running_pid()), planned, bound)
-        self.result["waiting_timeout"] = figures
-        if figures.get("warning"):
-            self.result.setdefault("warnings", []).append(figures["warning"])
-        return info
+        try:
+            figures = check_waiting_timeout(self.name, process_environment(self.server.running_pid()), planned, bound)
+            self.result["waiting_timeout"] = figures
+            if figures.get("warning"):
+                self.result.setdefault("warnings", []).append(figures["warning"])
+        except ServiceError as error:
+            problems.append(error)
+        try:
+            check_memory_flags(self.name, info, plan["tags"])
+        except ServiceError as error:
+            problems.append(error)
+        return problems
 
     def _memory_plan(self, info: dict, gpus) -> dict:
         """What the release frees: the KV cache (weights resident) where the extraction fits, else every tag."""
         explicit = list(self.params.get("tags") or [])
-        plan = plan_release(info, gpus, self.params.get("extraction_gpu") or {}, self.params["release"],
+        return plan_release(info, gpus, self.params.get("extraction_gpu") or {}, self.params["release"],
                             int(self.params["gpu_reserve_mib"]), explicit)
-        try:
-            check_memory_flags(self.name, info, plan["tags"])
-        except ServiceError as error:
-            raise ServiceError(error.msg, **dict(error.fields, memory_plan=plan))
-        return plan
 
     def released(self) -> dict:
         info = self._memory_saver_info()  # before anything is touched
         gpu_ids = self.params.get("gpu_ids") or []
         gpu_before = gpu_memory_used(gpu_ids)
         plan = self._memory_plan(info, gpu_before)
+        # Every problem in one refusal: an operator fixes them all after one refused run.
+        problems = self._release_problems(info, plan)
+        if problems:
+            raise one_refusal(problems, memory_plan=plan)
         tags = plan["tags"]
         self.result.update(version=info.get("version"), released_tags=tags, memory_plan=plan,
                            memory_saver_backend=info.get("memory_saver_backend"))
