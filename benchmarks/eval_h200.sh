@@ -96,6 +96,9 @@ v = {
 # (the KV cache alone, the weights resident) on the same target.
 if name.endswith("-all"):
     v["sglang_service_release"] = "all"
+    # The same inputs as the play before it: without this, the extraction cache takes that play's output
+    # over and no window is taken.
+    v["specops_reuse_extractions"] = False
 if os.environ.get("PROMPTS"):
     v["specops_prompts"] = os.environ["PROMPTS"]
 if target != "fixture":  # built by build_target.py into $WORK/<target>
