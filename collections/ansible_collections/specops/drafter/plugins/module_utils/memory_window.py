@@ -119,10 +119,24 @@ def pause_without_losing_requests(api, version, drain_timeout: float, delay: flo
     return "drain then abort"
 
 
+# The flush after the pause is inside the downtime: it is tried again soon (the retracted requests leave the
+# running batch within a scheduler step), then less often, up to the module's ready_delay.
+FIRST_FLUSH_RETRY_S = 0.02
+
+
+def flush_retry_delays(delay: float):
+    """0.02, 0.04, 0.08 ... s, then `delay` each time."""
+    wait = min(FIRST_FLUSH_RETRY_S, delay)
+    while True:
+        yield wait
+        wait = min(wait * 2, delay)
+
+
 def flush_through_grammar_queue(api, version, timeout: float, delay: float) -> None:
     """/flush_cache until 200 under a retract pause; a constrained request held in the grammar queue (which never
     drains while paused) is let through by a continue, and the pause taken again once the queue is empty."""
     deadline = time.monotonic() + timeout
+    retries = flush_retry_delays(delay)
     while True:
         answer = api.flush_cache()
         if answer.ok:
@@ -139,11 +153,12 @@ def flush_through_grammar_queue(api, version, timeout: float, delay: float) -> N
             raise ServiceError("POST %s/flush_cache still gives %s after %.0f s (sglang_service_drain_timeout): "
                                "requests are still running or waiting for their grammar"
                                % (api.url, answer.describe(), timeout))
-        time.sleep(delay)
+        time.sleep(next(retries))
 
 
 def flush_until_idle(api, timeout: float, delay: float) -> None:
     deadline = time.monotonic() + timeout
+    retries = flush_retry_delays(delay)
     while True:
         answer = api.flush_cache()
         if answer.ok:
@@ -151,7 +166,7 @@ def flush_until_idle(api, timeout: float, delay: float) -> None:
         if time.monotonic() >= deadline:
             raise ServiceError("POST %s/flush_cache still gives %s after %.0f s (sglang_service_drain_timeout): "
                                "requests are still running" % (api.url, answer.describe(), timeout))
-        time.sleep(delay)
+        time.sleep(next(retries))
 
 
 class ReleasedMarker(object):

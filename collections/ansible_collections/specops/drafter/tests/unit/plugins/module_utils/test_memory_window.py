@@ -12,6 +12,7 @@ import pytest
 
 from ansible_collections.specops.drafter.plugins.module_utils.memory_window import (
     ReleasedMarker,
+    flush_retry_delays,
     flush_until_idle,
     pause_without_losing_requests,
     resume_claimed,
@@ -74,6 +75,12 @@ def test_flush_is_polled_while_it_answers_400():
     api = FakeApi(flush=[400, 400, 200])
     flush_until_idle(api, timeout=5, delay=0)
     assert api.calls.count(("flush", None)) == 3
+
+
+def test_the_flush_inside_the_downtime_is_tried_again_soon_then_less_often():
+    retries = flush_retry_delays(0.5)
+    assert [next(retries) for _ in range(7)] == [0.02, 0.04, 0.08, 0.16, 0.32, 0.5, 0.5]
+    assert next(flush_retry_delays(0.01)) == 0.01  # never longer than the module's own delay
 
 
 def test_the_marker_is_claimed_by_exactly_one_of_many(tmp_path):
