@@ -165,7 +165,7 @@ def wait_for_reason(config: dict) -> str | None:
                 seen.add(done_file)
         if now - started >= fire_after:
             return "the window's time of %.0f s is up (min of guard_after and max_downtime)" % fire_after
-        if config.get("watch_work") and (not done_file or now - last_scan >= 1.0):
+        if config.get("watch_work") and (not done_files or now - last_scan >= 1.0):
             last_scan = now
             if attended(config["token"]):
                 last_work = now

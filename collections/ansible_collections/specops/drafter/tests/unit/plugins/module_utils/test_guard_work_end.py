@@ -82,3 +82,12 @@ def wait_until(condition):
     while not condition():
         assert time.monotonic() < deadline
         time.sleep(0.01)
+
+
+def test_without_files_to_watch_the_guard_watches_the_works_processes(tmp_path):
+    """A stop window (or a release without an extraction started ahead) names no file: the guard fires once
+    no process carries the window's token."""
+    (tmp_path / "guard.armed").write_text("arm-3")
+    config = {"state_dir": str(tmp_path), "arm_id": "arm-3", "action": "start", "fire_after": 3600,
+              "watch_work": True, "token": "no-process-carries-this-token-5e1d", "grace": 0}
+    assert guard.wait_for_reason(config).startswith("the window's work is gone")
