@@ -231,11 +231,12 @@ def test_a_weight_cache_or_a_waiting_timeout_the_window_would_outlast_is_refused
     assert "weight cache" in site.log.read_text()
 
 
-def test_under_0_5_4_a_release_is_refused_unless_drained_or_the_abort_risk_is_accepted(site_factory):
+def test_under_0_5_4_a_release_is_refused_unless_drained_or_the_abort_risk_is_accepted(shared_site):
     # sglang 0.5.4 tokenizer_manager.py:1090-1093: the pause aborts every request, also one admitted after
-    # /get_load read 0 (scheduler.py:2363-2385 counts only what the scheduler holds).
-    site = site_factory("--sglang-version", "0.5.4", *MEMORY_SAVER)
-    assert not site.run("started")["failed"]
+    # /get_load read 0 (scheduler.py:2363-2385 counts only what the scheduler holds). Also the server of
+    # test_each_sglang_version_releases_its_own_tags_that_keep_the_weights for 0.5.4.
+    site = shared_site(*MEMORY_SAVER, "--device-memory-gib", "24", "--sglang-version", "0.5.4")
+    pid = site.pid()
 
     refused = site.run("released", window=window("w-054"))
 
@@ -247,6 +248,7 @@ def test_under_0_5_4_a_release_is_refused_unless_drained_or_the_abort_risk_is_ac
     assert "accepted" in accepted["abort_pause"]
     resumed = site.run("resumed", window=window("w-054"))
     assert not resumed["failed"] and "weights_check" not in resumed, resumed  # 0.5.4 has no /weights_checker
+    assert site.pid() == pid and not (site.state_dir / "window.lock").exists()
 
 
 def test_a_constrained_request_in_the_grammar_queue_at_the_pause_is_let_through_not_released_under(
@@ -386,15 +388,11 @@ def fake_nvidia_smi(bin_dir: Path, total_mib: int, used_mib: int) -> dict:
     ("version", "tags"), [("0.5.23", ["kv_cache", "cuda_graph"]), ("0.5.4", ["kv_cache"])]
 )
 def test_each_sglang_version_releases_its_own_tags_that_keep_the_weights(
-    shared_site, site_factory, tmp_path, version, tags
+    shared_site, tmp_path, version, tags
 ):
-    flags = (*MEMORY_SAVER, "--device-memory-gib", "24", "--sglang-version", version)
-    # Check mode changes nothing: 0.5.23's is the server of the test of the weights staying on the GPU.
-    if version == "0.5.23":
-        site = shared_site(*flags)
-    else:
-        site = site_factory(*flags)
-        assert not site.run("started")["failed"]
+    # Check mode changes nothing: the servers of the weights staying on the GPU (0.5.23) and of the
+    # abort-only pause (0.5.4).
+    site = shared_site(*MEMORY_SAVER, "--device-memory-gib", "24", "--sglang-version", version)
     gpu = fake_nvidia_smi(tmp_path / "bin", 24576, 23000)
 
     # 0.5.4's abort-only pause is refused unless the operator accepts it or the host was drained.
