@@ -133,6 +133,8 @@ def test_second_run_changes_nothing(first_run, session_venv, source):
     assert result["changed"] is False
     assert result["installed"] == [] and result["removed"] == []
     assert result["versions"] == first_run["versions"]
+    # The default requirement (any) passes on a CPU host, as the other requirements without fla do.
+    assert result["backend"] == "torch-cpu" and result["verification"]["require_backend"] == "any"
 
 
 def test_cpu_host_reports_torch_cpu_and_says_fla_is_not_usable(first_run):
@@ -159,7 +161,8 @@ def test_require_fla_on_a_cpu_host_fails_with_the_reason(first_run, session_venv
     assert "no CUDA GPU is visible" in result["msg"]
 
 
-@pytest.mark.parametrize(("require", "checked"), [("auto", "any"), ("torch", "torch"), ("any", "any")])
+# The default, any, is test_second_run_changes_nothing's.
+@pytest.mark.parametrize(("require", "checked"), [("auto", "any"), ("torch", "torch")])
 def test_requirements_that_do_not_need_fla_pass_on_a_cpu_host(
     first_run, session_venv, source, require, checked
 ):
@@ -316,20 +319,27 @@ def test_environment_made_from_a_venv_interpreter_sees_that_venvs_torch(
     assert status == "SUCCESS" and again["changed"] is False, again
 
 
-def test_verification_is_reused_for_the_same_environment_and_gpu(first_run, session_venv, source, tmp_path):
-    args = base_args(session_venv, source, verify_cache_dir=str(tmp_path / "envcheck"))
+@pytest.fixture(scope="module")
+def verify_cache(first_run, session_venv, source, tmp_path_factory) -> dict:
+    """The module's arguments with a verification cache directory, and the verification it kept there."""
+    args = base_args(session_venv, source, verify_cache_dir=str(tmp_path_factory.mktemp("envcheck")))
     status, first = run_module(args)
     assert status == "SUCCESS" and first["verification_cached"] is False, first
-    status, second = run_module(args)
+    return {"args": args, "first": first}
+
+
+def test_verification_is_reused_for_the_same_environment_and_gpu(verify_cache):
+    first = verify_cache["first"]
+    status, second = run_module(verify_cache["args"])
     assert second["verification_cached"] is True
     assert second["backend"] == first["backend"] and second["verification"] == first["verification"]
 
 
-def test_verification_cache_misses_when_the_verification_options_change(
-    first_run, session_venv, source, tmp_path
-):
-    args = base_args(session_venv, source, verify_cache_dir=str(tmp_path / "envcheck"))
-    run_module(args)
+def test_verification_cache_misses_when_the_verification_options_change(verify_cache):
+    args = verify_cache["args"]
+    # The same options still find the kept verification: only the changed option makes it miss.
+    status, same = run_module(args)
+    assert status == "SUCCESS" and same["verification_cached"] is True, same
     sizes = [{"batch": 1, "seq_len": 64, "dtype": "float32"}]
     status, result = run_module({**args, "gdr_sizes": sizes})
     assert status == "SUCCESS" and result["verification_cached"] is False, result

@@ -1,7 +1,9 @@
 """specops.drafter.sglang_service as a host runs it, against the development server: states and the guard.
 
 The development server runs from .venv-ml with the memory saver; every test starts its own server
-through the module's process backend, so a test never inherits another's window.
+through the module's process backend, so a test never inherits another's window. The tests that leave
+the server as they found it (serving, no window held, no guard) share one for each set of flags, and each
+first checks that it is so.
 """
 
 from __future__ import annotations
@@ -86,6 +88,37 @@ def serving(site_factory) -> Site:
     return site
 
 
+@pytest.fixture(scope="module")
+def shared_site(tmp_path_factory):
+    """Servers shared by the tests that leave theirs as they found it (serving, no window held, no guard):
+    one for each set of flags, started by the first test that asks for it; each test that asks checks
+    first that it is so."""
+    sites: dict[tuple, Site] = {}
+
+    def get(*flags: str, keys: dict | None = None) -> Site:
+        key = (flags, tuple(sorted((keys or {}).items())))
+        if key not in sites:
+            sites[key] = Site(tmp_path_factory.mktemp("shared"), *flags, keys=keys)
+            started = sites[key].run("started")
+            assert started["changed"] and not started["failed"], started.get("msg")
+        site = sites[key]
+        assert site.pid() is not None and http_status(site.url + "/health_generate") == 200
+        assert not (site.state_dir / "window.lock").exists()
+        assert not (site.state_dir / "guard.json").exists()
+        return site
+
+    yield get
+    for site in sites.values():
+        site.cleanup()
+
+
+@pytest.fixture
+def steady(shared_site) -> Site:
+    """The shared server with the memory saver and both keys (the window opens its admin endpoints with the
+    admin key)."""
+    return shared_site(*MEMORY_SAVER, keys=KEYS)
+
+
 def post(url: str, body: object = None) -> tuple[int, object]:
     """POST a JSON body (GET without one): the status and the decoded answer."""
     data = None if body is None else json.dumps(body).encode()
@@ -105,7 +138,8 @@ def warned(result: dict) -> str:
 
 
 # -- memory saver ----------------------------------------------------------------------------------
-def test_released_then_resumed_keeps_the_pid_and_serves(serving):
+def test_released_then_resumed_keeps_the_pid_and_serves(steady):
+    serving = steady
     pid = serving.pid()
     released = serving.run("released", window=window("w-keep"))
     assert released["changed"] and not released["failed"], released.get("msg")
@@ -204,11 +238,12 @@ def test_a_weight_cache_or_a_waiting_timeout_the_window_would_outlast_is_refused
     assert "weight cache" in site.log.read_text()
 
 
-def test_under_0_5_4_a_release_is_refused_unless_drained_or_the_abort_risk_is_accepted(site_factory):
+def test_under_0_5_4_a_release_is_refused_unless_drained_or_the_abort_risk_is_accepted(shared_site):
     # sglang 0.5.4 tokenizer_manager.py:1090-1093: the pause aborts every request, also one admitted after
-    # /get_load read 0 (scheduler.py:2363-2385 counts only what the scheduler holds).
-    site = site_factory("--sglang-version", "0.5.4", *MEMORY_SAVER)
-    assert not site.run("started")["failed"]
+    # /get_load read 0 (scheduler.py:2363-2385 counts only what the scheduler holds). Also the server of
+    # test_each_sglang_version_releases_its_own_tags_that_keep_the_weights for 0.5.4.
+    site = shared_site(*MEMORY_SAVER, "--device-memory-gib", "24", "--sglang-version", "0.5.4")
+    pid = site.pid()
 
     refused = site.run("released", window=window("w-054"))
 
@@ -220,6 +255,7 @@ def test_under_0_5_4_a_release_is_refused_unless_drained_or_the_abort_risk_is_ac
     assert "accepted" in accepted["abort_pause"]
     resumed = site.run("resumed", window=window("w-054"))
     assert not resumed["failed"] and "weights_check" not in resumed, resumed  # 0.5.4 has no /weights_checker
+    assert site.pid() == pid and not (site.state_dir / "window.lock").exists()
 
 
 def test_a_constrained_request_in_the_grammar_queue_at_the_pause_is_let_through_not_released_under(
@@ -261,9 +297,9 @@ def test_a_constrained_request_in_the_grammar_queue_at_the_pause_is_let_through_
 EXTRACTION = {"copy_bytes": 2 << 30, "body_bytes": 2 << 30, "reserve_bytes": 1 << 30}
 
 
-def test_the_weights_stay_on_the_gpu_where_the_extraction_fits_beside_them(site_factory):
-    site = site_factory(*MEMORY_SAVER, "--device-memory-gib", "24")
-    assert not site.run("started")["failed"]
+def test_the_weights_stay_on_the_gpu_where_the_extraction_fits_beside_them(shared_site):
+    # Also the server of test_each_sglang_version_releases_its_own_tags_that_keep_the_weights for 0.5.23.
+    site = shared_site(*MEMORY_SAVER, "--device-memory-gib", "24", "--sglang-version", "0.5.23")
 
     released = site.run("released", window=window("w-kv"), extraction_gpu=EXTRACTION, gpu_reserve_mib=512)
 
@@ -277,6 +313,7 @@ def test_the_weights_stay_on_the_gpu_where_the_extraction_fits_beside_them(site_
     assert info["internal_states"][0]["released_memory_tags"] == ["cuda_graph", "kv_cache"]
     resumed = site.run("resumed", window=window("w-kv"))
     assert resumed["changed"] and not resumed["failed"], resumed.get("msg")
+    assert not (site.state_dir / "window.lock").exists()
 
 
 @pytest.mark.parametrize("end", ["result written", "result read and removed", "extraction finished"])
@@ -318,9 +355,9 @@ def test_the_guard_resumes_the_moment_the_windows_work_has_ended_and_the_play_fi
     assert not (serving.state_dir / "released.json").exists()
 
 
-def test_a_device_too_small_for_weights_and_extraction_releases_every_tag_and_says_why(site_factory):
-    site = site_factory(*MEMORY_SAVER, "--device-memory-gib", "2")
-    assert not site.run("started")["failed"]
+def test_a_device_too_small_for_weights_and_extraction_releases_every_tag_and_says_why(shared_site):
+    site = shared_site(*MEMORY_SAVER, "--device-memory-gib", "2")
+    pid = site.pid()
 
     released = site.run("released", window=window("w-all"), extraction_gpu=EXTRACTION, gpu_reserve_mib=512)
 
@@ -329,11 +366,11 @@ def test_a_device_too_small_for_weights_and_extraction_releases_every_tag_and_sa
     assert plan["choice"] == "all" and released["released_tags"] == []
     assert "does not fit beside the weights" in plan["reason"]
     assert not site.run("resumed", window=window("w-all"))["failed"]
+    assert site.pid() == pid and not (site.state_dir / "window.lock").exists()
 
 
-def test_a_forced_kv_release_that_cannot_fit_is_refused_before_the_pause(site_factory):
-    site = site_factory(*MEMORY_SAVER, "--device-memory-gib", "2")
-    assert not site.run("started")["failed"]
+def test_a_forced_kv_release_that_cannot_fit_is_refused_before_the_pause(shared_site):
+    site = shared_site(*MEMORY_SAVER, "--device-memory-gib", "2")
 
     refused = site.run(
         "released",
@@ -366,10 +403,11 @@ def fake_nvidia_smi(bin_dir: Path, total_mib: int, used_mib: int) -> dict:
     ("version", "tags"), [("0.5.23", ["kv_cache", "cuda_graph"]), ("0.5.4", ["kv_cache"])]
 )
 def test_each_sglang_version_releases_its_own_tags_that_keep_the_weights(
-    site_factory, tmp_path, version, tags
+    shared_site, tmp_path, version, tags
 ):
-    site = site_factory(*MEMORY_SAVER, "--device-memory-gib", "24", "--sglang-version", version)
-    assert not site.run("started")["failed"]
+    # Check mode changes nothing: the servers of the weights staying on the GPU (0.5.23) and of the
+    # abort-only pause (0.5.4).
+    site = shared_site(*MEMORY_SAVER, "--device-memory-gib", "24", "--sglang-version", version)
     gpu = fake_nvidia_smi(tmp_path / "bin", 24576, 23000)
 
     # 0.5.4's abort-only pause is refused unless the operator accepts it or the host was drained.
@@ -438,7 +476,9 @@ def test_a_pause_that_fails_is_continued_and_the_window_given_back(site_factory)
 
 
 # -- the window lock -------------------------------------------------------------------------------
-def test_a_second_runs_window_is_refused_naming_the_holder(serving):
+def test_a_second_runs_window_is_refused_naming_the_holder(steady):
+    serving = steady
+    pid = serving.pid()
     first = serving.run("released", window=window("w-first"))
     assert first["changed"] and not first["failed"], first.get("msg")
 
@@ -446,8 +486,9 @@ def test_a_second_runs_window_is_refused_naming_the_holder(serving):
 
     assert second["failed"] and "test run w-first" in second["msg"]
     assert second["window_holder"]["token"] == "w-first"
-    assert serving.pid() is not None
+    assert serving.pid() == pid
     assert not serving.run("resumed", window=window("w-first"))["failed"]
+    assert serving.pid() == pid and not (serving.state_dir / "window.lock").exists()
 
 
 # -- the guard -------------------------------------------------------------------------------------
@@ -555,7 +596,8 @@ def _files(directory: Path) -> dict[str, tuple[int, int]]:
     return {str(p): (p.stat().st_size, p.stat().st_mtime_ns) for p in directory.rglob("*") if p.is_file()}
 
 
-def test_check_mode_writes_nothing(serving):
+def test_check_mode_writes_nothing(steady):
+    serving = steady
     # The serving server's state (its process tree, from the real start) stays exactly as it was.
     before = _files(serving.state_dir)
     for state in ("released", "stopped", "restarted"):
@@ -566,7 +608,8 @@ def test_check_mode_writes_nothing(serving):
 
 
 # -- the process, readiness and the port -----------------------------------------------------------
-def test_a_second_start_with_the_same_spec_changes_nothing(serving):
+def test_a_second_start_with_the_same_spec_changes_nothing(steady):
+    serving = steady
     pid = serving.pid()
     again = serving.run("started")
     assert again["changed"] is False and again["pid"] == pid and again["found_down"] is False

@@ -241,13 +241,3 @@ def memory_saver_site(tmp_path_factory, host_cache_dir):
     assert started.rc == 0, started.output[-4000:]
     yield site
     site.play("service.yml", sglang_service_state="stopped", sglang_service_guard=False, timeout=120)
-
-
-@pytest.fixture
-def own_local_default(tmp_path_factory, host_cache_dir):
-    """A site with a server of its own, for tests that change how the server runs."""
-    site = LocalDefault(
-        work_dir=tmp_path_factory.mktemp("own"), port=free_port(), host_cache_dir=host_cache_dir
-    )
-    yield site
-    site.play("service.yml", sglang_service_state="stopped", sglang_service_guard=False, timeout=120)

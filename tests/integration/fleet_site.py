@@ -1,6 +1,7 @@
-"""The local fleet (inventory/fleet): three development servers behind a real sglang-router, a load
-generator sending through the router, and eval.yml rolling over them. Used by test_fleet.py and
-benchmarks/fleet_local.py. Loopback only; every process is started here and stopped here."""
+"""The local fleet (inventory/fleet): development servers behind a real sglang-router, a load generator
+sending through the router, and eval.yml rolling over them. Used by test_fleet.py (two of the inventory's
+replicas, every play limited to them) and benchmarks/fleet_local.py (all three). Loopback only; every
+process is started here and stopped here."""
 
 from __future__ import annotations
 
@@ -60,9 +61,13 @@ class LocalFleet:
     load: subprocess.Popen | None = None
     # Servers a test killed, by host: the pid each had.
     crashed: dict[str, int] = field(default_factory=dict)
+    # The inventory's replicas this fleet runs: every play is limited to them (--limit), and only their
+    # servers are behind the router.
+    hosts: tuple[str, ...] = HOSTS
 
     @property
     def replica_ports(self) -> list[int]:
+        # Indexed by the inventory's specops_replica, whichever hosts this fleet runs.
         return self.ports[:3]
 
     @property
@@ -71,7 +76,7 @@ class LocalFleet:
 
     @property
     def worker_urls(self) -> list[str]:
-        return [f"http://127.0.0.1:{port}" for port in self.replica_ports]
+        return [f"http://127.0.0.1:{self.replica_ports[HOSTS.index(host)]}" for host in self.hosts]
 
     def extra_vars(self, **overrides: Any) -> dict[str, Any]:
         return {
@@ -94,6 +99,7 @@ class LocalFleet:
             str(REPO / "playbooks" / playbook),
             "-e",
             json.dumps(self.extra_vars(**overrides)),
+            *(() if self.hosts == HOSTS else ("--limit", ",".join(self.hosts))),
             *args,
         ]
 
@@ -204,7 +210,7 @@ class LocalFleet:
         pid = self.server_pid(host)
         assert pid is not None, f"{host} has no server to kill"
         os.killpg(pid, signal.SIGKILL)
-        url = self.worker_urls[HOSTS.index(host)]
+        url = self.worker_urls[self.hosts.index(host)]
         deadline = time.monotonic() + 120
         while url in self.healthy_workers():
             if time.monotonic() > deadline:

@@ -1,5 +1,8 @@
-"""A rolling evaluation of three development servers behind a real sglang-router, with user traffic
-sent through the router the whole time: no request fails and every host is back behind the router."""
+"""A rolling evaluation of two development servers behind a real sglang-router, with user traffic
+sent through the router the whole time: no request fails and every host is back behind the router.
+
+Two replicas show every rule of the rollout that three would (one at a time, a replica always serving,
+a host found down, another lost inside a window) at two thirds of the servers, windows and stages."""
 
 from __future__ import annotations
 
@@ -22,6 +25,9 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))
 from fleet_site import HOSTS, REPO, LocalFleet, get_json  # noqa: E402
 
+# The inventory's first two replicas: every play is limited to them.
+FLEET = HOSTS[:2]
+
 ML_PYTHON = REPO / ".venv-ml" / "bin" / "python"
 
 
@@ -29,7 +35,7 @@ ML_PYTHON = REPO / ".venv-ml" / "bin" / "python"
 def fleet(tmp_path_factory):
     # The models the other integration tests build, shared: building them takes a while.
     models = Path(os.environ.get("SPECOPS_TEST_MODELS", REPO / ".work" / "test-models"))
-    site = LocalFleet(work_dir=tmp_path_factory.mktemp("fleet"), models_dir=models)
+    site = LocalFleet(work_dir=tmp_path_factory.mktemp("fleet"), models_dir=models, hosts=FLEET)
     site.build_models(ML_PYTHON)
     try:
         site.start()
@@ -46,9 +52,10 @@ PACED = 2.0
 
 @pytest.fixture(scope="module")
 def rolling_run(fleet):
-    # Replica3's server crashed before the run (outside any window): the router has stopped sending
-    # to it, and the run finds it down when it reaches it.
-    fleet.crashed = {"replica3": fleet.kill_server("replica3")}
+    # Replica1's server crashed before the run (outside any window): the router has stopped sending
+    # to it, and the run finds it down when it reaches it. The first host: the other stays healthy
+    # behind the router until replica1's drain, which needs it.
+    fleet.crashed = {"replica1": fleet.kill_server("replica1")}
     fleet.start_load("rolling", interval=PACED)
     result = fleet.play("eval.yml")
     load = fleet.stop_load("rolling")
@@ -58,7 +65,7 @@ def rolling_run(fleet):
 def test_rolling_evaluation_succeeds_on_every_host(rolling_run):
     result, _ = rolling_run
     assert result.rc == 0, result.output[-6000:]
-    assert set(result.recap) >= {"replica1", "replica2", "replica3"}
+    assert set(result.recap) == set(FLEET)
     assert not any(counts["failed"] for counts in result.recap.values())
 
 
@@ -82,22 +89,22 @@ def test_a_replica_found_down_is_started_again_and_named_in_the_output_the_repor
         r"started it again, pid (\d+), answering /health_generate",
         said,
     )
-    # The serve stage's start; replica3's window restarted it again after.
-    assert len(warnings) == 1 and warnings[0][1] == "replica3", result.output[-6000:]
+    # The serve stage's start; replica1's window restarted it again after.
+    assert len(warnings) == 1 and warnings[0][1] == "replica1", result.output[-6000:]
     unit, pid = warnings[0][0], int(warnings[0][2])
-    assert pid != fleet.crashed["replica3"]
+    assert pid != fleet.crashed["replica1"]
     report = json.loads((fleet.work_dir / "replica1" / "run" / "fleet" / "report.json").read_text())
-    assert report["fleet"]["found_down"] == ["replica3"]
+    assert report["fleet"]["found_down"] == ["replica1"]
     assert [(row["host"], row["found_down"]) for row in report["per_host"] if row["found_down"]] == [
-        ("replica3", {"stage": "serve", "pid": pid})
+        ("replica1", {"stage": "serve", "pid": pid})
     ]
-    warning = "replica3: its server was not running when the rollout reached it"
+    warning = "replica1: its server was not running when the rollout reached it"
     assert any(w.startswith(warning) and f"(pid {pid})" in w for w in report["warnings"])
     assert warning in (fleet.work_dir / "replica1" / "run" / "fleet" / "report.md").read_text()
     # AWX's stats (printed at the play's end): the role's entry for the host.
     stats = said[said.rindex("CUSTOM STATS") :]
     entry = stats[stats.index("sglang_service_found_down:") :].split()[:6]
-    assert entry == ["sglang_service_found_down:", "replica3:", "pid:", str(pid), "unit:", unit], stats[:3000]
+    assert entry == ["sglang_service_found_down:", "replica1:", "pid:", str(pid), "unit:", unit], stats[:3000]
 
 
 def test_the_run_ends_by_checking_that_every_replica_serves(rolling_run):
@@ -116,7 +123,7 @@ def test_hosts_take_their_windows_one_at_a_time(rolling_run, fleet):
     windows = sorted(
         (row["window"]["started_at"], row["window"]["returned_at"]) for row in report["per_host"]
     )
-    assert len(windows) == 3
+    assert len(windows) == len(FLEET)
     assert all(earlier[1] <= later[0] for earlier, later in zip(windows, windows[1:], strict=False))
 
 
@@ -128,7 +135,7 @@ def test_one_report_merges_every_hosts_share_of_the_prompts(rolling_run, fleet):
         if line.strip()
     ]
     assert sorted(row["id"] for row in report["per_prompt"]) == sorted(prompts)
-    assert {row["host"] for row in report["per_prompt"]} == {"replica1", "replica2", "replica3"}
+    assert {row["host"] for row in report["per_prompt"]} == set(FLEET)
     assert report["fleet"]["sum_window_s"] > 0 and report["fleet"]["wall_s"] > 0
     # Two downtimes, named apart: the play's, on the control node (drained to answering), and the
     # service's own, on the host's clock (server stop to ready), which lies inside the play's.
@@ -140,7 +147,7 @@ def test_one_report_merges_every_hosts_share_of_the_prompts(rolling_run, fleet):
 
 
 def test_an_unreachable_router_fails_before_any_host_is_drained(rolling_run, fleet, tmp_path):
-    pids = {host: (fleet.work_dir / host / "sglang.pid").read_text() for host in HOSTS}
+    pids = {host: (fleet.work_dir / host / "sglang.pid").read_text() for host in FLEET}
     result = fleet.play(
         "eval.yml", sglang_router_url="http://127.0.0.1:9", specops_fleet_work_dir=str(fleet.work_dir)
     )
@@ -160,7 +167,7 @@ def test_a_host_that_fails_its_window_is_put_back_and_the_rollout_stops(rolling_
     weights = broken / "model.safetensors"
     with open(weights, "r+b") as handle:
         handle.truncate(weights.stat().st_size // 2)
-    pids = {host: (fleet.work_dir / host / "sglang.pid").read_text() for host in HOSTS}
+    pids = {host: (fleet.work_dir / host / "sglang.pid").read_text() for host in FLEET}
     fleet.start_load("failing", interval=PACED)
     result = fleet.play(
         "eval.yml",
@@ -173,8 +180,8 @@ def test_a_host_that_fails_its_window_is_put_back_and_the_rollout_stops(rolling_
     assert result.rc != 0
     assert "specops stage 'extract' failed" in result.output, result.output[-4000:]
     assert (fleet.work_dir / "replica1" / "sglang.pid").read_text() != pids["replica1"]
-    assert {h: (fleet.work_dir / h / "sglang.pid").read_text() for h in HOSTS[1:]} == {
-        h: pids[h] for h in HOSTS[1:]
+    assert {h: (fleet.work_dir / h / "sglang.pid").read_text() for h in FLEET[1:]} == {
+        h: pids[h] for h in FLEET[1:]
     }
     assert fleet.healthy_workers() == set(fleet.worker_urls)
     assert load["failed"] == 0, load["failures"]
@@ -191,7 +198,7 @@ def test_a_replica_down_at_the_end_of_a_rollout_is_started_again_and_the_run_fai
         "(its server answers /health_generate nothing, the router reports it unhealthy): "
         "it was started again and is back behind the router" in said
     ), result.output[-6000:]
-    assert "replica2 was not serving" not in said and "replica3 was not serving" not in said
+    assert "replica2 was not serving" not in said
     assert "on replica1 was not running (it died, or was stopped outside this play): started it again" in said
     assert fleet.server_pid("replica1") not in (None, killed)
     assert fleet.healthy_workers() == set(fleet.worker_urls)
@@ -216,8 +223,8 @@ def test_check_mode_on_a_fresh_two_host_fleet_passes_and_touches_nothing(fleet, 
         "specops_host_cache_dir": str(tmp_path / "cache"),
         "sglang_service_python": str(REPO / ".venv-ml" / "bin" / "python"),
     }
-    hosts = ("replica1", "replica2")
-    pids = {host: fleet.server_pid(host) for host in HOSTS}
+    hosts = FLEET
+    pids = {host: fleet.server_pid(host) for host in FLEET}
     files = host_files(fleet, hosts)
     result = fleet.play("eval.yml", args=("--check", "--limit", ",".join(hosts)), **fresh)
     assert result.rc == 0, result.output[-6000:]
@@ -229,7 +236,7 @@ def test_check_mode_on_a_fresh_two_host_fleet_passes_and_touches_nothing(fleet, 
     assert not any((fleet.work_dir / host / "run-check").exists() for host in hosts)
     assert not (tmp_path / "ml").exists() and not (tmp_path / "cache").exists()
     assert host_files(fleet, hosts) == files
-    assert {host: fleet.server_pid(host) for host in HOSTS} == pids
+    assert {host: fleet.server_pid(host) for host in FLEET} == pids
     assert fleet.healthy_workers() == set(fleet.worker_urls)
 
 
@@ -300,8 +307,8 @@ def sigterm_pending_or_gone(pid: int) -> bool:
 @pytest.fixture(scope="module")
 def router_loss_run(rolling_run, fleet):
     """eval.yml again on replica1's share (a run directory with its completions, so the window is the new
-    part), min_healthy_others=2. Streams go through the router from just before replica1's drain until
-    its server stops; inside replica1's window another replica, replica3, is killed (SIGKILL).
+    part), min_healthy_others=1. Streams go through the router from just before replica1's drain until
+    its server stops; inside replica1's window the other replica, replica2, is killed (SIGKILL).
 
     The extraction is held stopped (SIGSTOP) from the drain on, so the window lasts until the router has
     noticed, however fast the extraction would be here; once the window's stop has signalled it, it is
@@ -309,14 +316,14 @@ def router_loss_run(rolling_run, fleet):
     token = f"router-loss-{os.getpid()}"
     run_dir = fleet.work_dir / "replica1" / "run-router-loss"
     shutil.copytree(fleet.work_dir / "replica1" / "run" / "completions", run_dir / "completions")
-    pids = {host: fleet.server_pid(host) for host in HOSTS}
+    pids = {host: fleet.server_pid(host) for host in FLEET}
     watch = DrainWatch(fleet.router_url, fleet.worker_urls[0])
     play = subprocess.Popen(
         fleet.command(
             "eval.yml",
             specops_run_dir="{{ specops_work_dir }}/run-router-loss",
             specops_window_token=token,
-            sglang_router_min_healthy_others=2,
+            sglang_router_min_healthy_others=1,
         ),
         cwd=REPO,
         stdout=subprocess.PIPE,
@@ -344,7 +351,7 @@ def router_loss_run(rolling_run, fleet):
                 load = fleet.stop_load("streams")
                 watch.done.set()
             elif "TASK [Stage extract: extract the target's hidden states" in line:
-                os.kill(pids["replica3"], signal.SIGKILL)
+                os.kill(pids["replica2"], signal.SIGKILL)
                 killed = True
                 break
         deadline = time.monotonic() + 600
@@ -364,7 +371,7 @@ def router_loss_run(rolling_run, fleet):
             watch=watch,
             killed=killed,
             pids_before=pids,
-            pids_after={host: fleet.server_pid(host) for host in HOSTS},
+            pids_after={host: fleet.server_pid(host) for host in FLEET},
             healthy_after=fleet.healthy_workers(),
             replica1_health=http_status(f"{fleet.worker_urls[0]}/health_generate"),
             extracted=(run_dir / "hidden_states" / "manifest.json").exists(),
@@ -380,7 +387,7 @@ def router_loss_run(rolling_run, fleet):
         for pid in carrying_token(token, "specops.extract"):
             os.kill(pid, signal.SIGKILL)
         if killed:
-            # Replica3 back, for the tests that follow: started again, and healthy behind the router.
+            # Replica2 back, for the tests that follow: started again, and healthy behind the router.
             restored = fleet.play("service.yml", sglang_service_state="started", timeout=600)
             assert restored.rc == 0, restored.output[-4000:]
             fleet.wait_for_workers(set(fleet.worker_urls), timeout=300)
@@ -403,7 +410,7 @@ def test_losing_another_replica_inside_a_window_ends_it_early_and_the_host_comes
         run.output[-4000:]
     )
     assert (
-        "reports 1 healthy replica(s) besides this batch, fewer than sglang_router_min_healthy_others=2"
+        "reports 0 healthy replica(s) besides this batch, fewer than sglang_router_min_healthy_others=1"
         in run.said
     )
     assert "(the service was brought back and answers /health_generate)" in run.said
@@ -411,9 +418,10 @@ def test_losing_another_replica_inside_a_window_ends_it_early_and_the_host_comes
     assert not run.extracted and run.window_work_left == []
     assert run.pids_after["replica1"] not in (None, run.pids_before["replica1"])
     assert run.replica1_health == 200
-    assert run.pids_after["replica2"] == run.pids_before["replica2"]
-    # Replica1 is back behind the router beside replica2 (replica3 is the one that died).
-    assert run.healthy_after == {fleet.worker_urls[0], fleet.worker_urls[1]}
+    # Replica2's batch never began: one drain in the whole play, replica1's.
+    assert run.output.count("TASK [Stage drain: take the host out of the router") == 1, run.output[-4000:]
+    # Replica1 is back behind the router, alone (replica2 is the one that died).
+    assert run.healthy_after == {fleet.worker_urls[0]}
 
 
 class WorkersWatch(threading.Thread):
@@ -437,7 +445,7 @@ class WorkersWatch(threading.Thread):
 
 def test_new_server_options_roll_over_the_fleet_one_replica_at_a_time_and_lose_no_request(fleet):
     # Last in this module: the replicas keep the memory saver until the fleet is stopped.
-    pids = {host: fleet.server_pid(host) for host in HOSTS}
+    pids = {host: fleet.server_pid(host) for host in FLEET}
     watch = WorkersWatch(fleet)
     # Two users, each a request a second: requests during every replica's drain and restart, without
     # keeping the replicas busy generating for the whole roll.
@@ -450,10 +458,10 @@ def test_new_server_options_roll_over_the_fleet_one_replica_at_a_time_and_lose_n
     assert result.rc == 0, result.output[-6000:]
     assert load["requests"] > 0 and load["failed"] == 0 and load["incomplete"] == 0, load
     # Every replica was replaced with the new options, each out of the router in its turn, never two at once.
-    assert all(fleet.server_pid(h) not in (None, pids[h]) for h in HOSTS)
-    for host in HOSTS:
+    assert all(fleet.server_pid(h) not in (None, pids[h]) for h in FLEET)
+    for host in FLEET:
         argv = Path(f"/proc/{fleet.server_pid(host)}/cmdline").read_bytes().split(b"\0")
         assert b"--enable-memory-saver" in argv
-    assert watch.absent == set(fleet.worker_urls) and min(watch.counts) == len(HOSTS) - 1, watch.counts
-    assert result.output.count("TASK [Stage drain: take the host out of the router") == len(HOSTS)
+    assert watch.absent == set(fleet.worker_urls) and min(watch.counts) == len(FLEET) - 1, watch.counts
+    assert result.output.count("TASK [Stage drain: take the host out of the router") == len(FLEET)
     assert fleet.healthy_workers() == set(fleet.worker_urls)
