@@ -162,7 +162,7 @@ test-fixtures: $(ML_VENV)/.stamp
 #  - integration: plays against development servers of their own, on free ports, in their own
 #    directories, a test file per worker (each worker runs the shared evaluation once);
 #  - module tests (tests/ansible), spread over both cores;
-#  - fleet: three servers behind the router, the suite's longest fixture;
+#  - fleet: two servers behind the router (a third joins for the options roll), the suite's longest fixture;
 #  - systemd: mostly waiting (debootstrap, a container booting systemd);
 #  - then the checks: ansible-test sanity, ruff and mypy, ansible-lint, ansible-test units, and the unit
 #    tests last, on both cores, so that the run ends with both cores busy and the unit tests' servers run

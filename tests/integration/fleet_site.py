@@ -90,8 +90,16 @@ class LocalFleet:
             **overrides,
         }
 
-    def command(self, playbook: str, args: tuple[str, ...] = (), **overrides: Any) -> list[str]:
-        """ansible-playbook on the fleet's inventory, with the fleet's settings and these overrides."""
+    def command(
+        self,
+        playbook: str,
+        args: tuple[str, ...] = (),
+        hosts: tuple[str, ...] | None = None,
+        **overrides: Any,
+    ) -> list[str]:
+        """ansible-playbook on the fleet's inventory, with the fleet's settings and these overrides, on the
+        fleet's hosts (or these)."""
+        hosts = hosts or self.hosts
         return [
             str(BIN / "ansible-playbook"),
             "-i",
@@ -99,7 +107,7 @@ class LocalFleet:
             str(REPO / "playbooks" / playbook),
             "-e",
             json.dumps(self.extra_vars(**overrides)),
-            *(() if self.hosts == HOSTS else ("--limit", ",".join(self.hosts))),
+            *(() if hosts == HOSTS else ("--limit", ",".join(hosts))),
             *args,
         ]
 
@@ -114,10 +122,17 @@ class LocalFleet:
             "ANSIBLE_SHOW_CUSTOM_STATS": "1",
         }
 
-    def play(self, playbook: str, timeout: int = 3600, args: tuple[str, ...] = (), **overrides: Any) -> Play:
+    def play(
+        self,
+        playbook: str,
+        timeout: int = 3600,
+        args: tuple[str, ...] = (),
+        hosts: tuple[str, ...] | None = None,
+        **overrides: Any,
+    ) -> Play:
         began = time.monotonic()
         proc = subprocess.run(
-            self.command(playbook, args, **overrides),
+            self.command(playbook, args, hosts, **overrides),
             cwd=REPO,
             capture_output=True,
             text=True,
@@ -196,6 +211,23 @@ class LocalFleet:
         except OSError:
             return set()
         return {w["url"] for w in listing.get("workers", []) if w.get("is_healthy")}
+
+    def join(self, host: str) -> None:
+        """Start the server of an inventory replica this fleet did not run and put it behind the router."""
+        started = self.play("service.yml", timeout=600, hosts=(host,), sglang_service_state="started")
+        if started.rc != 0:
+            raise RuntimeError(f"{host} did not start:\n{started.output[-4000:]}")
+        url = f"http://127.0.0.1:{self.replica_ports[HOSTS.index(host)]}"
+        request = urllib.request.Request(
+            f"{self.router_url}/workers",
+            data=json.dumps({"url": url}).encode(),
+            method="POST",
+            headers={"Content-Type": "application/json"},
+        )
+        with urllib.request.urlopen(request, timeout=30):
+            pass
+        self.hosts = tuple(h for h in HOSTS if h in (*self.hosts, host))
+        self.wait_for_workers(set(self.worker_urls), timeout=120)
 
     def wait_for_workers(self, urls: set[str], timeout: float) -> None:
         deadline = time.monotonic() + timeout

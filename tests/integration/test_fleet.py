@@ -2,7 +2,8 @@
 sent through the router the whole time: no request fails and every host is back behind the router.
 
 Two replicas show every rule of the rollout that three would (one at a time, a replica always serving,
-a host found down, another lost inside a window) at two thirds of the servers, windows and stages."""
+a host found down, another lost inside a window) at two thirds of the servers, windows and stages. The
+last test has the inventory's third replica join, and rolls new server options over all three."""
 
 from __future__ import annotations
 
@@ -444,8 +445,11 @@ class WorkersWatch(threading.Thread):
 
 
 def test_new_server_options_roll_over_the_fleet_one_replica_at_a_time_and_lose_no_request(fleet):
-    # Last in this module: the replicas keep the memory saver until the fleet is stopped.
-    pids = {host: fleet.server_pid(host) for host in FLEET}
+    # Last in this module: the replicas keep the memory saver until the fleet is stopped. The inventory's
+    # third replica joins first: the options roll over all three, never more than one out of the router.
+    fleet.join(HOSTS[2])
+    assert fleet.hosts == HOSTS
+    pids = {host: fleet.server_pid(host) for host in HOSTS}
     watch = WorkersWatch(fleet)
     # Two users, each a request a second: requests during every replica's drain and restart, without
     # keeping the replicas busy generating for the whole roll.
@@ -458,10 +462,10 @@ def test_new_server_options_roll_over_the_fleet_one_replica_at_a_time_and_lose_n
     assert result.rc == 0, result.output[-6000:]
     assert load["requests"] > 0 and load["failed"] == 0 and load["incomplete"] == 0, load
     # Every replica was replaced with the new options, each out of the router in its turn, never two at once.
-    assert all(fleet.server_pid(h) not in (None, pids[h]) for h in FLEET)
-    for host in FLEET:
+    assert all(fleet.server_pid(h) not in (None, pids[h]) for h in HOSTS)
+    for host in HOSTS:
         argv = Path(f"/proc/{fleet.server_pid(host)}/cmdline").read_bytes().split(b"\0")
         assert b"--enable-memory-saver" in argv
-    assert watch.absent == set(fleet.worker_urls) and min(watch.counts) == len(FLEET) - 1, watch.counts
-    assert result.output.count("TASK [Stage drain: take the host out of the router") == len(FLEET)
+    assert watch.absent == set(fleet.worker_urls) and min(watch.counts) == len(HOSTS) - 1, watch.counts
+    assert result.output.count("TASK [Stage drain: take the host out of the router") == len(HOSTS)
     assert fleet.healthy_workers() == set(fleet.worker_urls)
