@@ -6,6 +6,7 @@ from __future__ import absolute_import, division, print_function
 
 __metaclass__ = type
 
+import itertools
 import threading
 
 import pytest
@@ -79,7 +80,7 @@ def test_flush_is_polled_while_it_answers_400():
 
 def test_the_flush_inside_the_downtime_is_tried_again_soon_then_less_often():
     retries = flush_retry_delays(0.5)
-    assert [next(retries) for _ in range(7)] == [0.02, 0.04, 0.08, 0.16, 0.32, 0.5, 0.5]
+    assert list(itertools.islice(retries, 7)) == [0.02, 0.04, 0.08, 0.16, 0.32, 0.5, 0.5]
     assert next(flush_retry_delays(0.01)) == 0.01  # never longer than the module's own delay
 
 
