@@ -120,7 +120,9 @@ def pause_without_losing_requests(api, version, drain_timeout: float, delay: flo
 
 
 # The flush after the pause is inside the downtime: it is tried again soon (the retracted requests leave the
-# running batch within a scheduler step), then less often, up to the module's ready_delay.
+# running batch within a scheduler step), then less often, up to the module's ready_delay. A flush that finds
+# the scheduler busy does nothing and answers failure (sglang 0.5.23 srt/managers/scheduler.py:5518-5547), so
+# trying it sooner is safe.
 FIRST_FLUSH_RETRY_S = 0.02
 
 
