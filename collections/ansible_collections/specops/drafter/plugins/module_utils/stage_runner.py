@@ -10,6 +10,7 @@ import json
 import os
 
 from ansible.module_utils.basic import AnsibleModule
+from ansible_collections.specops.drafter.plugins.module_utils import stage_host
 
 # The options every stage module has besides its request; documented once in doc_fragments/stage.py.
 STAGE_OPTIONS = dict(
@@ -30,17 +31,17 @@ def stage_request(module, request_options):
 
 
 def stage_result(module, stage, request_options, figures=None, renamed=None, optional=(),
-                 wrap=None, extra_env=None):
+                 wrap=None, extra_env=None, nice=0):
     """Run the stage with the module's request and return the module's result.
 
     With `figures` (key -> value when the package leaves it out), the result is those keys, `changed`
     and the package's `msg`; `renamed` (package key -> figure key) takes a figure from a key the
     package names otherwise; `optional` keys are returned only when the package gives them. Without
-    `figures`, it is the package's result as it came. `wrap` turns the command into the one run (bounds);
-    `extra_env` is added to its environment.
+    `figures`, it is the package's result as it came. `wrap` turns the command into the one run (a
+    systemd scope); `nice` lowers its priority (`nice -n`); `extra_env` is added to its environment.
     """
     outcome = run_stage(module, module.params["python"], stage, stage_request(module, request_options),
-                        extra_env=extra_env, wrap=wrap)
+                        extra_env=extra_env, wrap=wrap, nice=nice)
     if figures is None:
         outcome.setdefault("changed", False)
         return outcome
@@ -54,10 +55,11 @@ def stage_result(module, stage, request_options, figures=None, renamed=None, opt
     return result
 
 
-def run_stage(module, python, stage, request, plan=None, extra_env=None, wrap=None):
+def run_stage(module, python, stage, request, plan=None, extra_env=None, wrap=None, nice=0):
     """Run one package stage and return its JSON result; fail the module with a clear message.
 
-    `plan` defaults to the module's check mode: the package then reports what it would do.
+    `plan` defaults to the module's check mode: the package then reports what it would do. `wrap` and
+    `nice` apply to a run, not to a plan.
     """
     if plan is None:
         plan = module.check_mode
@@ -66,13 +68,24 @@ def run_stage(module, python, stage, request, plan=None, extra_env=None, wrap=No
             msg="ML environment python %s does not exist or is not executable: "
             "run the fla_env role/module first or set 'python' to an environment with specops" % python
         )
-    cmd = [python, "-m", "specops.%s" % stage, "--plan" if plan else "--run"]
-    if wrap is not None and not plan:
+    mode = "--plan" if plan else "--run"
+    cmd = [python, "-m", "specops.%s" % stage, mode]
+    wrapped = wrap is not None and not plan
+    if wrapped:
         cmd = wrap(cmd)
+    nice = 0 if plan else int(nice or 0)
+    if nice:
+        cmd = ["nice", "-n", str(nice)] + cmd
     env = dict(os.environ)
     env.update(extra_env or {})
     env.setdefault("PYTHONUNBUFFERED", "1")
-    rc, out, err = module.run_command(cmd, data=json.dumps(request), binary_data=True, environ_update=env)
+    data = json.dumps(request)
+    # Forked from the stage host where it may be (a wrapped command's bounds are its own process's).
+    outcome = None if wrapped else stage_host.run(python, "specops.%s" % stage, [mode], data.encode(), env,
+                                                   nice=nice)
+    if outcome is None:
+        outcome = module.run_command(cmd, data=data, binary_data=True, environ_update=env)
+    rc, out, err = outcome
     lines = [line for line in out.strip().splitlines() if line.strip()]
     result = None
     if lines:

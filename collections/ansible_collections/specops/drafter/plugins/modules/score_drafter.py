@@ -417,8 +417,11 @@ def main():
         module.fail_json(msg="cpu_bounds %r: %s" % (bounds, "; ".join(problems)))
     manager = cpu_scope.host_systemd_manager() if bounds else None
     # Ansible reserves 'warnings' in a module result for its own display.
+    # A systemd scope holds the process it starts; `nice` alone is set by whatever runs the stage.
+    scoped = bool(bounds) and manager is not None
     result = stage_result(module, "score", REQUEST_OPTIONS, FIGURES, renamed={"warnings": "diagnostic_warnings"},
-                          wrap=lambda cmd: cpu_scope.bounded_argv(cmd, bounds, manager),
+                          wrap=(lambda cmd: cpu_scope.bounded_argv(cmd, bounds, manager)) if scoped else None,
+                          nice=0 if scoped else int(bounds.get("nice") or 0),
                           extra_env=cpu_scope.thread_environment(bounds))
     result["diagnostic_warnings"] = list(result["diagnostic_warnings"] or [])
     for warning in result["diagnostic_warnings"]:

@@ -1,0 +1,210 @@
+"""The stage host: a stage forked from a preloaded interpreter behaves as the process it replaces.
+
+The client is the collection's (plugins/module_utils/stage_host.py, what every stage module calls); the
+host is the package's (specops.stage_host). The probe stage below reports what it was given.
+"""
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "collections"))
+from ansible_collections.specops.drafter.plugins.module_utils import stage_host  # noqa: E402
+
+PROBE = textwrap.dedent(
+    """
+    import json, os, sys, time
+    what = sys.argv[1]
+    if what == "sleep":
+        open(os.environ["PROBE_PID_FILE"], "w").write(str(os.getpid()))
+        time.sleep(600)
+    umask = os.umask(0)
+    print("progress of the probe", file=sys.stderr)
+    print(json.dumps({"argv": sys.argv[1:], "cwd": os.getcwd(), "per_call": os.environ.get("PER_CALL"),
+                      "umask": umask, "stdin": sys.stdin.read(), "pid": os.getpid()}))
+    sys.exit(int(sys.argv[2]))
+    """
+)
+# Generous: the host imports torch and transformers before it serves (seconds on a loaded machine).
+HOST_START_LIMIT_S = 300
+
+
+def wait_until(check, what, limit=HOST_START_LIMIT_S):
+    deadline = time.monotonic() + limit
+    while time.monotonic() < deadline:
+        value = check()
+        if value:
+            return value
+        time.sleep(0.1)
+    raise AssertionError(f"not within {limit} s: {what}")
+
+
+def short_dir():
+    """A directory short enough to hold a Unix socket's path (pytest's are often not)."""
+    return Path(tempfile.mkdtemp(prefix="specops-test-", dir="/tmp"))
+
+
+@pytest.fixture(scope="module")
+def runtime(tmp_path_factory):
+    """This module's socket directory and a working directory holding the probe stage."""
+    base = short_dir()
+    (base / "run").mkdir(mode=0o700)
+    work = base / "work"
+    work.mkdir()
+    (work / "stage_probe.py").write_text(PROBE)
+    return base
+
+
+@pytest.fixture()
+def call_env(runtime, monkeypatch):
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(runtime / "run"))
+    env = {key: value for key, value in os.environ.items() if key != "SPECOPS_WINDOW_TOKEN"}
+    env["PYTHONPATH"] = str(ROOT / "src")
+    return env
+
+
+def served(env, work, args=("report", "0"), data=b"", module="stage_probe"):
+    """The first call starts the host and runs nothing; then calls are served."""
+    first = stage_host.run(sys.executable, module, list(args), data, env, cwd=str(work))
+    if first is not None:
+        return first
+    return wait_until(
+        lambda: stage_host.run(sys.executable, module, list(args), data, env, cwd=str(work)),
+        "the stage host serves",
+    )
+
+
+def host_pids(runtime):
+    found = subprocess.run(
+        ["pgrep", "-f", f"specops.stage_host --socket {runtime}"], capture_output=True, text=True
+    )
+    return {int(pid) for pid in found.stdout.split()}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def stop_hosts(runtime):
+    yield
+    for pid in host_pids(runtime):
+        os.kill(pid, signal.SIGTERM)
+    wait_until(lambda: not host_pids(runtime), "the hosts ended")
+    shutil.rmtree(runtime, ignore_errors=True)
+
+
+def test_a_forked_stage_gets_the_callers_streams_environment_directory_umask_and_exit_status(
+    runtime, call_env
+):
+    work = runtime / "work"
+    rc, out, err = served({**call_env, "PER_CALL": "first"}, work, ("report", "3"), b'{"request": 1}')
+    assert rc == 3
+    seen = json.loads(out.strip().splitlines()[-1])
+    assert seen["argv"] == ["report", "3"]
+    assert seen["cwd"] == str(work)
+    assert seen["per_call"] == "first"
+    assert seen["stdin"] == '{"request": 1}'
+    mine = os.umask(0)
+    os.umask(mine)
+    assert seen["umask"] == mine
+    assert "progress of the probe" in err
+    assert seen["pid"] not in host_pids(runtime)
+
+    # A variable that import does not read may differ between calls of one host.
+    rc, out, _ = stage_host.run(
+        sys.executable, "stage_probe", ["report", "0"], b"", {**call_env, "PER_CALL": "second"}, cwd=str(work)
+    )
+    assert rc == 0
+    assert json.loads(out.strip().splitlines()[-1])["per_call"] == "second"
+    assert len(host_pids(runtime)) == 1
+
+
+def test_a_stage_whose_caller_is_killed_goes_with_it_and_a_signal_to_the_caller_reaches_it(
+    runtime, call_env, tmp_path
+):
+    work = runtime / "work"
+    served(call_env, work)  # a host is up
+    caller = textwrap.dedent(
+        f"""
+        import sys
+        sys.path.insert(0, {str(ROOT / "collections")!r})
+        from ansible_collections.specops.drafter.plugins.module_utils import stage_host
+        print(stage_host.run(sys.executable, "stage_probe", ["sleep"], b"", dict(__import__("os").environ),
+                             cwd={str(work)!r})[0], flush=True)
+        """
+    )
+    for how in (signal.SIGKILL, signal.SIGTERM):
+        pid_file = tmp_path / f"stage-{how}.pid"
+        env = {**call_env, "PROBE_PID_FILE": str(pid_file)}
+        proc = subprocess.Popen([sys.executable, "-c", caller], env=env, stdout=subprocess.PIPE, text=True)
+        stage = int(wait_until(lambda f=pid_file: f.is_file() and f.read_text(), "the stage started"))
+        os.kill(proc.pid, how)
+        wait_until(
+            lambda p=stage: not Path(f"/proc/{p}").exists() or _zombie(p), "the stage ended with its caller"
+        )
+        out, _ = proc.communicate()
+        if how == signal.SIGTERM:
+            # The caller forwarded the signal and reports the stage's end as run_command would.
+            assert out.strip() == str(-signal.SIGTERM)
+
+
+def _zombie(pid):
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except OSError:
+        return True
+
+
+def test_window_work_a_disabled_host_and_another_environment_never_share_a_host(call_env):
+    assert stage_host.usable_for(call_env)
+    assert not stage_host.usable_for({**call_env, "SPECOPS_WINDOW_TOKEN": "abc"})
+    assert not stage_host.usable_for({**call_env, "SPECOPS_STAGE_HOST": "0"})
+    key = stage_host.host_key(sys.executable, call_env)
+    assert stage_host.host_key(sys.executable, {**call_env, "PATH": "/elsewhere"}) == key
+    assert stage_host.host_key(sys.executable, {**call_env, "OMP_NUM_THREADS": "7"}) != key
+    assert stage_host.host_key(sys.executable, {**call_env, "PYTHONPATH": "/other"}) != key
+    assert stage_host.host_key("/opt/other-venv/bin/python", call_env) != key
+    host_env = stage_host.host_environment({**call_env, "SPECOPS_RUN_LOCK": "x", "SPECOPS_WINDOW_TOKEN": "y"})
+    assert "SPECOPS_RUN_LOCK" not in host_env and "SPECOPS_WINDOW_TOKEN" not in host_env
+
+
+def test_a_socket_directory_others_can_open_or_too_long_a_path_is_not_used(tmp_path, monkeypatch):
+    (tmp_path / ("deep" * 30)).mkdir()
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path / ("deep" * 30)))
+    assert stage_host.socket_path("key") is None
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
+    assert stage_host.socket_dir() == str(tmp_path / f"specops-stage-host-{os.getuid()}")
+    os.chmod(stage_host.socket_dir(), 0o755)
+    assert stage_host.socket_dir() is None
+    assert stage_host.run(sys.executable, "stage_probe", ["report", "0"], b"", dict(os.environ)) is None
+
+
+def test_a_host_whose_imported_files_changed_refuses_and_goes(monkeypatch):
+    """A reinstalled environment or an edited checkout: the stage runs anew, never from old code."""
+    tmp_path = short_dir()
+    src = tmp_path / "src"
+    shutil.copytree(ROOT / "src" / "specops", src / "specops", ignore=shutil.ignore_patterns("__pycache__"))
+    (tmp_path / "run").mkdir(mode=0o700)
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / "stage_probe.py").write_text(PROBE)
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path / "run"))
+    env = {**os.environ, "PYTHONPATH": str(src)}
+    env.pop("SPECOPS_WINDOW_TOKEN", None)
+    assert served(env, work)[0] == 0
+    stage_file = src / "specops" / "stage.py"
+    os.utime(stage_file, ns=(stage_file.stat().st_atime_ns, stage_file.stat().st_mtime_ns + 10**9))
+    assert stage_host.run(sys.executable, "stage_probe", ["report", "0"], b"", env, cwd=str(work)) is None
+    socket = Path(
+        stage_host.socket_path(stage_host.host_key(sys.executable, stage_host.call_environment(env)))
+    )
+    wait_until(lambda: not socket.exists(), "the refusing host took its socket away")
+    wait_until(lambda: not host_pids(tmp_path), "the refusing host ended")
+    shutil.rmtree(tmp_path, ignore_errors=True)
