@@ -30,3 +30,9 @@ fi
 nvidia-smi --query-gpu=memory.used --format=csv,noheader
 df -h "$WORK" | tail -1
 ls "$WORK/done"
+# The stage hosts of this lease (plugins/module_utils/stage_host.py): which environments had one, and
+# whether any failed to start (a <socket>.failed file) or refused a call.
+for log in "${XDG_RUNTIME_DIR:-/tmp}/specops-stage-host-$(id -u)"/*.log; do
+  [ -f "$log" ] && { echo "== stage host log $log"; tail -5 "$log"; }
+done
+ls "${XDG_RUNTIME_DIR:-/tmp}/specops-stage-host-$(id -u)"/*.failed 2>/dev/null && echo "(a stage host failed to start)"
