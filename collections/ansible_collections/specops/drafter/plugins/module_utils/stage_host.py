@@ -138,7 +138,8 @@ def start_host(python, path, key, env):
     log_path = path[:-len(".sock")] + ".log"
     try:
         with open(log_path, "ab") as log:
-            subprocess.Popen(
+            # Detached, outliving the module: run_command waits for what it starts.
+            subprocess.Popen(  # pylint: disable=ansible-bad-function
                 [python, "-m", HOST_MODULE, "--socket", path, "--key", key, "--idle", str(IDLE_S)],
                 stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=log, cwd="/",
                 env=host_environment(env), close_fds=True, start_new_session=True)

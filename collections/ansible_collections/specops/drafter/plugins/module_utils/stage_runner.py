@@ -81,8 +81,9 @@ def run_stage(module, python, stage, request, plan=None, extra_env=None, wrap=No
     env.setdefault("PYTHONUNBUFFERED", "1")
     data = json.dumps(request)
     # Forked from the stage host where it may be (a wrapped command's bounds are its own process's).
-    outcome = None if wrapped else stage_host.run(python, "specops.%s" % stage, [mode], data.encode(), env,
-                                                   nice=nice)
+    outcome = None
+    if not wrapped:
+        outcome = stage_host.run(python, "specops.%s" % stage, [mode], data.encode(), env, nice=nice)
     if outcome is None:
         outcome = module.run_command(cmd, data=data, binary_data=True, environ_update=env)
     rc, out, err = outcome
