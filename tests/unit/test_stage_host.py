@@ -208,3 +208,14 @@ def test_a_host_whose_imported_files_changed_refuses_and_goes(monkeypatch):
     wait_until(lambda: not socket.exists(), "the refusing host took its socket away")
     wait_until(lambda: not host_pids(tmp_path), "the refusing host ended")
     shutil.rmtree(tmp_path, ignore_errors=True)
+
+
+def test_a_host_that_finds_the_cuda_driver_loaded_after_its_imports_does_not_serve(tmp_path):
+    """A CUDA runtime initialized before the fork cannot be used by the forked stages."""
+    from specops.stage_host import preload
+
+    maps = tmp_path / "maps"
+    maps.write_text("7f00-7f10 r-xp 0 08:01 1 /usr/lib/x86_64-linux-gnu/libnvidia-ml.so.580.1\n")
+    assert not preload.cuda_driver_loaded(str(maps))
+    maps.write_text("7f00-7f10 r-xp 0 08:01 2 /usr/lib/x86_64-linux-gnu/libcuda.so.580.159.04\n")
+    assert preload.cuda_driver_loaded(str(maps))

@@ -37,8 +37,18 @@ def preload() -> None:
     for name in TRANSFORMERS_NAMES:
         getattr(transformers, name)
     torch = sys.modules["torch"]
-    if torch.cuda.is_initialized():
+    if torch.cuda.is_initialized() or cuda_driver_loaded():
         raise RuntimeError("CUDA was initialized while preloading: a forked stage could not use the GPU")
+
+
+def cuda_driver_loaded(maps: str = "/proc/self/maps") -> bool:
+    """The CUDA driver library is mapped: the runtime was initialized (a device count asked of it, say),
+    which a forked child cannot use. NVML (libnvidia-ml) does not count: it is safe across a fork."""
+    try:
+        with open(maps) as handle:
+            return any("/libcuda.so" in line for line in handle)
+    except OSError:
+        return False
 
 
 def loaded_files() -> dict[str, int]:
