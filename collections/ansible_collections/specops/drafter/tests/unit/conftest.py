@@ -82,6 +82,13 @@ FAKE_STAGE = textwrap.dedent(
 )
 
 
+@pytest.fixture(autouse=True)
+def no_stage_host(monkeypatch):
+    """Stages start as processes of their own here (the stage host is tested with the package, in
+    tests/unit/test_stage_host.py); a test of the dispatch replaces stage_host.run itself."""
+    monkeypatch.setenv("SPECOPS_STAGE_HOST", "0")
+
+
 @pytest.fixture
 def fake_python(tmp_path):
     """Path of an executable that behaves like `python -m specops.<stage>` (see FAKE_STAGE)."""

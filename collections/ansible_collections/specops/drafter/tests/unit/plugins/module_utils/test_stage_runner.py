@@ -6,10 +6,13 @@ from __future__ import absolute_import, division, print_function
 
 __metaclass__ = type
 
+import json
+
 import pytest
 
 from ansible.module_utils.basic import AnsibleModule
 from ansible.module_utils.testing import patch_module_args
+from ansible_collections.specops.drafter.plugins.module_utils import stage_host
 from ansible_collections.specops.drafter.plugins.module_utils.stage_runner import (
     crash_message,
     run_stage,
@@ -90,6 +93,41 @@ def test_a_killed_stage_is_said_to_be_killed_not_to_have_crashed(make_module, fa
         run_stage(make_module(), fake_python, "extract", {"behave": "killed"})
     assert failure.value.result["msg"].startswith("specops.extract was killed by signal 9 (exit -9)")
     assert failure.value.result["stderr_lines"] == ["progress: extract --run"]
+
+
+def test_a_stage_the_host_takes_is_not_started_again_and_gets_the_priority_asked(
+        make_module, fake_python, monkeypatch):
+    calls = []
+
+    def host_run(python, module, args, data, env, nice=0):
+        calls.append((module, args, json.loads(data), nice))
+        return 0, '{"changed": true, "from": "host"}', "progress: score --run"
+
+    monkeypatch.setattr(stage_host, "run", host_run)
+    result = run_stage(make_module(), fake_python, "score", {"x": 1}, nice=7)
+    assert result == {"changed": True, "from": "host"}
+    assert calls == [("specops.score", ["--run"], {"x": 1}, 7)]
+
+
+def test_a_wrapped_run_never_goes_through_the_host_and_nice_prefixes_a_started_stage(
+        make_module, fake_python, monkeypatch, tmp_path):
+    monkeypatch.setattr(stage_host, "run", lambda *args, **kwargs: pytest.fail("the host was asked"))
+    wrapper = tmp_path / "wrapped"
+    result = run_stage(make_module(), fake_python, "score", {}, wrap=lambda cmd: ["env", "WRAPPED=%s" % wrapper] + cmd)
+    assert result["seen"]["argv"][-1] == "--run"
+
+    monkeypatch.setattr(stage_host, "run", lambda *args, **kwargs: None)  # no host: started as a process
+    commands = []
+    module = make_module()
+    real = module.run_command
+
+    def recording(cmd, **kwargs):
+        commands.append(cmd)
+        return real(cmd, **kwargs)
+
+    monkeypatch.setattr(module, "run_command", recording)
+    run_stage(module, fake_python, "score", {}, nice=5)
+    assert commands[0][:3] == ["nice", "-n", "5"]
 
 
 def test_a_crash_without_error_output_says_so_instead_of_promising_it():
