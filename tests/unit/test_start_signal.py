@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import threading
 import time
 from pathlib import Path
@@ -35,7 +36,11 @@ class FakeClock:
 
 
 def write(path: Path, **value) -> None:
-    path.write_text(json.dumps(value))
+    """As the play writes a signal: atomically (a reader never sees a half-written file, which it
+    would take for one the play did not write, that is an abort)."""
+    part = path.with_name(path.name + ".part")
+    part.write_text(json.dumps(value))
+    os.replace(part, path)
 
 
 def test_go_ends_the_wait_and_says_how_long_it_waited(tmp_path):
@@ -130,6 +135,7 @@ def test_a_held_extraction_writes_nothing_until_go_then_the_same_shards(
     assert waiting["host_load_s"] >= 0
     write(signal, signal="go")
     thread.join(120)
+    assert "result" in outcome, outcome
     assert outcome["result"]["changed"] is True
     held, reference = load_manifest(out_dir), load_manifest(tmp_path / "plain")
     assert held["files"] == reference["files"] and plain["shards"] == outcome["result"]["shards"]
