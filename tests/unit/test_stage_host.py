@@ -219,3 +219,49 @@ def test_a_host_that_finds_the_cuda_driver_loaded_after_its_imports_does_not_ser
     assert not preload.cuda_driver_loaded(str(maps))
     maps.write_text("7f00-7f10 r-xp 0 08:01 2 /usr/lib/x86_64-linux-gnu/libcuda.so.580.159.04\n")
     assert preload.cuda_driver_loaded(str(maps))
+
+
+def test_a_host_killed_under_its_stage_takes_the_stage_with_it_and_the_caller_says_so(monkeypatch):
+    """The stage dies with its host (PR_SET_PDEATHSIG): no orphan keeps the GPU; the module reports a
+    stage killed by signal 9, with the reason in its error output."""
+    base = short_dir()
+    (base / "run").mkdir(mode=0o700)
+    work = base / "work"
+    work.mkdir()
+    (work / "stage_probe.py").write_text(PROBE)
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(base / "run"))
+    pid_file = base / "stage.pid"
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "PROBE_PID_FILE": str(pid_file)}
+    env.pop("SPECOPS_WINDOW_TOKEN", None)
+    served(env, work)  # a host is up
+    (host,) = host_pids(base)
+    caller = textwrap.dedent(
+        f"""
+        import json, sys
+        sys.path.insert(0, {str(ROOT / "collections")!r})
+        from ansible_collections.specops.drafter.plugins.module_utils import stage_host
+        env = dict(__import__("os").environ)
+        rc, out, err = stage_host.run(sys.executable, "stage_probe", ["sleep"], b"", env, cwd={str(work)!r})
+        print(json.dumps([rc, err[-200:]]), flush=True)
+        """
+    )
+    proc = subprocess.Popen([sys.executable, "-c", caller], env=env, stdout=subprocess.PIPE, text=True)
+    stage = int(wait_until(lambda: pid_file.is_file() and pid_file.read_text(), "the stage started"))
+    os.kill(host, signal.SIGKILL)
+    out, _ = proc.communicate(timeout=HOST_START_LIMIT_S)
+    rc, err = json.loads(out)
+    assert rc == -signal.SIGKILL
+    assert "the stage host ended before the stage did" in err
+    wait_until(lambda: not Path(f"/proc/{stage}").exists() or _zombie(stage), "the stage ended with its host")
+    shutil.rmtree(base, ignore_errors=True)
+
+
+def test_a_host_that_failed_to_start_is_not_tried_again_for_a_while(tmp_path):
+    path = str(tmp_path / "host.sock")
+    assert stage_host.host_may_start(path)
+    failed = tmp_path / "host.sock.failed"
+    failed.write_text("RuntimeError: CUDA was initialized while preloading\n")
+    assert not stage_host.host_may_start(path)
+    long_ago = time.time() - stage_host.FAILED_RETRY_S - 1
+    os.utime(failed, (long_ago, long_ago))
+    assert stage_host.host_may_start(path)
