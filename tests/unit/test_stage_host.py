@@ -4,6 +4,7 @@ The client is the collection's (plugins/module_utils/stage_host.py, what every s
 host is the package's (specops.stage_host). The probe stage below reports what it was given.
 """
 
+import hashlib
 import json
 import os
 import shutil
@@ -124,6 +125,8 @@ def test_a_forked_stage_gets_the_callers_streams_environment_directory_umask_and
     assert rc == 0
     assert json.loads(out.strip().splitlines()[-1])["per_call"] == "second"
     assert len(host_pids(runtime)) == 1
+    (host,) = host_pids(runtime)
+    assert "PYTHONPATH" not in Path(f"/proc/{host}/cmdline").read_text()  # values stay out of ps
 
 
 def test_a_stage_whose_caller_is_killed_goes_with_it_and_a_signal_to_the_caller_reaches_it(
@@ -203,7 +206,11 @@ def test_a_host_whose_imported_files_changed_refuses_and_goes(monkeypatch):
     os.utime(stage_file, ns=(stage_file.stat().st_atime_ns, stage_file.stat().st_mtime_ns + 10**9))
     assert stage_host.run(sys.executable, "stage_probe", ["report", "0"], b"", env, cwd=str(work)) is None
     socket = Path(
-        stage_host.socket_path(stage_host.host_key(sys.executable, stage_host.call_environment(env)))
+        stage_host.socket_path(
+            hashlib.sha256(
+                stage_host.host_key(sys.executable, stage_host.call_environment(env)).encode()
+            ).hexdigest()
+        )
     )
     wait_until(lambda: not socket.exists(), "the refusing host took its socket away")
     wait_until(lambda: not host_pids(tmp_path), "the refusing host ended")

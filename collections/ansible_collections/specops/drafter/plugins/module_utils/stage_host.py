@@ -168,7 +168,9 @@ def run(python, module, args, data, env, cwd=None, nice=0):
     if not usable_for(env):
         return None
     env = call_environment(env)
-    key = host_key(python, env)
+    # Only a digest leaves this process: the key holds variable values (HF_TOKEN, say), and a host's
+    # command line is readable by every user.
+    key = hashlib.sha256(host_key(python, env).encode()).hexdigest()
     path = socket_path(key)
     if path is None:
         return None
