@@ -8,7 +8,11 @@ python benchmarks/build_target.py --size 2b|14b --tokenizer DIR --out DIR [--dev
        linear heads of dim 128, gated full attention with 24/4 heads of dim 256 every 4th layer) and its
        vocabulary of 248,320, with half of its 64 layers.
 Writes DIR/target (save_pretrained, safetensors) and DIR/drafter (a random DFlash drafter on the
-target's layers), then DIR/built.json. The development server serves the target with the fixture
+target's layers, the fixtures' small shape), then DIR/built.json. With --real-drafter, also
+DIR/drafter_real: a random drafter of the real DFlash drafter's shape for Qwen3.6-27B (5 layers, 32/8
+heads of 128, intermediate 17408, block 16, bf16: 1.6 B parameters, as benchmarks/score_real_h200.py
+measures), for scoring at the real shape inside the window (#42's rehearsal); built on its own when
+the target is there already. The development server serves the target with the fixture
 tokenizer: where the vocabulary is larger than the tokenizer's, the lm_head's rows past the tokenizer
 are zero, so greedy decoding never picks a token the tokenizer cannot decode (some logit of a known
 token is positive).
@@ -47,6 +51,17 @@ SIZES = {
         vocab_size=248320,
     ),
 }
+# The real DFlash drafter's shape for Qwen3.6-27B (benchmarks/score_real_h200.py, REAL).
+REAL_DRAFTER = dict(
+    num_layers=5,
+    block_size=16,
+    num_target_features=5,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    head_dim=128,
+    intermediate_size=17408,
+    torch_dtype="bfloat16",
+)
 # Fewer parameters than this means the config is not the size it is named after.
 MIN_PARAMETERS = {"2b": 2e9, "14b": 14e9}
 
@@ -71,14 +86,32 @@ def target_config(size: str, tokenizer_size: int, eos_token_id: int, pad_token_i
     )
 
 
+def build_real_drafter(out: Path) -> None:
+    """DIR/drafter_real, once the target's config is there (built first where it is not)."""
+    from specops.fixtures.drafter import build_random_drafter
+
+    target = out / "target"
+    if not (target / "config.json").is_file():
+        return  # main() builds the target, then comes back here
+    from transformers import AutoTokenizer
+
+    mask_id = AutoTokenizer.from_pretrained(str(target)).convert_tokens_to_ids("<|mask|>")
+    started = time.perf_counter()
+    build_random_drafter(out / "drafter_real", target, mask_id, seed=2, **REAL_DRAFTER)
+    print(json.dumps({"drafter_real_s": round(time.perf_counter() - started, 1)}))
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--size", choices=sorted(SIZES), default="2b")
     parser.add_argument("--tokenizer", required=True, help="a directory with the fixture tokenizer")
     parser.add_argument("--out", required=True)
     parser.add_argument("--device", default="cuda")
+    parser.add_argument("--real-drafter", action="store_true", help="also write DIR/drafter_real")
     args = parser.parse_args()
     out = Path(args.out)
+    if args.real_drafter and not (out / "drafter_real" / "config.json").is_file():
+        build_real_drafter(out)
     if (out / "built.json").is_file():
         print((out / "built.json").read_text())
         return 0
@@ -114,6 +147,8 @@ def main() -> int:
         "build_s": round(time.perf_counter() - started, 1),
         "weights_bytes": sum(f.stat().st_size for f in (out / "target").glob("*.safetensors")),
     }
+    if args.real_drafter:
+        build_real_drafter(out)
     (out / "built.json").write_text(json.dumps(built))
     print(json.dumps(built))
     return 0 if parameters >= MIN_PARAMETERS[args.size] else 1

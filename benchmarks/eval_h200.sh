@@ -99,6 +99,12 @@ if name.endswith("-all"):
     # The same inputs as the play before it: without this, the extraction cache takes that play's output
     # over and no window is taken.
     v["specops_reuse_extractions"] = False
+# memory_saver-rehearsal (#42): scoring inside the window on the freed GPU, the drafter and the reference
+# of the real DFlash drafter's shape (build_target.py --real-drafter); the layer offsets, which run after
+# the window on the device the window used, are left out (beside a server whose KV pool fills the GPU).
+if name.endswith("-rehearsal"):
+    v.update({"specops_score_placement": "window", "specops_reuse_extractions": False,
+              "score_drafter_diagnostics": ["acceptance", "backend", "vocabulary"]})
 if os.environ.get("PROMPTS"):
     v["specops_prompts"] = os.environ["PROMPTS"]
 if target != "fixture":  # built by build_target.py into $WORK/<target>
@@ -106,11 +112,19 @@ if target != "fixture":  # built by build_target.py into $WORK/<target>
               "specops_drafter": f"{work}/{target}/drafter", "specops_reference_drafter": f"{work}/{target}/drafter"})
     # The local inventory serves the reference drafter: only where asked.
     v["sglang_service_draft_model_path"] = f"{work}/{target}/drafter" if target in os.environ.get("SERVE_DRAFTER", "").split() else ""
+    # What these plays measure is the window: the layer offsets' two extra passes (minutes on the CPU at
+    # hidden 5120) are left out.
+    v["score_drafter_diagnostics"] = ["acceptance", "backend", "vocabulary"]
     if os.environ.get(f"MAX_NEW_TOKENS_{target}"):
         v["specops_max_new_tokens"] = int(os.environ[f"MAX_NEW_TOKENS_{target}"])
 # SCORE_DEVICE_<target>=cpu: scoring after the window on the host's CPU (beside a 14 B server whose KV pool
 # fills the GPU as SGLang's does, scoring on cuda runs out of memory).
 v["score_drafter_device"] = os.environ.get(f"SCORE_DEVICE_{target}", "cuda")
+if v["score_drafter_device"] == "cpu":
+    v["specops_score_placement"] = "cpu"  # after the window: the window measured is the extraction's alone
+if name.endswith("-rehearsal"):
+    real = f"{work}/{target}/drafter_real"
+    v.update({"specops_drafter": real, "specops_reference_drafter": real, "score_drafter_device": "cuda"})
 print(json.dumps(v))
 PY
 }
@@ -153,7 +167,7 @@ for play in plays:
         play["tau"] = data["overall"]["tau"]
         play["hidden_state_backend"] = (data.get("run") or {}).get("hidden_state_backend")
     # The client that kept requests in flight through a memory-saver window, and the server's pid.
-    for key, name in (("client", "loadgen.json"), ("pids", "pids.json")):
+    for key, name in (("client", "loadgen.json"), ("pids", "pids.json"), ("sequential_check", "sequential.json")):
         path = work / "logs" / f"{play['play']}.{name}"
         if path.is_file() and path.read_text().strip():
             play[key] = json.loads(path.read_text().splitlines()[-1])
@@ -191,20 +205,28 @@ for target in $TARGETS; do
   vars "$target-stop" "$target" stop
   estimate_var=ESTIMATE_$target
   estimate=${!estimate_var:-400}
+  size=$([ "$target" = big ] && echo 2b || echo "$target")
   if [ "$target" != fixture ] && [ ! -f "$WORK/$target/built.json" ]; then
     fits "build $target" $((estimate / 2)) || break
     # The ML environment and the fixture tokenizer, when no fixture run came first on this host.
     [ -x "$WORK/ml/bin/python" ] || play "$target-ml-env" ml_env.yml "$WORK/vars/$target-stop.json" || exit 1
     [ -d "$WORK/models/target" ] || "$WORK/ml/bin/python" -m specops.fixtures --out "$WORK/models" \
       --no-reference-training --prompts "$ROOT/prompts/coding.jsonl" > "$WORK/logs/build-fixtures.log" 2>&1 || { summarize; exit 1; }
-    size=$([ "$target" = big ] && echo 2b || echo "$target")
     "$WORK/ml/bin/python" "$ROOT/benchmarks/build_target.py" --size "$size" --tokenizer "$WORK/models/target" \
       --out "$WORK/$target" > "$WORK/logs/build-$target.log" 2>&1 || { summarize; exit 1; }
   fi
+  # A rehearsal scores with a drafter of the real shape: built once beside the target.
+  plays_var=PLAYS_$target
+  case " ${!plays_var:-$PLAYS} " in *-rehearsal*)
+    [ -f "$WORK/$target/drafter_real/config.json" ] || PYTHONPATH=$ROOT/src "$WORK/ml/bin/python" \
+      "$ROOT/benchmarks/build_target.py" --size "$size" --tokenizer "$WORK/models/target" --out "$WORK/$target" \
+      --real-drafter >> "$WORK/logs/build-$target.log" 2>&1 || { summarize; exit 1; } ;;
+  esac
   plays_var=PLAYS_$target
   for name in ${!plays_var:-$PLAYS}; do
     mode=${name%-again}
     mode=${mode%-all}
+    mode=${mode%-rehearsal}
     [ ! -f "$WORK/done/$target-$name" ] || continue
     fits "$target-$name" "$estimate" || break 2
     vars "$target-$name" "$target" "$mode"
@@ -232,6 +254,12 @@ for target in $TARGETS; do
       rc=$?
       touch "$WORK/loadgen.stop"
       wait $client
+      # The rehearsal's tau against the sequential walk on the same hidden states.
+      case "$name" in *-rehearsal)
+        PYTHONPATH=$ROOT/src "$WORK/ml/bin/python" "$ROOT/benchmarks/score_sequential_check.py" \
+          --run "$WORK/runs/$target-$name" --target "$WORK/$target/target" --drafter "$WORK/$target/drafter_real" \
+          --out "$WORK/logs/$target-$name.sequential.json" > "$WORK/logs/$target-$name.sequential.log" 2>&1 ;;
+      esac
       pid_after=$(cat "$WORK/sglang.pid" 2>/dev/null | cut -d' ' -f1)
       echo "{\"before\": \"$pid_before\", \"after\": \"$pid_after\"}" > "$WORK/logs/$target-$name.pids.json"
       summarize
