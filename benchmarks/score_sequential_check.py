@@ -29,7 +29,9 @@ from specops.score.target_head import load_target_head
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--run", required=True, type=Path)
     parser.add_argument("--target", required=True, type=Path)
     parser.add_argument("--drafter", required=True, type=Path)
@@ -53,7 +55,9 @@ def main() -> int:
     sequential = {s["id"]: sequential_acceptance(drafter, head, s) for s in sequences}
     sequential_s = time.perf_counter() - started
     report = json.loads((args.run / "score" / "report.json").read_text())
-    differing = [i for i in sequential if list(sequential[i].accept_lengths) != list(engine[i].accept_lengths)]
+    differing = [
+        i for i in sequential if list(sequential[i].accept_lengths) != list(engine[i].accept_lengths)
+    ]
     result = {
         "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",

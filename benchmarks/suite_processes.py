@@ -34,6 +34,7 @@ from pathlib import Path
 ACCT_V3 = struct.Struct("<BBHIIIIIIfHHHHHHHH16s")
 AHZ = 100
 SAMPLE_S = 0.1
+NO_TEST = "(no test)"  # what --test names the processes started outside any test with
 
 
 def comp_t(value: int) -> int:
@@ -90,7 +91,8 @@ def run(prefix: str, command: list[str]) -> int:
         try:
             process = subprocess.Popen(command)
             # Only what descends from the command is counted: accounting records every process of the host.
-            pids_file.write(json.dumps({"root": process.pid}) + "\n")
+            # The boot time turns the sampled start ticks into dates; a report made after a reboot needs it.
+            pids_file.write(json.dumps({"root": process.pid, "boot": boot_time()}) + "\n")
             return process.wait()
         finally:
             stop.set()
@@ -131,14 +133,35 @@ def kind(cmdline: str, comm: str) -> str:
     return comm
 
 
+def boot_time() -> float:
+    return float(Path("/proc/stat").read_text().split("btime ")[1].split()[0])
+
+
+def recorded_boot(prefix: str, root: int | None, root_start: int | None) -> float:
+    """The boot time of the run: from its .pids header, else from the root process's accounting record
+    (its creation date less its start ticks), else this boot's."""
+    for line in open(prefix + ".pids"):
+        row = json.loads(line)
+        if isinstance(row, dict) and "boot" in row:
+            return float(row["boot"])
+    data = Path(prefix + ".acct").read_bytes()
+    for offset in range(0, len(data) - ACCT_V3.size + 1, ACCT_V3.size):
+        fields = ACCT_V3.unpack_from(data, offset)
+        if root is not None and root_start is not None and fields[6] == root:
+            return fields[8] - root_start / os.sysconf("SC_CLK_TCK")
+    return boot_time()
+
+
 def report(prefix: str, top: int, json_out: str | None, only_test: str | None = None) -> None:
-    boot = float(Path("/proc/stat").read_text().split("btime ")[1].split()[0])
     hz = os.sysconf("SC_CLK_TCK")
+    rows = [json.loads(line) for line in open(prefix + ".pids")]
+    header_root = next((r["root"] for r in rows if isinstance(r, dict) and "root" in r), None)
+    root_start = next((r[2] for r in rows if isinstance(r, list) and r[0] == header_root), None)
+    boot = recorded_boot(prefix, header_root, root_start)
     # pid -> every process sampled under it: (start, pid, ppid, cmdline, test)
     sampled: dict[int, list[tuple[float, int, int, str, str | None]]] = collections.defaultdict(list)
     root, own = None, 0.0
-    for line in open(prefix + ".pids"):
-        row = json.loads(line)
+    for row in rows:
         if isinstance(row, dict):
             root = row.get("root", root)
             own = row.get("sampler_core_s", own)
@@ -181,14 +204,14 @@ def report(prefix: str, top: int, json_out: str | None, only_test: str | None = 
         if pid != root and not descends(entry):
             continue
         test = entry[4] if entry else None
-        if only_test is not None and only_test not in (test or ""):
+        if only_test is not None and only_test not in (test or NO_TEST):
             continue
         total += cpu
         name = kind(itself[3], comm) if itself else f"{comm} (short)"
         by_kind[name] += cpu
         count[name] += 1
         by_lane[lane_of(entry) or "(set-up, outside the lanes)"] += cpu
-        by_test[re.sub(r" \((setup|call|teardown)\)$", "", test) if test else "(no test)"] += cpu
+        by_test[re.sub(r" \((setup|call|teardown)\)$", "", test) if test else NO_TEST] += cpu
 
     def table(title: str, counter: collections.Counter, n: int) -> None:
         print(f"\n{title}")

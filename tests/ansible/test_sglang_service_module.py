@@ -154,6 +154,11 @@ def test_released_then_resumed_keeps_the_pid_and_serves(steady):
     assert (
         not (serving.state_dir / "window.lock").exists() and not (serving.state_dir / "guard.json").exists()
     )
+    # The window's end is read with a 1-token /generate, not /health_generate, which SGLang answers only on
+    # a whole second (the server's access log: resume, continue, then the module's one request).
+    requests = re.findall(r'"(?:GET|POST) (/[a-z_]+)', serving.log.read_text())
+    after_resume = requests[len(requests) - requests[::-1].index("/resume_memory_occupation") :]
+    assert after_resume[:2] == ["/continue_generation", "/generate"], after_resume
     # The weights proven after the resume (/weights_checker, SGLang 0.5.23).
     assert resumed["weights_check"]["matched"] is True and resumed["weights_check"]["before"]
     # Neither key in what the module returned or left on the host (the server's own log aside: SGLang logs

@@ -92,6 +92,16 @@ def test_health_answers_503_while_starting_then_200(server):
     assert http_status(server.url + "/health") == 200
 
 
+def test_health_answers_on_the_first_whole_second_as_sglang_looks(server):
+    # SGLang sleeps a second before each look for a sign of life (0.5.23 entrypoints/http_server.py:779-781):
+    # a passing check never answers sooner, however fast its token came back; a 1-token /generate does.
+    started = time.monotonic()
+    assert http_status(server.url + "/health_generate") == 200
+    assert time.monotonic() - started >= 1.0
+    status, body = call(server.url, "/generate", greedy(PROMPT_IDS[0], max_new_tokens=1))
+    assert status == 200 and len(body["output_ids"]) == 1
+
+
 def test_generate_is_refused_with_503_while_starting(fixture_models):
     with DevServerProcess(fixture_models.target, "--startup-delay", "30") as starting:
         deadline = time.monotonic() + 60

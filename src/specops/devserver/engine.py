@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 import logging
+import math
 import threading
 import time
 import uuid
@@ -290,8 +291,9 @@ class Engine(RequestScheduler):
     def health(self, timeout: float) -> bool:
         """Like SGLang (0.5.23 entrypoints/http_server.py:720-798): a 1-token request, or a sign of life.
 
-        200 as soon as a token is decoded or a scheduler answer arrives after the check began (the
-        tokenizer's last_receive_tstamp, managers/tokenizer_manager.py:2466-2477); the check's own
+        200 once a token is decoded or a scheduler answer arrives after the check began (the
+        tokenizer's last_receive_tstamp, managers/tokenizer_manager.py:2466-2477), on the first whole
+        second after the check began, as SGLang looks only then (`_health_passed`); the check's own
         request waits at the door while paused, so a paused server answers 503 after `timeout` and is
         marked unhealthy unless /continue_generation or a scheduler answer comes first. A pause, a
         continue and 0.5.23's /v1/loads send the scheduler nothing that it answers: they do not count.
@@ -301,18 +303,21 @@ class Engine(RequestScheduler):
         tic = time.monotonic()
         while time.monotonic() < tic + timeout:
             if self.last_progress > tic or self.last_scheduler_message > tic:
-                return self._health_passed()
+                return self._health_passed(tic)
             if not self.door_closed and self.released_tags:
                 return False  # released without a pause: nothing could decode the check's token
             if not self.door_closed and not self._held() and self.lock.acquire(timeout=0.2):
+                generated = False
                 try:
                     if self.unavailable_reason():
                         return False
                     if not self._held():
                         self._generate_ids([0], SamplingParams(temperature=0.0, max_new_tokens=1))
-                        return self._health_passed()
+                        generated = True
                 finally:
                     self.lock.release()
+                if generated:  # answered outside the lock: the wait for SGLang's next look holds no request
+                    return self._health_passed(tic)
             else:
                 with self.cond:
                     self.cond.wait(0.2)
@@ -321,7 +326,13 @@ class Engine(RequestScheduler):
             self.status = Status.UNHEALTHY
         return False
 
-    def _health_passed(self) -> bool:
+    def _health_passed(self, tic: float) -> bool:
+        # SGLang looks for the sign of life once a second, the first time a second after the check began
+        # (0.5.23 entrypoints/http_server.py:779-781 `await asyncio.sleep(1)` before each look; 0.5.4
+        # :452-454 the same): a passing check answers on the first whole second after it began, never
+        # sooner.
+        elapsed = time.monotonic() - tic
+        time.sleep(max(1, math.ceil(elapsed)) - elapsed)
         if self.status is Status.UNHEALTHY:
             self.status = Status.UP
         return True

@@ -11,8 +11,8 @@ SPECOPS_WINDOW_TOKEN=<token> under a live process that is not part of it) is gon
 resume_when_done (a memory-saver window's extraction: its job file and its state file), the moment
 the extraction says finished (outputs written, the device's memory given back) or its job has ended:
 the normal path, so that the service comes back without waiting for the play's next tasks
-(it records its first /health_generate 200 in guard.result.json and leaves the window lock to the
-play). Disarmed (<state_dir>/guard.armed removed or holding another arm id), it exits without
+(it records the first 200 of a 1-token /generate after its resume in guard.result.json and leaves
+the window lock to the play). Disarmed (<state_dir>/guard.armed removed or holding another arm id), it exits without
 acting. Firing stops the window's work and waits until its GPU memory is freed, brings the server
 back (start, or resume; a resume with nothing to resume starts a server that is gone, and a server
 that does not serve after the resume is started again), continues generation and gives the window
@@ -226,7 +226,7 @@ def bring_back(config: dict, api) -> dict:
                 # Nothing to resume (the play did it): only make sure the server is not left paused.
                 result["continue_status"] = api.continue_generation().status
             # Polled finely: at the work's end this is the downtime's last part.
-            ready = wait_ready(api, server, float(config.get("ready_timeout", 900)), 0.1, api.timeout)
+            ready = wait_ready(api, server, float(config.get("ready_timeout", 900)), 0.1, api.timeout, serving=True)
             result["ready_at"] = ready.get("ready_at")
             return result
         except ServiceError as error:

@@ -1,6 +1,7 @@
 # -*- coding: utf-8 -*-
 # GNU General Public License v3.0+ (see https://www.gnu.org/licenses/gpl-3.0.txt)
-"""Readiness of OUR server: /health_generate 200 while our process runs and nobody else holds the port.
+"""Readiness of OUR server: /health_generate 200 (or, back from a window, a 1-token /generate) while our
+process runs and nobody else holds the port.
 
 An open port is not readiness: SGLang opens it after loading and answers 503 until its warm-up
 generation succeeds (sglang 0.5.23 srt/entrypoints/http_server.py:723 health_generate).
@@ -53,11 +54,15 @@ def wait_port_free(port: int, timeout: float) -> bool:
     return True
 
 
-def wait_ready(api, server, timeout: float, delay: float, health_timeout: float) -> dict:
+def wait_ready(api, server, timeout: float, delay: float, health_timeout: float, serving: bool = False) -> dict:
     """Poll until our server answers 200; fail at once when it cannot come (gone, or the port is someone else's).
 
     `server` is a backend (ProcessServer or SystemdUnit): running_pid(), log_tail(), log_source().
+    serving: ask with a 1-token /generate, for a server that was up before (the end of a memory-saver
+    window): it answers as soon as a token comes back, where /health_generate waits for a whole second.
+    A server that is starting keeps /health_generate: SGLang answers it 503 until its warm-up succeeded.
     """
+    probe, path = (api.generate_one_token, "/generate") if serving else (api.health_generate, "/health_generate")
     started = time.monotonic()
     port = url_port(api.url)
     while True:
@@ -77,13 +82,13 @@ def wait_ready(api, server, timeout: float, delay: float, health_timeout: float)
                 "%s: it will not become ready (waited %.0f s). Last lines of the server's log (%s):\n%s"
                 % (failure or "our server process has exited", time.monotonic() - started, server.log_source(),
                    server.log_tail()))
-        answer = api.health_generate(health_timeout)
+        answer = probe(health_timeout)
         if answer.ok:
             return {"ready": True, "pid": pid, "ready_at": time.time(),
                     "ready_seconds": round(time.monotonic() - started, 2)}
         if time.monotonic() - started >= timeout:
             raise ServiceError(
-                "not ready at %s after %.0f s (sglang_service_ready_timeout): /health_generate last gave %s. "
+                "not ready at %s after %.0f s (sglang_service_ready_timeout): %s last gave %s. "
                 "Last lines of the server's log (%s):\n%s"
-                % (api.url, time.monotonic() - started, answer.describe(), server.log_source(), server.log_tail()))
+                % (api.url, time.monotonic() - started, path, answer.describe(), server.log_source(), server.log_tail()))
         time.sleep(delay)

@@ -224,6 +224,14 @@ class SglangApi(object):
         except (AttributeError, TypeError, ValueError):
             return None
 
+    def generate_one_token(self, timeout: float) -> Answer:
+        """A greedy 1-token /generate: 200 the moment a token comes back through the tokenizer, scheduler and
+        detokenizer. /health_generate proves the same but answers only on a whole second after it began
+        (0.5.23 entrypoints/http_server.py:779-781), so a window that ends on it stays down up to a second
+        longer than the service; the window's end is read with this instead."""
+        return self.call("/generate", {"input_ids": [0], "sampling_params": {"max_new_tokens": 1, "temperature": 0.0}},
+                         timeout=timeout)
+
     def health_generate(self, timeout: float) -> Answer:
         # A 1-token generation; while paused it waits HEALTH_CHECK_TIMEOUT (20 s) and answers 503
         # (sglang 0.5.23 http_server.py:218, :723).

@@ -184,10 +184,10 @@ class ServiceWindow(object):
         self._end_window()
         return ServiceError("%s %s: %s" % (self.name, what, error.msg), **dict(error.fields, **self.result))
 
-    def _ready(self) -> dict:
+    def _ready(self, serving: bool = False) -> dict:
         try:
             answer = wait_ready(self.api, self.server, float(self.params["ready_timeout"]),
-                                float(self.params["ready_delay"]), float(self.params["health_timeout"]))
+                                float(self.params["ready_delay"]), float(self.params["health_timeout"]), serving)
         except ServiceError as error:
             if "port_holder" in error.fields:
                 # Our server cannot serve on a held port, and a guard would only start another into it.
@@ -491,7 +491,8 @@ class ServiceWindow(object):
                 # Nothing to resume (the guard did it, or nothing was released): never left paused.
                 self.api.continue_generation()
                 self.result["msg"] = "not released: nothing to resume"
-            self._ready()
+            # Back from a window: the first token answered is the service's return (readiness.wait_ready).
+            self._ready(serving=True)
         except ServiceError as error:
             if "port_holder" in error.fields:
                 raise
