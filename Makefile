@@ -19,7 +19,14 @@ HEARTBEAT = $(PYTHON_CONTROL) $(CURDIR)/.ci/heartbeat.py
 ML_VENV := .venv-ml
 ANSIBLE_PLAYBOOK := $(VENV)/bin/ansible-playbook
 export ANSIBLE_CONFIG := $(CURDIR)/ansible.cfg
-export PYTHONDONTWRITEBYTECODE := 1
+# Bytecode goes to one cache outside the tree, written by whichever process first imports a module and read
+# by every later one: nothing is written beside the sources (the checkout, the collection), and only what
+# some process imports is compiled (torch alone has thousands of modules no run imports). With a prefix set
+# Python reads no __pycache__ beside the sources either, so the installers compile nothing (PIP_COMPILE=0,
+# and uv without --compile-bytecode): 2026-12-05, about 37 core-s of make test went to compiling the two
+# environments, and every process that imported specops compiled it again.
+export PYTHONPYCACHEPREFIX := $(CURDIR)/.work/pycache
+export PIP_COMPILE := 0
 # Tests exercise the working tree, not the copy of the package installed in the ML environment.
 test test-%: export PYTHONPATH := $(CURDIR)/src
 # The suites keep both cores busy: a torch process's second thread would mostly spin at OpenMP's
@@ -41,9 +48,7 @@ help:
 UV_ENV := .work/uv
 UV := $(UV_ENV)/bin/uv
 # Exactly what a lock says: every dependency is in it, each file is checked against its hashes.
-# --compile-bytecode: make exports PYTHONDONTWRITEBYTECODE, so without it every ansible-playbook run
-# would compile ansible-core again.
-UV_INSTALL_LOCK = $(UV) pip install --require-hashes --no-deps --compile-bytecode --python
+UV_INSTALL_LOCK = $(UV) pip install --require-hashes --no-deps --python
 # torch is not in ml.lock: the host's pip configuration (index, wheelhouse) provides it, here a local
 # CPU wheel. The version is the one the local inventory asks the fla_env role for.
 ML_TORCH = $(shell sed -n 's/^fla_env_torch: *//p' inventory/local/group_vars/gpu_hosts.yml)
