@@ -101,7 +101,7 @@ if name.endswith("-all"):
     v["specops_reuse_extractions"] = False
 # memory_saver-rehearsal (#42): scoring inside the window on the freed GPU, the drafter and the reference
 # of the real DFlash drafter's shape (build_target.py --real-drafter); the layer offsets, which run after
-# the window on the device the window used, are left out (beside a server whose KV pool fills the GPU).
+# the window on the bounded CPU (minutes at this shape, and not what the rehearsal measures), are left out.
 if name.endswith("-rehearsal"):
     v.update({"specops_score_placement": "window", "specops_reuse_extractions": False,
               "score_drafter_diagnostics": ["acceptance", "backend", "vocabulary"]})

@@ -17,7 +17,9 @@ description:
   - Before the server goes down (stop, release, a restart of a serving server) a host-side B(guard) is
     armed that brings it back after C(min(window.guard_after, window.max_downtime)) seconds, or
     C(window.guard_grace) seconds after the window's work is gone without a disarm.
-  - Readiness is C(/health_generate) 200 from B(our) process; an answer from another process on the port is
+  - Readiness is C(/health_generate) 200 from B(our) process after a start, and a greedy 1-token C(/generate) 200
+    after a resume (SGLang answers C(/health_generate) only on a whole second after it began, so a window
+    read with it would stay down up to a second longer); an answer from another process on the port is
     refused and that process named.
 version_added: "0.2.0"
 author:
@@ -146,7 +148,7 @@ options:
       - C(released) only - the files that say the window's work has ended - the extraction's async job's results
         file (its final result) and its state file (C(<start signal>.state), V(finished) once the outputs are
         written and the device has its memory back, before the process exits). The guard, armed to resume,
-        resumes the server the moment either says so and waits for the first C(/health_generate) 200, so the
+        resumes the server the moment either says so and waits for the first 1-token C(/generate) 200, so the
         service comes back without waiting for the extraction's exit or the play's next tasks; C(resumed) then
         finds it resumed and returns the guard's moment as RV(ready_at).
     type: list
@@ -166,7 +168,7 @@ options:
     elements: str
     default: []
   ready_timeout:
-    description: Seconds to wait for C(/health_generate) 200 from our server.
+    description: Seconds to wait for our server to answer (C(/health_generate), or C(/generate) after a resume).
     type: float
     default: 900
   ready_delay:
@@ -249,7 +251,7 @@ down_at:
   returned: when the server went down
   type: float
 ready_at:
-  description: When our server first answered /health_generate 200, on the host's clock.
+  description: When our server first answered 200 (/health_generate; after a resume a 1-token /generate), on the host's clock.
   returned: when the server was waited for
   type: float
 server_start_s:
