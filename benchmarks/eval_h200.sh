@@ -122,9 +122,10 @@ if target != "fixture":  # built by build_target.py into $WORK/<target>
 v["score_drafter_device"] = os.environ.get(f"SCORE_DEVICE_{target}", "cuda")
 if v["score_drafter_device"] == "cpu":
     v["specops_score_placement"] = "cpu"  # after the window: the window measured is the extraction's alone
-if name.endswith("-rehearsal"):
+if name.endswith("-rehearsal"):  # after SCORE_DEVICE_<target>, which would place scoring after the window
     real = f"{work}/{target}/drafter_real"
-    v.update({"specops_drafter": real, "specops_reference_drafter": real, "score_drafter_device": "cuda"})
+    v.update({"specops_drafter": real, "specops_reference_drafter": real, "score_drafter_device": "cuda",
+              "specops_score_placement": "window"})
 print(json.dumps(v))
 PY
 }

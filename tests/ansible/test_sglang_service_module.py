@@ -321,14 +321,18 @@ def test_the_weights_stay_on_the_gpu_where_the_extraction_fits_beside_them(share
     assert not (site.state_dir / "window.lock").exists()
 
 
-@pytest.mark.parametrize("end", ["result written", "result read and removed", "extraction finished"])
+@pytest.mark.parametrize(
+    "end",
+    ["result written", "result read and removed", "extraction finished", "play lost after the work ended"],
+)
 def test_the_guard_resumes_the_moment_the_windows_work_has_ended_and_the_play_finds_it_serving(
     serving, tmp_path, end
 ):
     """One step on the host: the release tells the waiting work to go, the guard resumes when its job's
     result appears (or, read by the play's wait first, is gone), or when the extraction says finished
     while its process still exits; the play's resume finds the server serving and reports the guard's
-    first 200."""
+    first 200. A play lost after the work ended never takes the window back: the next run that brings the
+    server up finds the window on its record as an outage."""
     go, job = tmp_path / "extract.start", tmp_path / "job.json"
     state = tmp_path / "extract.start.state"
     go.write_text(json.dumps({"signal": "wait", "until": time.time() + 600}))
@@ -341,7 +345,7 @@ def test_the_guard_resumes_the_moment_the_windows_work_has_ended_and_the_play_fi
     assert json.loads(go.read_text())["signal"] == "go" and released["go_at"] >= released["released_at"]
     assert http_status(serving.url + "/health_generate", timeout=5) != 200  # paused and released
 
-    if end == "result written":
+    if end in ("result written", "play lost after the work ended"):
         # The work's end, as the async job writes it.
         job.write_text(json.dumps({"changed": True, "finished": 1}))
     elif end == "result read and removed":
@@ -351,9 +355,16 @@ def test_the_guard_resumes_the_moment_the_windows_work_has_ended_and_the_play_fi
         state.write_text(json.dumps({"state": "finished", "finished_at": time.time(), "pid": 1}))
     assert wait_for(lambda: (serving.state_dir / "guard.result.json").exists(), 120)
     assert http_status(serving.url + "/health_generate") == 200
+    if end == "play lost after the work ended":
+        rerun = serving.run("started")
+        (outage,) = rerun["earlier_outages"]
+        assert "end of the window's work" in outage["cause"] and "never took it back" in outage["cause"]
+        assert outage["down_at"] <= outage["ready_at"] and not outage["failed"]
     resumed = serving.run("resumed", window=window("w-done"))
 
     assert not resumed["failed"], resumed.get("msg")
+    # The play took its window back: the guard's record of it as an outage is gone.
+    assert resumed["earlier_outages"] == [] and not list((serving.state_dir / "outages").glob("*.json"))
     assert resumed["resumed_by"] == "guard, at the end of the window's work"
     assert released["go_at"] <= resumed["resume_started_at"] <= resumed["ready_at"]
     assert not (serving.state_dir / "window.lock").exists()

@@ -31,6 +31,11 @@ TRANSFORMERS_NAMES = ("AutoConfig", "AutoTokenizer", "AutoModelForCausalLM")
 
 
 def preload() -> None:
+    # transformers asks torch.cuda.is_available() while importing; by default that initializes the CUDA
+    # driver (cuInit), which no forked child can use, and the host then refuses to serve (seen on an H100,
+    # 2026-12-05). torch's NVML-based check answers the same without it and is safe across a fork; a
+    # forked stage runs with its caller's environment, which decides for its own checks.
+    os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
     for name in MODULES:
         importlib.import_module(name)
     transformers = sys.modules["transformers"]

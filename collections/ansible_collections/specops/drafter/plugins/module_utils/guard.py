@@ -275,7 +275,11 @@ def fire(config: dict, reason: str) -> dict:
         # it, and its resume gives it back.
         WindowLock(config["state_dir"], config.get("server", "")).release(config["token"])
     result.update({"reason": reason, "stopped_work": stopped, "work_memory": freed, "fired_at": fired_at,
-                   "token": config["token"], "work_ended": ended})
+                   "token": config["token"], "arm_id": config["arm_id"], "work_ended": ended})
+    if ended:
+        # The play takes its window back with its resume, which removes this record; a play lost after
+        # the work ended never does, and the next run's record shows the outage instead of nobody.
+        record_outage(config, result, fired_at, result.get("ready_at"))
     write_json(result_path(config["state_dir"]), result)
     log(json.dumps(result))
     if not ended:
@@ -297,7 +301,9 @@ def record_outage(config: dict, result: dict, fired_at: float, ready_at: float |
         "down_at": result.get("down_at") or config.get("armed_at"),
         "fired_at": fired_at,
         "ready_at": ready_at,
-        "cause": "the guard brought the server back: %s" % result["reason"],
+        "cause": ("the guard resumed the server at the end of the window's work; the play that took it down "
+                  "never took it back" if result.get("work_ended")
+                  else "the guard brought the server back: %s" % result["reason"]),
         "action": config["action"],
         "failed": bool(result.get("failed")),
         "msg": result.get("msg"),

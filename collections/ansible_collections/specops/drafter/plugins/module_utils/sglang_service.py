@@ -15,7 +15,7 @@ import os
 import time
 
 from ansible_collections.specops.drafter.plugins.module_utils import guard_control, procfs
-from ansible_collections.specops.drafter.plugins.module_utils.guard import take_outages
+from ansible_collections.specops.drafter.plugins.module_utils.guard import outages_dir, take_outages
 from ansible_collections.specops.drafter.plugins.module_utils.memory_plan import expected_used_after, plan_release
 from ansible_collections.specops.drafter.plugins.module_utils.memory_window import (
     ReleasedMarker,
@@ -470,6 +470,10 @@ class ServiceWindow(object):
         if not isinstance(fired, dict) or fired.get("token") != self.token:
             return
         remove(path)
+        if fired.get("arm_id"):
+            # The guard's record of this window as an outage, for a play lost after its work ended: this play
+            # was not lost, and records the window itself.
+            remove(os.path.join(outages_dir(self.state_dir), "%s.json" % fired["arm_id"]))
         if fired.get("work_ended") and fired.get("resumed") and fired.get("ready_at"):
             self.result.update(changed=True, resumed_by="guard, at the end of the window's work",
                                resume_started_at=fired.get("fired_at"),
