@@ -1,11 +1,12 @@
 """The service window: how long the service was down (or released), and what filled that time.
 
 The play marks the start of each stage inside the window and the moment the service answered
-/health_generate again; the extraction's manifest says how much of its stage was compute. This
-module turns both into the `window` record that report.json, report.md and set_stats carry:
+again (/health_generate after a start, a 1-token /generate after a resume); the extraction's
+manifest says how much of its stage was compute. This module turns both into the `window` record
+that report.json, report.md and set_stats carry:
 
     downtime_s = the service's own moments on the host's clock: from the stop (or the pause before
-                 the memory-saver release) to the first /health_generate 200, as the sglang_service
+                 the memory-saver release) to the first 200 after it is back, as the sglang_service
                  helpers record them; without them, ready - the first stage's mark
     play_span_s = the play's marks, from the first stage to ready (its set-up before the stop and
                  its polling after the extraction included): the bound the play itself observed
@@ -352,9 +353,12 @@ def render_markdown(window: Mapping[str, Any] | None) -> str:
         else f"extraction compute {window['compute_s']:.1f} s ({share:.0%}), everything else "
         f"{window['other_s']:.1f} s"
     )
+    # A resume's end is read with one generated token; a start's with SGLang's health check.
+    resumed = window["mode"] == "memory_saver" and not window.get("started_instead")
+    ready = "a 1-token /generate 200" if resumed else "/health_generate 200"
     lines.append(
         f"The service was {taken} for **{window['downtime_s']:.1f} s** ({window['down_at']} to "
-        f"{window['ready_at']}, ready = /health_generate 200): {compute}."
+        f"{window['ready_at']}, ready = {ready}): {compute}."
     )
     if window.get("measured_by") == "service" and window.get("play_span_s") is not None:
         lines += [

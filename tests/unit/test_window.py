@@ -49,6 +49,11 @@ def test_a_server_started_instead_of_resumed_is_recorded_and_said():
     kept = window.build_window(MARKS, "memory_saver", MANIFEST, service=resumed)
     assert kept["started_instead"] is False
     assert "started instead" not in window.render_markdown(kept)
+    # What "ready" was: a resume's end is read with one generated token, a start's with the health check.
+    assert "ready = a 1-token /generate 200" in window.render_markdown(kept)
+    assert "ready = /health_generate 200" in window.render_markdown(record)
+    stopped = window.build_window(MARKS, "stop", MANIFEST, service=resumed)
+    assert "ready = /health_generate 200" in window.render_markdown(stopped)
 
 
 def test_weights_restarted_after_a_checksum_mismatch_are_recorded_and_said():
