@@ -51,17 +51,25 @@ SIZES = {
         vocab_size=248320,
     ),
 }
-# The real DFlash drafter's shape for Qwen3.6-27B (benchmarks/score_real_h200.py, REAL).
-REAL_DRAFTER = dict(
-    num_layers=5,
-    block_size=16,
-    num_target_features=5,
-    num_attention_heads=32,
-    num_key_value_heads=8,
-    head_dim=128,
-    intermediate_size=17408,
-    torch_dtype="bfloat16",
-)
+
+
+def real_drafter_shape() -> dict:
+    """The real DFlash drafter's shape for Qwen3.6-27B, from the one table that scoring at that shape
+    measures (score_real_h200.py, REAL), as drafter_config's arguments."""
+    from score_real_h200 import N_FEATURES, REAL
+
+    return dict(
+        num_layers=REAL["layers"],
+        block_size=REAL["block"],
+        num_target_features=N_FEATURES,
+        num_attention_heads=REAL["heads"],
+        num_key_value_heads=REAL["kv_heads"],
+        head_dim=REAL["head_dim"],
+        intermediate_size=REAL["intermediate"],
+        torch_dtype=REAL["dtype"],
+    )
+
+
 # Fewer parameters than this means the config is not the size it is named after.
 MIN_PARAMETERS = {"2b": 2e9, "14b": 14e9}
 
@@ -97,7 +105,7 @@ def build_real_drafter(out: Path) -> None:
 
     mask_id = AutoTokenizer.from_pretrained(str(target)).convert_tokens_to_ids("<|mask|>")
     started = time.perf_counter()
-    build_random_drafter(out / "drafter_real", target, mask_id, seed=2, **REAL_DRAFTER)
+    build_random_drafter(out / "drafter_real", target, mask_id, seed=2, **real_drafter_shape())
     print(json.dumps({"drafter_real_s": round(time.perf_counter() - started, 1)}))
 
 
