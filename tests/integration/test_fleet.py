@@ -26,6 +26,9 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))
 from fleet_site import HOSTS, REPO, LocalFleet, get_json  # noqa: E402
 
+sys.path.insert(0, str(REPO / "collections"))
+from ansible_collections.specops.drafter.plugins.module_utils import procfs  # noqa: E402
+
 # The inventory's first two replicas: every play is limited to them.
 FLEET = HOSTS[:2]
 
@@ -268,20 +271,13 @@ class DrainWatch(threading.Thread):
         return max((held for listed, held in self.samples if not listed), default=0)
 
 
-def carrying_token(token: str, command: str | None = None) -> list[int]:
-    """Processes that carry the window's token (and run `command`): those of the test's own play."""
-    found = []
-    for pid in (int(p) for p in os.listdir("/proc") if p.isdigit()):
-        try:
-            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if f"SPECOPS_WINDOW_TOKEN={token}".encode() in environ and (
-            command is None or command.encode() in argv
-        ):
-            found.append(pid)
-    return found
+def window_work(token: str, stage: str | None = None) -> list[int]:
+    """The window's work as the guard finds it (the processes carrying the token and the stages a stage
+    host forked for them), or those of it that run `stage` (its command line, or a forked stage's name)."""
+    found = procfs.window_processes(token)
+    if stage is None:
+        return found
+    return [pid for pid in found if stage in procfs.cmdline(pid).split() or procfs.comm(pid) == stage[:15]]
 
 
 def http_status(url: str) -> int:
@@ -344,7 +340,7 @@ def router_loss_run(rolling_run, fleet):
                 )
                 watch.start()
             elif "TASK [Stage drain:" in line and not stalled:
-                stalled = carrying_token(token, "specops.extract")
+                stalled = window_work(token, "specops.extract")
                 assert stalled, "no extraction waits for replica1's window:\n" + output[-4000:]
                 for pid in stalled:
                     os.kill(pid, signal.SIGSTOP)
@@ -376,7 +372,7 @@ def router_loss_run(rolling_run, fleet):
             healthy_after=fleet.healthy_workers(),
             replica1_health=http_status(f"{fleet.worker_urls[0]}/health_generate"),
             extracted=(run_dir / "hidden_states" / "manifest.json").exists(),
-            window_work_left=carrying_token(token),
+            window_work_left=window_work(token),
         )
     finally:
         if play.poll() is None:
@@ -385,7 +381,7 @@ def router_loss_run(rolling_run, fleet):
         if fleet.load is not None:
             fleet.stop_load("streams")
         watch.done.set()
-        for pid in carrying_token(token, "specops.extract"):
+        for pid in window_work(token, "specops.extract"):
             os.kill(pid, signal.SIGKILL)
         if killed:
             # Replica2 back, for the tests that follow: started again, and healthy behind the router.

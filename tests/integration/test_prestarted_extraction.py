@@ -28,8 +28,11 @@ def watch_waiting(site, signal: Path, stop: threading.Event, seen: dict) -> None
 
 
 def is_extraction(pid: int) -> bool:
+    """pid runs the extraction: started anew (its command line) or forked by a stage host (its name)."""
     try:
-        return b"specops.extract" in Path(f"/proc/{pid}/cmdline").read_bytes()
+        return b"specops.extract" in Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0") or (
+            Path(f"/proc/{pid}/comm").read_text().strip() == "specops.extract"
+        )
     except OSError:
         return False
 

@@ -165,9 +165,57 @@ def _zombie(pid):
         return True
 
 
-def test_window_work_a_disabled_host_and_another_environment_never_share_a_host(call_env):
+def test_the_windows_work_forked_by_the_host_is_found_by_its_callers_token_and_stopped_with_it(
+    runtime, call_env, tmp_path
+):
+    """The guard, job_wait and the window lock know the window's work by SPECOPS_WINDOW_TOKEN in
+    /proc/<pid>/environ; a forked stage shows its host's there, so it is found through its caller."""
+    from ansible_collections.specops.drafter.plugins.module_utils import procfs
+    from ansible_collections.specops.drafter.plugins.module_utils.service_process import stop_processes
+
+    work = runtime / "work"
+    served(call_env, work)  # a host is up
+    caller = textwrap.dedent(
+        f"""
+        import os, sys
+        sys.path.insert(0, {str(ROOT / "collections")!r})
+        from ansible_collections.specops.drafter.plugins.module_utils import stage_host
+        env = dict(os.environ)
+        print(stage_host.run(sys.executable, "stage_probe", ["sleep"], b"", env, cwd={str(work)!r}))
+        """
+    )
+    token = f"window-{os.getpid()}-{time.monotonic_ns()}"
+    started = {}
+    for name, extra in (("window", {"SPECOPS_WINDOW_TOKEN": token}), ("other", {})):
+        pid_file = tmp_path / f"{name}.pid"
+        env = {**call_env, **extra, "PROBE_PID_FILE": str(pid_file)}
+        proc = subprocess.Popen([sys.executable, "-c", caller], env=env, stdout=subprocess.PIPE, text=True)
+        stage = int(wait_until(lambda f=pid_file: f.is_file() and f.read_text(), f"the {name} stage started"))
+        started[name] = (proc, stage)
+    (window_caller, window_stage), (other_caller, other_stage) = started["window"], started["other"]
+    try:
+        # Both stages are the host's children: forked, not started anew.
+        assert procfs.read_stat(window_stage).ppid == procfs.read_stat(other_stage).ppid in host_pids(runtime)
+        assert procfs.token_processes(token) == [window_caller.pid]  # the environ alone misses the stage
+        assert procfs.window_processes(token) == [window_caller.pid, window_stage]  # the other call is not it
+        stop_processes(procfs.window_processes(token), grace=30)
+        wait_until(lambda: _gone(window_stage) and window_caller.poll() is not None, "the work stopped")
+        assert not _gone(other_stage) and other_caller.poll() is None
+        assert procfs.window_processes(token) == []
+    finally:
+        for proc, _stage in started.values():
+            proc.kill()
+            proc.wait()
+        wait_until(lambda: _gone(other_stage), "the other stage ended with its caller")
+
+
+def _gone(pid):
+    return not Path(f"/proc/{pid}").exists() or _zombie(pid)
+
+
+def test_a_disabled_host_and_another_environment_never_share_a_host(call_env):
     assert stage_host.usable_for(call_env)
-    assert not stage_host.usable_for({**call_env, "SPECOPS_WINDOW_TOKEN": "abc"})
+    assert stage_host.usable_for({**call_env, "SPECOPS_WINDOW_TOKEN": "abc"})  # found through its caller
     assert not stage_host.usable_for({**call_env, "SPECOPS_STAGE_HOST": "0"})
     key = stage_host.host_key(sys.executable, call_env)
     assert stage_host.host_key(sys.executable, {**call_env, "PATH": "/elsewhere"}) == key

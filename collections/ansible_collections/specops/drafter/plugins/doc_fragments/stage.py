@@ -19,9 +19,10 @@ options:
     required: true
 notes:
   - The module needs no third-party Python library on the host; the work runs in O(python).
-  - Outside a service window the stage runs forked from a stage host, C(python -m specops.stage_host), a
-    process in O(python) that has torch and transformers imported, instead of importing them anew (2.5-3.5
-    CPU seconds a call). The first call for an environment starts it and runs without it; it ends after 5
-    idle minutes. The window's work (C(SPECOPS_WINDOW_TOKEN) set) and a stage in a systemd scope start
-    anew; C(SPECOPS_STAGE_HOST=0) in the task's environment turns the host off.
+  - The stage runs forked from a stage host, C(python -m specops.stage_host), a process in O(python) that
+    has torch and transformers imported, instead of importing them anew (2.5-3.5 CPU seconds a call). The
+    first call for an environment starts it and runs without it; it ends after 5 idle minutes. A stage in a
+    systemd scope starts anew; C(SPECOPS_STAGE_HOST=0) in the task's environment turns the host off. The
+    window's work goes through the host as well, and the guard finds its forked stage by the standard
+    streams it shares with its caller, which carries C(SPECOPS_WINDOW_TOKEN).
 """

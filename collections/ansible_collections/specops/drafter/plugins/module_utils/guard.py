@@ -7,7 +7,8 @@
 The module extracts this file and the stdlib-only files it imports into <state_dir>/guard_lib and
 starts it detached (systemd-run on systemd hosts). It fires after min(guard_after, max_downtime)
 seconds, or guard_grace seconds after the window's work (processes carrying
-SPECOPS_WINDOW_TOKEN=<token> under a live process that is not part of it) is gone, or, with
+SPECOPS_WINDOW_TOKEN=<token> under a live process that is not part of it) is gone (firing stops those and
+the stages a stage host forked for them, procfs.window_processes), or, with
 resume_when_done (a memory-saver window's extraction: its job file and its state file), the moment
 the extraction says finished (outputs written, the device's memory given back) or its job has ended:
 the normal path, so that the service comes back without waiting for the play's next tasks
@@ -257,7 +258,7 @@ def fire(config: dict, reason: str) -> dict:
     remove(os.path.join(config["state_dir"], "guard.json"))
     ended = reason == WORK_ENDED
     # At the work's end nothing of it is left to stop (the play's own tasks carry the token too).
-    work = procfs.token_processes(config["token"]) if config.get("watch_work") and not ended else []
+    work = procfs.window_processes(config["token"]) if config.get("watch_work") and not ended else []
     known = [(pid, procfs.start_time(pid)) for pid in work]
     stopped = stop_processes(work)
     freed = wait_work_memory_freed(known, float(config.get("stop_timeout", 120))) if known else None

@@ -17,6 +17,8 @@ import re
 Stat = collections.namedtuple("Stat", ["state", "ppid", "pgid", "sid", "starttime"])
 
 WINDOW_TOKEN_VARIABLE = "SPECOPS_WINDOW_TOKEN"
+# The stage host's module (module_utils/stage_host.py starts it): the stages it forks keep its command line.
+STAGE_HOST_MODULE = "specops.stage_host"
 # The run directory's lock token, in every task of eval.yml: run_lock's holder waits for its carriers.
 RUN_LOCK_VARIABLE = "SPECOPS_RUN_LOCK"
 
@@ -290,3 +292,39 @@ def token_processes(token: str, proc_root: str = "/proc") -> list[int]:
     me = os.getpid()
     return [pid for pid in list_pids(proc_root)
             if pid != me and not is_gone(pid, proc_root) and carries_token(pid, token, proc_root)]
+
+
+def fd_links(pid: int, proc_root: str = "/proc", fds=None) -> set[str]:
+    """What pid's descriptors (all, or those named) point to: paths, "pipe:[inode]", "socket:[inode]"."""
+    try:
+        names = fds if fds is not None else os.listdir("%s/%d/fd" % (proc_root, pid))
+    except OSError:
+        return set()
+    links = set()
+    for fd in names:
+        try:
+            links.add(os.readlink("%s/%d/fd/%s" % (proc_root, pid, fd)))
+        except OSError:
+            continue
+    return links
+
+
+def window_processes(token: str, proc_root: str = "/proc") -> list[int]:
+    """The window's work: the processes carrying its token, and the stages a stage host forked for them.
+
+    A forked stage runs with its caller's environment set inside it, while /proc shows the host's; its
+    caller carries the token and hands it its standard streams, so the stage is the host's child whose
+    stdin, stdout or stderr is a pipe a carrier holds the other end of (and so are its own children,
+    which inherit them)."""
+    carriers = token_processes(token, proc_root)
+    pipes: set[str] = set()
+    for pid in carriers:
+        pipes.update(link for link in fd_links(pid, proc_root) if link.startswith("pipe:"))
+    if not pipes:
+        return carriers
+    table = parents(proc_root)
+    hosts = set(pid for pid in set(table.values()) if STAGE_HOST_MODULE in cmdline(pid, proc_root).split())
+    stages = [pid for pid, parent in sorted(table.items())
+              if parent in hosts and pid not in carriers and not is_gone(pid, proc_root)
+              and fd_links(pid, proc_root, ("0", "1", "2")) & pipes]
+    return carriers + stages

@@ -7,10 +7,12 @@ Every stage call otherwise pays its imports (torch, transformers, a model class:
 its stage as before; later calls hand the host their stage's stdin, stdout and stderr and get back what
 a child process gives: the output and the exit status. The host exits after `IDLE_S` without calls.
 
-A call runs as before, never through the host, where its process must be what it was:
-- work of a service window (SPECOPS_WINDOW_TOKEN in its environment): the guard finds and stops it by
-  the token in /proc/<pid>/environ, which a forked process cannot carry, and waits for its GPU memory;
-- a wrapped command (a systemd scope's CPU quota): the scope holds the process it starts.
+A call runs as before, never through the host, where its process must be what it was: a wrapped command
+(a systemd scope's CPU quota), since the scope holds the process it starts.
+The work of a service window goes through the host too: the guard knows its processes by the token
+(SPECOPS_WINDOW_TOKEN) in /proc/<pid>/environ, which a forked stage cannot show, so it finds the stage by
+the pipes of its standard streams, whose other ends its caller (which carries the token) holds
+(procfs.window_processes), stops both and waits for the stage's GPU memory.
 A lower priority (`nice`) is set in the forked stage itself.
 Calls that go through the host carry the caller's environment (the run lock's token too) in the caller,
 which lives exactly as long as its stage: the host kills a stage whose caller hangs up, the caller
@@ -36,7 +38,6 @@ import subprocess
 import tempfile
 import time
 
-from ansible_collections.specops.drafter.plugins.module_utils import procfs
 
 HOST_MODULE = "specops.stage_host"
 # Long enough for the next stage of the same play (the window between two stages is the longest gap,
@@ -62,9 +63,7 @@ CONNECT_TIMEOUT_S = 5.0
 
 def usable_for(env):
     """Whether a call with this environment may go through the host (see the module's docstring)."""
-    if env.get(ENABLE_VARIABLE, "1").strip().lower() in ("0", "false", "no", "off"):
-        return False
-    return not env.get(procfs.WINDOW_TOKEN_VARIABLE)
+    return env.get(ENABLE_VARIABLE, "1").strip().lower() not in ("0", "false", "no", "off")
 
 
 def host_key(python, env):

@@ -57,8 +57,8 @@ options:
   stop_token:
     description:
       - Stop the job's work before waiting. Every process that carries
-        C(SPECOPS_WINDOW_TOKEN=<stop_token>) in its environment, except this module and its
-        ancestors, gets SIGTERM, and SIGKILL if it is still there after O(timeout) seconds. The
+        C(SPECOPS_WINDOW_TOKEN=<stop_token>) in its environment, and every stage a stage host forked
+        for one of them, except this module and its ancestors, gets SIGTERM, and SIGKILL if it is still there after O(timeout) seconds. The
         job's result is then read once, not waited for, since the processes that would write it
         are gone. The action plugin uses it to end a window early.
     type: str
@@ -133,7 +133,7 @@ import time
 
 from ansible.module_utils.basic import AnsibleModule
 from ansible_collections.specops.drafter.plugins.module_utils.async_job import job_result, write_signal
-from ansible_collections.specops.drafter.plugins.module_utils.procfs import read_stat, token_processes
+from ansible_collections.specops.drafter.plugins.module_utils.procfs import read_stat, window_processes
 from ansible_collections.specops.drafter.plugins.module_utils.service_process import stop_processes
 
 
@@ -152,7 +152,7 @@ def last_line(path):
 def stop_work(token, timeout):
     """Stop the processes that carry the window's token, except this module's own line (the guard's way)."""
     mine = set(ancestors(os.getpid()))
-    return stop_processes([pid for pid in token_processes(token) if pid not in mine], grace=timeout)
+    return stop_processes([pid for pid in window_processes(token) if pid not in mine], grace=timeout)
 
 
 def ancestors(pid):
