@@ -173,12 +173,13 @@ test-fixtures: $(ML_VENV)/.stamp
 #  - module tests (tests/ansible), spread over both cores;
 #  - fleet: two servers behind the router (a third joins for the options roll), the suite's longest fixture;
 #  - systemd: mostly waiting (debootstrap, a container booting systemd);
-#  - then the checks: ansible-test sanity, ruff and mypy, the unit tests (on both cores), ansible-lint and
-#    ansible-test units. The unit tests come before ansible-lint so that they end with the long suites:
-#    last (2026-12-05, 0158a00 and eb67879) they started ~90 s before the integration suite ended and ran
-#    ~80 s alone after it (281 s for 245 core-s), while ansible-lint, which needs little CPU but long
-#    (208 s for 47 core-s), ran beside them; beside three suites they cost more CPU (2026-12-04: 207
-#    core-s against 157 at the end of the run), less than the lone tail costs.
+#  - then the checks: ansible-test sanity, the unit tests (on both cores), ruff and mypy, ansible-lint and
+#    ansible-test units. The unit tests come second so that they end with the long suites: last
+#    (2026-12-05, 0158a00 and eb67879) they started ~90 s before the integration suite ended and ran ~80 s
+#    alone after it (281 s for 245 core-s), while ansible-lint, which needs little CPU but long (150-210 s
+#    for 47 core-s), ran beside them; third (e790d76) they still ended the run, 84 s after the
+#    integration suite (346 s). Beside three suites they cost more CPU (2026-12-04: 207 core-s against
+#    157 at the end of the run), less than the lone tail costs.
 # More at once does not help on 2 cores: with the unit tests as a fifth lane from the start
 # (2026-12-03) the run took 2550 s and 4,929 core-s instead of 2287 s and 4,087 (busier cores stretch
 # every wait, and each stretched wait costs CPU), and six timing-sensitive tests failed.
@@ -189,7 +190,7 @@ test-fixtures: $(ML_VENV)/.stamp
 # for 25 s says so. Each pytest run keeps its own temporary root, so no run's clean-up of old temporary
 # directories removes another's.
 LONG_SUITES := test-integration test-ansible test-fleet test-systemd
-CHECKS := test-sanity test-python-checks test-unit test-lint test-units
+CHECKS := test-sanity test-unit test-python-checks test-lint test-units
 CHECKS_AFTER ?=
 test: system-deps
 	mkdir -p $(TEST_REPORTS)
