@@ -264,17 +264,8 @@ def socket_owners(inodes: set[str], proc_root: str = "/proc", pids=None) -> set[
     if not wanted:
         return owners
     for pid in sorted(pids) if pids is not None else list_pids(proc_root):
-        try:
-            fds = os.listdir("%s/%d/fd" % (proc_root, pid))
-        except OSError:
-            continue
-        for fd in fds:
-            try:
-                if os.readlink("%s/%d/fd/%s" % (proc_root, pid, fd)) in wanted:
-                    owners.add(pid)
-                    break
-            except OSError:
-                continue
+        if fd_links(pid, proc_root) & wanted:
+            owners.add(pid)
     return owners
 
 

@@ -48,7 +48,7 @@ class WindowLock(object):
             return not procfs.is_same_process(int(guard["pid"]), guard.get("starttime"))
         token = held.get("token") or ""
         if token and token != NO_WINDOW_TOKEN:
-            return not procfs.window_processes(token)
+            return not procfs.token_processes(token)
         return False
 
     def refusal(self, held: dict) -> ServiceError:

@@ -58,9 +58,10 @@ options:
     description:
       - Stop the job's work before waiting. Every process that carries
         C(SPECOPS_WINDOW_TOKEN=<stop_token>) in its environment, and every stage a stage host forked
-        for one of them, except this module and its ancestors, gets SIGTERM, and SIGKILL if it is still there after O(timeout) seconds. The
-        job's result is then read once, not waited for, since the processes that would write it
-        are gone. The action plugin uses it to end a window early.
+        for one of them, except this module and its ancestors, gets SIGTERM, and SIGKILL if it is
+        still there after O(timeout) seconds. The job's result is then read once, not waited for,
+        since the processes that would write it are gone. The action plugin uses it to end a window
+        early.
     type: str
   watch_router:
     description:
