@@ -219,6 +219,29 @@ def test_health_answers_200_while_a_long_generation_holds_the_model(server):
     assert answer["result"][0] == 200
 
 
+def test_a_new_request_joins_the_running_batch_instead_of_waiting_for_a_long_one(server):
+    # SGLang prefills a new request at the next step and merges it into the running batch (0.5.23
+    # managers/scheduler.py:3894-3961): a short request is not queued behind a long one's end.
+    long_answer: dict = {}
+    worker = threading.Thread(
+        target=lambda: long_answer.update(result=call(server.url, "/generate", greedy(PROMPT_IDS[0], 300)))
+    )
+    worker.start()
+    try:
+        deadline = time.monotonic() + 30
+        while call(server.url, "/get_server_info")[1]["internal_states"][0]["pending_requests"] == 0:
+            assert time.monotonic() < deadline, "the long request never started"
+            time.sleep(0.02)
+        short_status, short = call(server.url, "/generate", greedy(PROMPT_IDS[1], 4))
+        long_still_running = "result" not in long_answer
+    finally:
+        worker.join(180)
+    assert short_status == 200 and long_still_running, "the short request waited for the long one's end"
+    assert short["output_ids"] == call(server.url, "/generate", greedy(PROMPT_IDS[1], 4))[1]["output_ids"]
+    status, body = long_answer["result"]
+    assert status == 200 and len(body["output_ids"]) == 300, "the long request lost tokens to its turns"
+
+
 def test_flush_cache_is_refused_while_a_request_is_pending(server):
     worker = threading.Thread(target=call, args=(server.url, "/generate", greedy(PROMPT_IDS[0], 300)))
     worker.start()

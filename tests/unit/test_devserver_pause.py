@@ -70,6 +70,9 @@ def server(fixture_models, tmp_path_factory, monkeypatch_module):
         "--enable-weights-cpu-backup",
         "--grammar-compile-delay",
         str(GRAMMAR_COMPILE_S),
+        # A batch of one: a second request waits in the queue, where an abort finds it (scheduler.py:4121).
+        "--max-running-requests",
+        "1",
         log_path=log,
     )
     try:

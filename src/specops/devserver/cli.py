@@ -128,6 +128,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="0.5.23: off, daemon or client; not off: a release that includes weights kills the server",
     )
     parser.add_argument(
+        "--max-running-requests",
+        type=int,
+        default=0,
+        help="the running batch's size: a request beyond it waits in the queue until one ends (0: no bound, "
+        "every new request joins at the next step)",
+    )
+    parser.add_argument(
         "--grammar-compile-delay",
         type=float,
         default=0.0,
@@ -272,6 +279,7 @@ def main(argv: list[str] | None = None) -> int:
         num_draft_tokens=args.speculative_num_draft_tokens,
     )
     engine.grammar_compile_delay = args.grammar_compile_delay
+    engine.max_running_requests = args.max_running_requests
     engine.idle_needs_empty_grammar_queue = version.idle_needs_empty_grammar_queue
     if not version.reads_waiting_timeout:
         engine.waiting_timeout = -1.0

@@ -1,4 +1,4 @@
-"""The model behind the server: loading, generation one request at a time, readiness and health."""
+"""The model behind the server: loading, generation (scheduler.py takes turns), readiness and health."""
 
 from __future__ import annotations
 

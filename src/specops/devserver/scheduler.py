@@ -16,7 +16,13 @@ SGLang 0.5.23 (read in managers/tokenizer_manager.py and managers/scheduler.py):
   paused. The release's idleness requires that queue empty (scheduler.py:5369-5372).
 - SGLANG_REQ_WAITING_TIMEOUT (seconds, in the server's environment) aborts a request that waited in
   the queue longer, with status 503 (scheduler.py:3605-3620, polled each iteration from :2195-2203).
-The model here decodes one request at a time under `lock` (one GPU); the others wait for it.
+- A new request is prefilled at the scheduler's next step and joins the running batch
+  (scheduler.py:3894-3961, get_next_batch_to_run merges the prefill batch into the running one),
+  unless the batch already holds --max-running-requests (scheduler.py:4121-4126 and :1237-1243; 0.5.4
+  scheduler.py:1644-1648): then it waits in the queue until one of them ends.
+The model here decodes one request at a time under `lock` (one GPU). A running request steps aside
+at its next token for a request that has not started yet, so a newcomer's first token waits one step,
+as in SGLang, not for the others' ends; then both take turns again.
 """
 
 from __future__ import annotations
@@ -48,6 +54,7 @@ class Ticket:
     state: str = "waiting"  # or "grammar" (constrained, grammar not yet scheduled) or "running"
     abort: dict[str, Any] | None = None  # the finish_reason once aborted
     queued_at: float = dataclasses.field(default_factory=time.monotonic)  # entered its current queue
+    started: bool = False  # has decoded at least once: a newcomer goes before it
 
 
 class RequestScheduler:
@@ -65,6 +72,7 @@ class RequestScheduler:
         self.preempting = False  # a release (0.5.4) waits for the running step to end
         self.last_scheduler_message = 0.0  # what /health_generate counts as a sign of life
         self.grammar_compile_delay = 0.0  # seconds a constrained request's grammar takes to compile
+        self.max_running_requests = 0  # the running batch's size; 0: no bound
         self.idle_needs_empty_grammar_queue = True  # versions.py says which release does
         # envs.SGLANG_REQ_WAITING_TIMEOUT (0.5.23 environ.py:685): -1, off, by default.
         self.waiting_timeout = float(os.environ.get("SGLANG_REQ_WAITING_TIMEOUT") or -1)
@@ -109,6 +117,12 @@ class RequestScheduler:
             # step has stepped aside when this returns.
             with self.lock:
                 pass
+        if mode == "retract":
+            # Every request of the running batch goes back to the queue, also those between turns.
+            with self.cond:
+                for ticket in self.tickets:
+                    if ticket.state == "running":
+                        ticket.state, ticket.queued_at = "waiting", time.monotonic()
 
     def resume_generation(self) -> None:
         with self.cond:
@@ -179,7 +193,12 @@ class RequestScheduler:
                 new, spec = self._decode(
                     ids + output,
                     rest,
-                    interrupted=lambda: ticket.abort is not None or self.scheduler_paused or self.preempting,
+                    interrupted=lambda: (
+                        ticket.abort is not None
+                        or self.scheduler_paused
+                        or self.preempting
+                        or self._newcomer_waiting(ticket)
+                    ),
                     on_tokens=stream,
                 )
             finally:
@@ -212,14 +231,33 @@ class RequestScheduler:
         while ticket.abort is None:
             if 0 < self.waiting_timeout < time.monotonic() - ticket.queued_at and ticket.state == "waiting":
                 raise RequestError(503, WAITING_TIMEOUT_MESSAGE)
+            if ticket.started and self._newcomer_waiting(ticket):
+                # The newcomer's prefill goes first, as SGLang schedules it at the next step.
+                with self.cond:
+                    self.cond.wait_for(
+                        lambda: ticket.abort is not None or not self._newcomer_waiting(ticket), timeout=0.1
+                    )
+                continue
             if not self._held() and self.lock.acquire(timeout=0.1):
                 # A pause or release may have come between the check and the lock.
                 if not self._held() and ticket.abort is None:
+                    with self.cond:
+                        ticket.started = True
+                        self.cond.notify_all()
                     return True
                 self.lock.release()
             with self.cond:
                 self.cond.wait_for(lambda: ticket.abort is not None or not self._held(), timeout=0.1)
         return False
+
+    def _newcomer_waiting(self, ticket: Ticket) -> bool:
+        """Whether another request waits for its first step (not aborted) and the running batch has room."""
+        if 0 < self.max_running_requests <= self.count("running"):
+            return False
+        return any(
+            other is not ticket and not other.started and other.state == "waiting" and other.abort is None
+            for other in list(self.tickets)
+        )
 
     def _aborted(self, item: Item, ids: list[int], output: list[int], ticket: Ticket, latency: float) -> dict:
         assert ticket.abort is not None
