@@ -10,6 +10,20 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+# The token embedding's and the output head's tensor names, as checkpoints spell them: what the scoring
+# multiplies by (score/target_head.py), and the only weights a scoring host needs (shipping.py).
+EMBED_NAMES = (
+    "model.embed_tokens.weight",
+    "model.language_model.embed_tokens.weight",
+    "language_model.model.embed_tokens.weight",
+    "embed_tokens.weight",
+)
+LM_HEAD_NAMES = (
+    "lm_head.weight",
+    "model.lm_head.weight",
+    "language_model.lm_head.weight",
+)
+
 
 def text_config(config: Mapping[str, Any]) -> Mapping[str, Any]:
     """The language model's config: multimodal wrappers (model_type qwen3_5) nest it in text_config."""

@@ -2,8 +2,12 @@
 
   window  inside the window, right after the extraction, on the device the extraction freed: its
           planned time is added to the window's and must fit the operator's downtime budget;
+  host    after the window on a scoring host named in the inventory (a machine with a GPU): the hidden
+          states and what the scoring reads are shipped there with their checksums, verified on arrival,
+          scored, and the report brought back (score_host.py, playbooks/tasks/score_on_host.yml);
   cpu     after the window on the host's CPU, its share and priority bounded (cpu_scope);
-  auto    window where the extraction plus the scoring fit the budget, else cpu.
+  auto    window where the extraction plus the scoring fit the budget, else the scoring host where one is
+          named, else cpu (with a warning giving its expected duration where that is long).
 
 The scoring's time is estimated from the shapes, before anything is loaded: each pass reads every
 completion token once through the drafter and the target's head, so
@@ -17,8 +21,9 @@ documented GPU_FLOPS; on the CPU it is measured on this host with the bounded th
 product with numpy, its threads held by OMP_NUM_THREADS), times CPU_EFFICIENCY.
 
 Request: {placement, device (the extraction's), window (whether one is taken), target, drafters: [...],
-reference_drafter, completions, diagnostics, extraction_seconds, budget_seconds (0: none), threads}.
-Result: {placement, why, device, window_seconds, cpu_seconds, warning, estimate: {...}}.
+reference_drafter, completions, diagnostics, extraction_seconds, budget_seconds (0: none), threads,
+scoring_host (an inventory name, or empty), scoring_device (the scoring host's, default cuda)}.
+Result: {placement, why, device, host, window_seconds, host_seconds, cpu_seconds, warning, estimate: {...}}.
 """
 
 from __future__ import annotations
@@ -34,7 +39,7 @@ from typing import Any
 from specops.stage import StageError, serve
 
 STAGE = "placement"
-PLACEMENTS = ("auto", "window", "cpu")
+PLACEMENTS = ("auto", "window", "host", "cpu")
 # One H200 scores 26.3 completions/s of 1,000 tokens at the real shape (benchmarks/score_real_h200.json,
 # 2026-12-04), 6.4 TFLOP each by the formula above: about 1.7e14 of its FLOPs per second. Other GPUs
 # are slower; the figure is a planning figure, and the guard's margin covers a miss.
@@ -121,9 +126,23 @@ def choose(
     extraction_seconds: float,
     budget_seconds: float,
     window_taken: bool = True,
+    scoring_host: str = "",
 ) -> tuple[str, str]:
-    """(where, why): the rule that chose it, in words. A forced window that cannot fit is refused."""
+    """(where, why): the rule that chose it, in words. A forced window that cannot fit, and a forced
+    scoring host that is not named, are refused."""
+    if placement == "host":
+        if not scoring_host:
+            raise StageError(
+                "specops_score_placement is host but no scoring host is named: set specops_scoring_host to "
+                "an inventory host with a GPU, or choose auto, window or cpu"
+            )
+        return "host", f"forced: specops_score_placement is host ({scoring_host})"
     if not window_taken and placement != "cpu":
+        if scoring_host:
+            return "host", (
+                "no window is taken (the hidden states are up to date); "
+                f"the scoring host {scoring_host} is named"
+            )
         return "cpu", "no window is taken (the hidden states are up to date), so it scores on the bounded CPU"
     planned = extraction_seconds + window_seconds
     fits = budget_seconds <= 0 or planned <= budget_seconds
@@ -144,9 +163,14 @@ def choose(
         return "window", f"forced: specops_score_placement is window ({sums}, within {budget})"
     if fits:
         return "window", f"auto: the window with scoring fits {budget} ({sums})"
+    if scoring_host:
+        return "host", (
+            f"auto: the window with scoring would not fit {budget} ({sums}), so it scores on {scoring_host}"
+        )
     return (
         "cpu",
-        f"auto: the window with scoring would not fit {budget} ({sums}), so it scores on the bounded CPU",
+        f"auto: the window with scoring would not fit {budget} ({sums}) and no scoring host is named "
+        "(specops_scoring_host), so it scores on the bounded CPU",
     )
 
 
@@ -188,14 +212,19 @@ def plan(request: Mapping[str, Any]) -> dict[str, Any]:
     )
     window_seconds = score_flops / window_rate
     cpu_seconds = (score_flops + offset_flops) / cpu_rate
+    scoring_host = str(request.get("scoring_host") or "")
+    scoring_device = str(request.get("scoring_device") or "cuda")
+    # The scoring host's own rate is not measured from here: a GPU's documented one, this host's CPU else.
+    host_rate = GPU_FLOPS if scoring_device.startswith("cuda") else cpu_rate
     where, why = choose(
         placement,
         window_seconds,
         float(request.get("extraction_seconds") or 0),
         float(request.get("budget_seconds") or 0),
         window_taken=bool(request.get("window", True)),
+        scoring_host=scoring_host,
     )
-    after = offset_flops / cpu_rate if where == "window" else cpu_seconds
+    after = {"window": offset_flops / cpu_rate, "host": 0.0}.get(where, cpu_seconds)
     warning = None
     if after > LONG_CPU_SECONDS:
         warning = (
@@ -207,9 +236,11 @@ def plan(request: Mapping[str, Any]) -> dict[str, Any]:
         "placement": where,
         "why": why,
         "window_seconds": round(window_seconds, 1) if where == "window" else 0.0,
+        "host_seconds": round((score_flops + offset_flops) / host_rate, 1) if where == "host" else 0.0,
         "cpu_seconds": round(after, 1),
         "warning": warning,
-        "device": device if where == "window" else "cpu",
+        "device": {"window": device, "host": scoring_device}.get(where, "cpu"),
+        "host": scoring_host if where == "host" else "",
         "estimate": {
             "tokens": tokens,
             "passes": counted,
@@ -247,6 +278,11 @@ def render_markdown(placement: Mapping[str, Any] | None) -> str:
         return ""
     lines = ["", "## Where scoring ran", ""]
     lines.append(f"- placement: **{placement.get('where', '?')}** ({placement.get('why', 'not said')})")
+    if placement.get("host"):
+        lines.append(
+            f"- scored on **{placement['host']}** ({placement.get('device', '?')}); the hidden states were "
+            "shipped with their checksums and verified there before scoring"
+        )
     if placement.get("seconds") is not None:
         estimated = placement.get("estimated_seconds")
         lines.append(

@@ -12,6 +12,7 @@ import re
 from pathlib import Path
 
 import pytest
+from conftest import REPO
 
 
 def test_eval_writes_a_report_with_tau_per_prompt_and_overall(first_run, local_default):
@@ -86,13 +87,57 @@ def test_the_scoring_run_is_kept_and_appended_to_the_history(first_run, local_de
     assert runs and (history / runs[-1]["run_id"] / "report.md").is_file()
 
 
-def test_tags_score_rescores_without_touching_the_service(first_run, local_default):
+def test_tags_score_rescores_on_a_scoring_host_without_touching_the_service_and_brings_the_report_back(
+    first_run, local_default, tmp_path
+):
+    # A second inventory host, reached locally, whose files live under its own root: what is sent lands
+    # there at the GPU host's paths, is checked against its sha256 and scored there; the report comes back.
+    # --tags score runs no stage that touches the service or extracts.
+    inventory = tmp_path / "scoring.yml"
+    inventory.write_text(
+        json.dumps(
+            {
+                "all": {
+                    "hosts": {
+                        "scorer": {
+                            "ansible_connection": "local",
+                            "ansible_python_interpreter": "{{ ansible_playbook_python }}",
+                        }
+                    }
+                }
+            }
+        )
+    )
+    root = tmp_path / "scoring"
+    history = (local_default.work_dir / "history" / "index.jsonl").read_text().splitlines()
     pid_before = local_default.server_pid()
-    result = local_default.play("eval.yml", args=("--tags", "score"), score_drafter_force=True)
+    result = local_default.play(
+        "eval.yml",
+        args=("-i", str(REPO / "inventory" / "local"), "-i", str(inventory), "--tags", "score"),
+        specops_score_placement="host",
+        specops_scoring_host="scorer",
+        specops_scoring_device="cpu",
+        specops_scoring_dir=str(root),
+        specops_scoring_transit_dir=str(tmp_path / "transit"),
+    )
     assert result.rc == 0, result.output[-6000:]
+    assert "verify that every file arrived with its sha256 on scorer" in result.output
     assert "Score the drafter on the extracted hidden states" in result.output
     assert "sglang_service" not in result.output and "Extract the target" not in result.output
     assert local_default.server_pid() == pid_before
+    run_dir = local_default.run_dir
+    landed = root / "localhost" / str(run_dir).lstrip("/")
+    assert (landed / "hidden_states" / "manifest.json").is_file()
+    scored_there = json.loads((landed / "score" / "report.json").read_text())
+    assert scored_there["placement"]["where"] == "host" and scored_there["placement"]["host"] == "scorer"
+    report = json.loads((run_dir / "score" / "report.json").read_text())
+    assert report["placement"]["host"] == "scorer" and report["placement"]["device"] == "cpu"
+    assert report["placement"]["why"] == "forced: specops_score_placement is host (scorer)"
+    assert "scored on **scorer** (cpu)" in (run_dir / "score" / "report.md").read_text()
+    # The report brought back is refreshed here with the history (scored once, on the scoring host).
+    after = (local_default.work_dir / "history" / "index.jsonl").read_text().splitlines()
+    assert len(after) == len(history) + 1
+    assert not list((tmp_path / "transit").iterdir()), "the files staged on the control node are removed"
 
 
 def test_eval_leaves_the_service_ready(first_run, local_default):

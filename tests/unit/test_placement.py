@@ -40,6 +40,30 @@ def test_without_a_window_it_scores_on_the_cpu_whatever_was_asked():
     assert where == "cpu" and "no window is taken" in why
 
 
+def test_auto_scores_on_the_named_scoring_host_when_the_window_would_not_fit():
+    where, why = placement.choose("auto", 300, 400, 600, scoring_host="scorer-1")
+    assert where == "host"
+    assert why.endswith("(extraction 400 s + scoring 300 s = 700 s), so it scores on scorer-1")
+
+
+def test_without_a_scoring_host_auto_says_none_is_named_when_it_falls_back_to_the_cpu():
+    where, why = placement.choose("auto", 300, 400, 600)
+    assert where == "cpu" and "no scoring host is named (specops_scoring_host)" in why
+
+
+def test_a_forced_scoring_host_that_is_not_named_is_refused_before_the_service_is_touched():
+    with pytest.raises(StageError, match="specops_score_placement is host but no scoring host is named"):
+        placement.choose("host", 1, 1, 600)
+
+
+def test_a_forced_scoring_host_is_kept_even_when_the_window_would_fit_or_is_not_taken():
+    assert placement.choose("host", 1, 1, 600, scoring_host="s") == (
+        "host",
+        "forced: specops_score_placement is host (s)",
+    )
+    assert placement.choose("auto", 1, 1, 600, window_taken=False, scoring_host="s")[0] == "host"
+
+
 def test_the_forced_cpu_placement_is_kept_even_when_the_window_would_fit():
     assert placement.choose("cpu", 1, 1, 600) == ("cpu", "forced: specops_score_placement is cpu")
 
@@ -80,3 +104,13 @@ def test_the_plan_estimates_from_the_shapes_and_puts_the_layer_offsets_after_the
     fallback = placement.plan({**request, "budget_seconds": 4})
     assert fallback["placement"] == "cpu" and fallback["window_seconds"] == 0.0
     assert "would not fit the downtime budget of 4 s" in fallback["why"]
+
+    # With a scoring host named, the same budget sends every pass there, on its device.
+    shipped = placement.plan(
+        {**request, "budget_seconds": 4, "scoring_host": "scorer", "scoring_device": "cuda"}
+    )
+    assert shipped["placement"] == "host" and shipped["host"] == "scorer" and shipped["device"] == "cuda"
+    assert shipped["cpu_seconds"] == 0.0 and shipped["window_seconds"] == 0.0
+    assert shipped["host_seconds"] == round(
+        (estimate["score_flops"] + estimate["layer_offset_flops"]) / placement.GPU_FLOPS, 1
+    )

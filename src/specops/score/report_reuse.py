@@ -112,7 +112,7 @@ def refresh(
             cpu_bounds.observed(),
         )
     log(
-        f"score: the scores made in the window are reused; {opts.out_dir} is rewritten with the "
-        "window's record"
+        f"score: the scores made {'on ' + placed['host'] if placed.get('host') else 'in the window'} are "
+        f"reused; {opts.out_dir} is rewritten with the window's record and the history"
     )
     return write_outputs(opts, inputs, inputs_fingerprint, reused.reports, placement=placed or None)

@@ -13,17 +13,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-EMBED_NAMES = (
-    "model.embed_tokens.weight",
-    "model.language_model.embed_tokens.weight",
-    "language_model.model.embed_tokens.weight",
-    "embed_tokens.weight",
-)
-LM_HEAD_NAMES = (
-    "lm_head.weight",
-    "model.lm_head.weight",
-    "language_model.lm_head.weight",
-)
+from specops.model_files import EMBED_NAMES, LM_HEAD_NAMES
+
 # Logits for this many bytes at most are alive at once in `argmax`.
 DEFAULT_LOGITS_BUDGET = 1 << 30
 # `argmax` can take the vocabulary this many tokens at a time, keeping a running maximum, so that a pass
