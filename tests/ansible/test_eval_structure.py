@@ -62,9 +62,10 @@ def reached(path: Path, depth: int = 0, seen: dict | None = None) -> dict[Path, 
     return seen
 
 
-def test_eval_reaches_at_most_fifteen_task_files():
+def test_eval_reaches_at_most_sixteen_task_files():
+    # 16: the scoring host's shipping (tasks/score_on_host.yml) runs after the window, in a file of its own.
     files = reached(EVAL)
-    assert len(files) <= 15, sorted(str(f.relative_to(ROOT)) for f in files)
+    assert len(files) <= 16, sorted(str(f.relative_to(ROOT)) for f in files)
 
 
 def test_includes_go_at_most_three_deep():

@@ -339,19 +339,20 @@ class Engine(RequestScheduler):
 
     # -- weights -----------------------------------------------------------------------------
     def weights_checksum(self) -> dict[str, Any]:
-        """sha256 of every parameter and one over them all, as 0.5.23's WeightChecker computes
-        (utils/weight_checker.py:83-88, :206-235): equal only when the weights are the loaded ones."""
+        """A digest of every parameter and sha256 over them all, as 0.5.23's WeightChecker computes
+        (utils/weight_checker.py:83-88, :206-235, :254-255): equal only when the weights are the loaded
+        ones. Each digest is taken where the parameter lies (tensor_digest.py): on a GPU nothing is
+        copied to the host, so the check holds the model for about as long as SGLang's does."""
         import hashlib
 
         import torch
 
+        from specops.devserver.tensor_digest import digest
+
         if self.model is None:
             raise RequestError(400, "the weights are released: POST /resume_memory_occupation first")
-        checksums = {}
         with self.lock, torch.no_grad():
-            for name, param in self.model.named_parameters():
-                raw = param.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy().tobytes()
-                checksums[name] = hashlib.sha256(raw).hexdigest()
+            checksums = {name: digest(param) for name, param in self.model.named_parameters()}
         overall = hashlib.sha256()
         for name in sorted(checksums):
             overall.update(name.encode())

@@ -20,9 +20,12 @@ SGLang 0.5.23 (read in managers/tokenizer_manager.py and managers/scheduler.py):
   (scheduler.py:3894-3961, get_next_batch_to_run merges the prefill batch into the running one),
   unless the batch already holds --max-running-requests (scheduler.py:4121-4126 and :1237-1243; 0.5.4
   scheduler.py:1644-1648): then it waits in the queue until one of them ends.
-The model here decodes one request at a time under `lock` (one GPU). A running request steps aside
-at its next token for a request that has not started yet, so a newcomer's first token waits one step,
-as in SGLang, not for the others' ends; then both take turns again.
+The model here decodes one request at a time under `lock` (one GPU), so the batch's steps are
+imitated by turns (`turns`): a request that has not started goes before those that have, and its
+first turn is one token (its prefill's, at the next step, as in SGLang); a started request then takes
+up to TURN_TOKENS tokens while others wait and goes to the back. Every request advances, none waits for
+the others' ends. (A request stepping aside recomputes its prefix at its next turn: transformers'
+generate keeps no cache across calls.)
 """
 
 from __future__ import annotations
@@ -44,6 +47,9 @@ WAITING_ABORT = {"type": "abort", "message": "Abort in waiting queue"}
 WAITING_TIMEOUT_MESSAGE = "Request waiting timeout reached."
 
 TokensCallback = Callable[[list[int]], None]
+# Tokens a started request decodes in one turn while others wait: the longer, the fewer recomputed
+# prefixes; the shorter, the closer to a batch that advances every request each step.
+TURN_TOKENS = 16
 
 
 @dataclass
@@ -54,7 +60,7 @@ class Ticket:
     state: str = "waiting"  # or "grammar" (constrained, grammar not yet scheduled) or "running"
     abort: dict[str, Any] | None = None  # the finish_reason once aborted
     queued_at: float = dataclasses.field(default_factory=time.monotonic)  # entered its current queue
-    started: bool = False  # has decoded at least once: a newcomer goes before it
+    started: bool = False  # has had a turn: a newcomer goes before it
 
 
 class RequestScheduler:
@@ -73,6 +79,7 @@ class RequestScheduler:
         self.last_scheduler_message = 0.0  # what /health_generate counts as a sign of life
         self.grammar_compile_delay = 0.0  # seconds a constrained request's grammar takes to compile
         self.max_running_requests = 0  # the running batch's size; 0: no bound
+        self.turns: list[Ticket] = []  # requests waiting for the model, in the order they get it
         self.idle_needs_empty_grammar_queue = True  # versions.py says which release does
         # envs.SGLANG_REQ_WAITING_TIMEOUT (0.5.23 environ.py:685): -1, off, by default.
         self.waiting_timeout = float(os.environ.get("SGLANG_REQ_WAITING_TIMEOUT") or -1)
@@ -179,30 +186,33 @@ class RequestScheduler:
         params = item.params
         self._leave_grammar_queue(ticket)
         while not self._finished(output, params) and ticket.abort is None:
+            first_turn = not ticket.started
             if not self._take_turn(ticket):
                 break
             try:
                 ticket.state = "running"
                 rest = dataclasses.replace(params, max_new_tokens=params.max_new_tokens - len(output))
                 before = list(output)
+                turn = [0]  # tokens decoded in this turn
 
-                def stream(new: list[int], before: list[int] = before) -> None:
+                def stream(new: list[int], before: list[int] = before, turn: list[int] = turn) -> None:
+                    turn[0] = len(new)
                     if on_tokens is not None:
                         on_tokens(before + new)
 
-                new, spec = self._decode(
-                    ids + output,
-                    rest,
-                    interrupted=lambda: (
+                def interrupted(turn: list[int] = turn, first_turn: bool = first_turn) -> bool:
+                    return (
                         ticket.abort is not None
                         or self.scheduler_paused
                         or self.preempting
-                        or self._newcomer_waiting(ticket)
-                    ),
-                    on_tokens=stream,
-                )
+                        or self._turn_is_over(turn[0], first_turn)
+                    )
+
+                new, spec = self._decode(ids + output, rest, interrupted=interrupted, on_tokens=stream)
             finally:
                 self.lock.release()
+                with self.cond:
+                    self.cond.notify_all()  # the next in turn goes now, not at its next look
             output.extend(new)
             if spec is not None:
                 spec_parts.append(spec)
@@ -226,38 +236,53 @@ class RequestScheduler:
                 ticket.state, ticket.queued_at = "waiting", time.monotonic()
 
     def _take_turn(self, ticket: Ticket) -> bool:
-        """Wait for the model (the lock is then held) or the request's abort (False, the lock not held);
-        a request that waited past SGLANG_REQ_WAITING_TIMEOUT is aborted with 503."""
-        while ticket.abort is None:
-            if 0 < self.waiting_timeout < time.monotonic() - ticket.queued_at and ticket.state == "waiting":
-                raise RequestError(503, WAITING_TIMEOUT_MESSAGE)
-            if ticket.started and self._newcomer_waiting(ticket):
-                # The newcomer's prefill goes first, as SGLang schedules it at the next step.
-                with self.cond:
-                    self.cond.wait_for(
-                        lambda: ticket.abort is not None or not self._newcomer_waiting(ticket), timeout=0.1
-                    )
-                continue
-            if not self._held() and self.lock.acquire(timeout=0.1):
-                # A pause or release may have come between the check and the lock.
-                if not self._held() and ticket.abort is None:
-                    with self.cond:
+        """Wait for the model in the order of `turns` (the lock is then held) or for the request's abort
+        (False, the lock not held); a request that waited past SGLANG_REQ_WAITING_TIMEOUT is aborted
+        with 503."""
+        with self.cond:
+            if ticket.started:
+                self.turns.append(ticket)
+            else:  # after the newcomers before it, ahead of every started request
+                at = next((k for k, other in enumerate(self.turns) if other.started), len(self.turns))
+                self.turns.insert(at, ticket)
+        try:
+            while ticket.abort is None:
+                waited = time.monotonic() - ticket.queued_at
+                if 0 < self.waiting_timeout < waited and ticket.state == "waiting":
+                    raise RequestError(503, WAITING_TIMEOUT_MESSAGE)
+                if self._may_go(ticket) and self.lock.acquire(timeout=0.1):
+                    # A pause or release may have come between the check and the lock.
+                    if not self._held() and ticket.abort is None:
                         ticket.started = True
-                        self.cond.notify_all()
-                    return True
-                self.lock.release()
-            with self.cond:
-                self.cond.wait_for(lambda: ticket.abort is not None or not self._held(), timeout=0.1)
-        return False
-
-    def _newcomer_waiting(self, ticket: Ticket) -> bool:
-        """Whether another request waits for its first step (not aborted) and the running batch has room."""
-        if 0 < self.max_running_requests <= self.count("running"):
+                        return True
+                    self.lock.release()
+                with self.cond:
+                    self.cond.wait_for(lambda: ticket.abort is not None or self._may_go(ticket), timeout=0.1)
             return False
-        return any(
-            other is not ticket and not other.started and other.state == "waiting" and other.abort is None
-            for other in list(self.tickets)
-        )
+        finally:
+            with self.cond:
+                self.turns.remove(ticket)
+                self.cond.notify_all()
+
+    def _may_go(self, ticket: Ticket) -> bool:
+        return self._next_in_turn() is ticket and not self._held()
+
+    def _next_in_turn(self) -> Ticket | None:
+        """The request whose turn it is: the first in `turns` not aborted, a newcomer only while the
+        running batch has room."""
+        room = not 0 < self.max_running_requests <= self.count("running")
+        for other in list(self.turns):
+            if other.abort is None and (other.started or room):
+                return other
+        return None
+
+    def _turn_is_over(self, tokens: int, first_turn: bool) -> bool:
+        """Whether the running request steps aside now: another waits, and it is a newcomer (whose
+        prefill goes at the next step) or this turn has had its tokens."""
+        waiting = self._next_in_turn()
+        if waiting is None:
+            return False
+        return not waiting.started or tokens >= (1 if first_turn else TURN_TOKENS)
 
     def _aborted(self, item: Item, ids: list[int], output: list[int], ticket: Ticket, latency: float) -> dict:
         assert ticket.abort is not None
