@@ -9,11 +9,21 @@ list (on the GPU host): {hidden_states, completions, target, drafters: [...], re
   its stage's manifest where one lists it (hashed once, when it was written), else it is hashed here.
 verify (on the scoring host): {root, files} -> {verified, bytes}. Each file must be at root + its path
   with its size and sha256; the first mismatches are named and nothing is scored.
+pack: {archive, files: [paths]} or {archive, directory} -> {archive, files, bytes}: the files in one
+  uncompressed tar, written atomically (by their absolute paths, or relative to the directory). Small
+  files travel so, one transfer for all, instead of a transfer each; large ones travel alone, so that a
+  rerun sends only those that changed.
+unpack: {archive, root, directories, files} -> {unpacked, verified}: the tar's regular files written
+  below root (nothing outside it), the directories (absolute paths, below root too) created for the files
+  sent alone, the files verified when listed; the archive removed.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import tarfile
+import tempfile
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
@@ -136,13 +146,69 @@ def verify(request: Mapping[str, Any]) -> dict[str, Any]:
     return {"changed": False, "verified": count, "bytes": total}
 
 
+def pack(request: Mapping[str, Any]) -> dict[str, Any]:
+    archive = Path(request["archive"])
+    if request.get("directory"):
+        base = Path(request["directory"])
+        members = [(path, str(path.relative_to(base))) for path in _files_under(base)]
+    else:
+        members = [(Path(path), str(path).lstrip("/")) for path in request.get("files") or []]
+    archive.parent.mkdir(parents=True, exist_ok=True)
+    fd, partial = tempfile.mkstemp(prefix=f".{archive.name}.", suffix=".tmp", dir=archive.parent)
+    try:
+        with os.fdopen(fd, "wb") as handle, tarfile.open(fileobj=handle, mode="w") as tar:
+            for path, name in members:
+                tar.add(str(path), arcname=name, recursive=False)
+        os.replace(partial, archive)
+    except BaseException:
+        Path(partial).unlink(missing_ok=True)
+        raise
+    return {"changed": True, "archive": str(archive), "files": len(members), "bytes": archive.stat().st_size}
+
+
+def unpack(request: Mapping[str, Any]) -> dict[str, Any]:
+    archive, root = Path(request["archive"]), Path(request["root"])
+    unpacked = 0
+    for directory in request.get("directories") or []:  # where files sent alone will land
+        where = arrived_at(root, str(directory)).resolve()
+        if not where.is_relative_to(root.resolve()):
+            raise StageError(f"{directory} is outside {root}: not created")
+        where.mkdir(parents=True, exist_ok=True)
+    with tarfile.open(archive) as tar:
+        # Regular files only (no links, no devices), each written by us below root: a name that would
+        # leave it is refused.
+        for member in tar:
+            if not member.isfile():
+                continue
+            target = (root / member.name).resolve()
+            if not target.is_relative_to(root.resolve()):
+                raise StageError(f"{archive} holds {member.name}, outside {root}: not unpacked")
+            source = tar.extractfile(member)
+            assert source is not None  # a regular file's member always has its data
+            target.parent.mkdir(parents=True, exist_ok=True)
+            with source, open(target, "wb") as out:
+                while block := source.read(1 << 20):
+                    out.write(block)
+            os.chmod(target, member.mode & 0o777)
+            unpacked += 1
+    archive.unlink()
+    result: dict[str, Any] = {"changed": True, "unpacked": unpacked}
+    if request.get("files"):
+        result["verified"] = verify({"root": str(root), "files": request["files"]})["verified"]
+    return result
+
+
+ACTIONS = {"list": listing, "verify": verify, "pack": pack, "unpack": unpack}
+
+
 def run(request: dict[str, Any]) -> dict[str, Any]:
-    action = request.get("action")
-    if action == "list":
-        return listing(request)
-    if action == "verify":
-        return verify(request)
-    raise StageError(f"action {action!r} is not list or verify")
+    action = ACTIONS.get(str(request.get("action")))
+    if action is None:
+        raise StageError(f"action {request.get('action')!r} is not one of {', '.join(ACTIONS)}")
+    try:
+        return action(request)
+    except KeyError as error:
+        raise StageError(f"the {request['action']} request needs {error}") from None
 
 
 def main() -> int:

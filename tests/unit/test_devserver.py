@@ -224,7 +224,7 @@ def test_a_new_request_joins_the_running_batch_instead_of_waiting_for_a_long_one
     # managers/scheduler.py:3894-3961): a short request is not queued behind a long one's end.
     long_answer: dict = {}
     worker = threading.Thread(
-        target=lambda: long_answer.update(result=call(server.url, "/generate", greedy(PROMPT_IDS[0], 300)))
+        target=lambda: long_answer.update(result=call(server.url, "/generate", greedy(PROMPT_IDS[0], 120)))
     )
     worker.start()
     try:
@@ -239,7 +239,7 @@ def test_a_new_request_joins_the_running_batch_instead_of_waiting_for_a_long_one
     assert short_status == 200 and long_still_running, "the short request waited for the long one's end"
     assert short["output_ids"] == call(server.url, "/generate", greedy(PROMPT_IDS[1], 4))[1]["output_ids"]
     status, body = long_answer["result"]
-    assert status == 200 and len(body["output_ids"]) == 300, "the long request lost tokens to its turns"
+    assert status == 200 and len(body["output_ids"]) == 120, "the long request lost tokens to its turns"
 
 
 def test_flush_cache_is_refused_while_a_request_is_pending(server):

@@ -81,7 +81,7 @@ def test_every_request_advances_while_others_keep_arriving():
         thread.start()
     for thread in clients:
         thread.join()
-    # Fair turns: between a 64-token request's five turns (1 + 4 x 16 tokens) the others take at most a
+    # Fair turns: between a 64-token request's three turns (1 + 32 + 31 tokens) the others take at most a
     # turn each and their newcomers' first tokens; a starved request waits until the clients stop.
     worst = max(waits)
     assert len(waits) > 20 and worst < 600, f"a request waited while the others decoded {worst} tokens"

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import tarfile
 from pathlib import Path
 
 import pytest
@@ -95,3 +96,22 @@ def test_a_sharded_target_whose_index_maps_no_head_is_refused(source):
     )
     with pytest.raises(StageError, match="maps no token embedding or output head"):
         listed(source)
+
+
+def test_small_files_travel_in_one_archive_that_unpacks_below_the_root_only(source, tmp_path):
+    files = listed(source)["files"]
+    archive = tmp_path / "spool" / "out.tar"
+    packed = shipping.pack({"archive": str(archive), "files": [f["path"] for f in files]})
+    assert packed["files"] == len(files) and archive.is_file()
+    root = tmp_path / "scoring-root"
+    unpacked = shipping.unpack(
+        {"archive": str(archive), "root": str(root), "directories": ["/elsewhere/shards"], "files": files}
+    )
+    assert unpacked == {"changed": True, "unpacked": len(files), "verified": len(files)}
+    assert not archive.exists() and (root / "elsewhere" / "shards").is_dir()
+
+    with tarfile.open(archive, "w") as tar:  # a name that climbs out of the root
+        tar.add(str(files[0]["path"]), arcname="../escaped")
+    with pytest.raises(StageError, match="outside"):
+        shipping.unpack({"archive": str(archive), "root": str(root)})
+    assert not (tmp_path / "escaped").exists()

@@ -49,7 +49,7 @@ WAITING_TIMEOUT_MESSAGE = "Request waiting timeout reached."
 TokensCallback = Callable[[list[int]], None]
 # Tokens a started request decodes in one turn while others wait: the longer, the fewer recomputed
 # prefixes; the shorter, the closer to a batch that advances every request each step.
-TURN_TOKENS = 16
+TURN_TOKENS = 32
 
 
 @dataclass
