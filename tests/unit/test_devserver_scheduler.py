@@ -38,6 +38,7 @@ class SleepingEngine(RequestScheduler):
         self.weight_version = "test"
         self._init_scheduler()
         self.max_running_requests = max_running_requests
+        self.turn_seconds = 0.0  # turns counted in tokens alone: the bound below is in tokens
         self.decoded = 0  # every token of every request
 
     def _finished(self, output, params):

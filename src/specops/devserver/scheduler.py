@@ -23,9 +23,9 @@ SGLang 0.5.23 (read in managers/tokenizer_manager.py and managers/scheduler.py):
 The model here decodes one request at a time under `lock` (one GPU), so the batch's steps are
 imitated by turns (`turns`): a request that has not started goes before those that have, and its
 first turn is one token (its prefill's, at the next step, as in SGLang); a started request then takes
-up to TURN_TOKENS tokens while others wait and goes to the back. Every request advances, none waits for
-the others' ends. (A request stepping aside recomputes its prefix at its next turn: transformers'
-generate keeps no cache across calls.)
+a turn of TURN_TOKENS tokens and TURN_SECONDS while others wait and goes to the back. Every request
+advances, none waits for the others' ends. (A request stepping aside recomputes its prefix at its
+next turn: transformers' generate keeps no cache across calls.)
 """
 
 from __future__ import annotations
@@ -47,9 +47,11 @@ WAITING_ABORT = {"type": "abort", "message": "Abort in waiting queue"}
 WAITING_TIMEOUT_MESSAGE = "Request waiting timeout reached."
 
 TokensCallback = Callable[[list[int]], None]
-# Tokens a started request decodes in one turn while others wait: the longer, the fewer recomputed
+# A started request's turn while others wait: at least TURN_TOKENS tokens and TURN_SECONDS seconds (a
+# small model on a CPU decodes 32 tokens in a fraction of that). The longer, the fewer recomputed
 # prefixes; the shorter, the closer to a batch that advances every request each step.
 TURN_TOKENS = 32
+TURN_SECONDS = 0.25
 
 
 @dataclass
@@ -80,6 +82,7 @@ class RequestScheduler:
         self.grammar_compile_delay = 0.0  # seconds a constrained request's grammar takes to compile
         self.max_running_requests = 0  # the running batch's size; 0: no bound
         self.turns: list[Ticket] = []  # requests waiting for the model, in the order they get it
+        self.turn_seconds = TURN_SECONDS
         self.idle_needs_empty_grammar_queue = True  # versions.py says which release does
         # envs.SGLANG_REQ_WAITING_TIMEOUT (0.5.23 environ.py:685): -1, off, by default.
         self.waiting_timeout = float(os.environ.get("SGLANG_REQ_WAITING_TIMEOUT") or -1)
@@ -194,18 +197,21 @@ class RequestScheduler:
                 rest = dataclasses.replace(params, max_new_tokens=params.max_new_tokens - len(output))
                 before = list(output)
                 turn = [0]  # tokens decoded in this turn
+                turn_began = time.monotonic()
 
                 def stream(new: list[int], before: list[int] = before, turn: list[int] = turn) -> None:
                     turn[0] = len(new)
                     if on_tokens is not None:
                         on_tokens(before + new)
 
-                def interrupted(turn: list[int] = turn, first_turn: bool = first_turn) -> bool:
+                def interrupted(
+                    turn: list[int] = turn, first_turn: bool = first_turn, began: float = turn_began
+                ) -> bool:
                     return (
                         ticket.abort is not None
                         or self.scheduler_paused
                         or self.preempting
-                        or self._turn_is_over(turn[0], first_turn)
+                        or self._turn_is_over(turn[0], first_turn, began)
                     )
 
                 new, spec = self._decode(ids + output, rest, interrupted=interrupted, on_tokens=stream)
@@ -276,13 +282,16 @@ class RequestScheduler:
                 return other
         return None
 
-    def _turn_is_over(self, tokens: int, first_turn: bool) -> bool:
+    def _turn_is_over(self, tokens: int, first_turn: bool, began: float) -> bool:
         """Whether the running request steps aside now: another waits, and it is a newcomer (whose
-        prefill goes at the next step) or this turn has had its tokens."""
+        prefill goes at the next step), or this is its own first turn (one token), or this turn has had
+        its tokens and its time."""
         waiting = self._next_in_turn()
         if waiting is None:
             return False
-        return not waiting.started or tokens >= (1 if first_turn else TURN_TOKENS)
+        if not waiting.started or first_turn:
+            return tokens >= 1 or not waiting.started
+        return tokens >= TURN_TOKENS and time.monotonic() - began >= self.turn_seconds
 
     def _aborted(self, item: Item, ids: list[int], output: list[int], ticket: Ticket, latency: float) -> dict:
         assert ticket.abort is not None
