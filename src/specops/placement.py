@@ -4,7 +4,7 @@
           planned time is added to the window's and must fit the operator's downtime budget;
   host    after the window on a scoring host named in the inventory (a machine with a GPU): the hidden
           states and what the scoring reads are shipped there with their checksums, verified on arrival,
-          scored, and the report brought back (score_host.py, playbooks/tasks/score_on_host.yml);
+          scored, and the report brought back (shipping.py, playbooks/tasks/score_on_host.yml);
   cpu     after the window on the host's CPU, its share and priority bounded (cpu_scope);
   auto    window where the extraction plus the scoring fit the budget, else the scoring host where one is
           named, else cpu (with a warning giving its expected duration where that is long).
