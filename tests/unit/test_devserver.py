@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -11,6 +12,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -200,21 +202,33 @@ def test_server_info_records_the_launch_flags(server, fixture_models, path):
     assert info["status"] == "Up"
 
 
-def test_health_answers_200_while_a_long_generation_holds_the_model(server):
+def pending(server) -> int:
+    return call(server.url, "/get_server_info")[1]["internal_states"][0]["pending_requests"]
+
+
+@contextlib.contextmanager
+def long_generation(server, tokens: int) -> Iterator[dict]:
+    """A greedy request of `tokens` running in the background once this enters; its answer (under
+    "result") once it exits."""
     answer: dict = {}
     worker = threading.Thread(
-        target=lambda: answer.update(result=call(server.url, "/generate", greedy(PROMPT_IDS[0], 300)))
+        target=lambda: answer.update(result=call(server.url, "/generate", greedy(PROMPT_IDS[0], tokens)))
     )
     worker.start()
     try:
         deadline = time.monotonic() + 30
-        while call(server.url, "/get_server_info")[1]["internal_states"][0]["pending_requests"] == 0:
+        while pending(server) == 0:
             assert time.monotonic() < deadline, "the long request never started"
             time.sleep(0.02)
-        assert http_status(server.url + "/health_generate") == 200
-        still_running = call(server.url, "/get_server_info")[1]["internal_states"][0]["pending_requests"]
+        yield answer
     finally:
         worker.join(180)
+
+
+def test_health_answers_200_while_a_long_generation_holds_the_model(server):
+    with long_generation(server, 300) as answer:
+        assert http_status(server.url + "/health_generate") == 200
+        still_running = pending(server)
     assert still_running == 1, "health must not wait for the running request to finish"
     assert answer["result"][0] == 200
 
@@ -222,20 +236,9 @@ def test_health_answers_200_while_a_long_generation_holds_the_model(server):
 def test_a_new_request_joins_the_running_batch_instead_of_waiting_for_a_long_one(server):
     # SGLang prefills a new request at the next step and merges it into the running batch (0.5.23
     # managers/scheduler.py:3894-3961): a short request is not queued behind a long one's end.
-    long_answer: dict = {}
-    worker = threading.Thread(
-        target=lambda: long_answer.update(result=call(server.url, "/generate", greedy(PROMPT_IDS[0], 120)))
-    )
-    worker.start()
-    try:
-        deadline = time.monotonic() + 30
-        while call(server.url, "/get_server_info")[1]["internal_states"][0]["pending_requests"] == 0:
-            assert time.monotonic() < deadline, "the long request never started"
-            time.sleep(0.02)
+    with long_generation(server, 120) as long_answer:
         short_status, short = call(server.url, "/generate", greedy(PROMPT_IDS[1], 4))
         long_still_running = "result" not in long_answer
-    finally:
-        worker.join(180)
     assert short_status == 200 and long_still_running, "the short request waited for the long one's end"
     assert short["output_ids"] == call(server.url, "/generate", greedy(PROMPT_IDS[1], 4))[1]["output_ids"]
     status, body = long_answer["result"]
@@ -243,16 +246,8 @@ def test_a_new_request_joins_the_running_batch_instead_of_waiting_for_a_long_one
 
 
 def test_flush_cache_is_refused_while_a_request_is_pending(server):
-    worker = threading.Thread(target=call, args=(server.url, "/generate", greedy(PROMPT_IDS[0], 300)))
-    worker.start()
-    try:
-        deadline = time.monotonic() + 30
-        while call(server.url, "/get_server_info")[1]["internal_states"][0]["pending_requests"] == 0:
-            assert time.monotonic() < deadline, "the long request never started"
-            time.sleep(0.02)
+    with long_generation(server, 300):
         status, body = call(server.url, "/flush_cache", {}, method="POST")
-    finally:
-        worker.join(180)
     # SGLang 0.5.23 entrypoints/http_server.py:1036: the scheduler's message, or this default.
     assert status == 400 and body == "Flush cache failed.\n"
 
