@@ -6,6 +6,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+import specops.score.streamed_context as streamed_context  # noqa: E402
 from specops.fixtures.train_drafter import greedy_completions  # noqa: E402
 from specops.score.acceptance import (  # noqa: E402
     SequenceAcceptance,
@@ -257,3 +258,37 @@ def test_features_of_the_wrong_shape_are_named(fixture_models, head, greedy_sequ
 def test_an_unknown_mode_is_refused(fixture_models, head):
     with pytest.raises(ValueError, match="mode 'lazy' is not one of"):
         offline_acceptance(load_drafter(fixture_models.drafter), head, [], mode="lazy")
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_the_context_computed_a_few_positions_at_a_time_gives_the_same_lengths(
+    trained_drafter, head, greedy_sequences, monkeypatch, mode
+):
+    drafter = load_drafter(trained_drafter)
+    whole = offline_acceptance(drafter, head, greedy_sequences, mode=mode)
+    monkeypatch.setattr(streamed_context, "CHUNK_POSITIONS", 5)
+    chunked = offline_acceptance(drafter, head, greedy_sequences, mode=mode)
+    assert [r.accept_lengths for r in chunked] == [r.accept_lengths for r in whole]
+    assert len({n for r in whole for n in r.accept_lengths}) >= 3
+
+
+@torch.inference_mode()
+def test_the_context_is_computed_only_as_far_as_asked(fixture_models, greedy_sequences, monkeypatch):
+    drafter = load_drafter(fixture_models.drafter)
+    monkeypatch.setattr(streamed_context, "CHUNK_POSITIONS", 5)
+    features = [s.features for s in greedy_sequences[:3]]
+    length = max(f.shape[0] for f in features)
+    context = streamed_context.StreamedContext(drafter, features, length, torch.device("cpu"))
+    assert context.ready == 0 and all(not k.any() and not v.any() for k, v in context.buffers)
+    context.ensure(7)
+    assert context.ready == 10
+    k = context.buffers[0][0]
+    assert k[..., :10, :].any(dim=-1).all() and not k[..., 10:, :].any()
+    context.ensure(length + 100)
+    padded = torch.zeros(len(features), length, *features[0].shape[1:])
+    for b, f in enumerate(features):
+        padded[b, : f.shape[0]] = f
+    expected = drafter.context_kv(padded, block_slots=True)
+    for (got_k, got_v), (want_k, want_v) in zip(context.buffers, expected, strict=True):
+        assert got_k.shape == want_k.shape
+        assert torch.allclose(got_k, want_k, atol=1e-6) and torch.allclose(got_v, want_v, atol=1e-6)

@@ -117,6 +117,106 @@ def test_an_unknown_kernel_is_named(monkeypatch):
         drafter(blocks, starts, drafter.context_kv(features))
 
 
+def varlen_on_the_cpu(calls: list, query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, scale, seqused_k):
+    """FlashAttention's variable-length forward stated plainly: each sequence's queries against its first
+    seqused_k keys, no mask. Records the key counts it was given."""
+    calls.append(seqused_k.tolist())
+    out = torch.empty_like(query)
+    for i in range(len(cu_seq_q) - 1):
+        q = query[cu_seq_q[i] : cu_seq_q[i + 1]].transpose(0, 1)  # [heads, rows, d]
+        first = int(cu_seq_k[i])
+        k = key[first : first + int(seqused_k[i])].transpose(0, 1)
+        v = value[first : first + int(seqused_k[i])].transpose(0, 1)
+        probs = (q @ k.transpose(-1, -2) * scale).softmax(dim=-1)
+        out[cu_seq_q[i] : cu_seq_q[i + 1]] = (probs @ v).transpose(0, 1)
+    return out
+
+
+@pytest.mark.parametrize("rule", RULES)
+@torch.inference_mode()
+def test_the_variable_length_kernel_reads_the_context_before_each_block_and_puts_the_buffers_back(
+    rule, monkeypatch
+):
+    # The CPU lays the buffers out token-major here, as CUDA devices do, float32 stands for bf16, and the
+    # kernel's call is stated plainly (varlen_on_the_cpu): what is tested is everything around the call.
+    monkeypatch.setattr(block_attention, "TOKEN_MAJOR_DEVICES", ("cpu",))
+    monkeypatch.setattr(block_attention, "FLASH_DTYPES", (torch.float32,))
+    calls: list = []
+    monkeypatch.setattr(block_attention, "varlen_attention", lambda *a: varlen_on_the_cpu(calls, *a))
+    drafter = build(*RULES[rule])
+    features, blocks, starts = inputs()
+    length = features.shape[1]
+    context = drafter.context_kv(features, block_slots=True)
+    ctx_k, ctx_v = context[0]
+    assert block_attention.token_major(ctx_k) and not ctx_k.is_contiguous()
+    assert torch.equal(
+        ctx_k,
+        drafter.context_kv(features)[0][0]
+        .new_zeros(ctx_k.shape)
+        .index_copy(-2, torch.arange(length), drafter.context_kv(features)[0][0]),
+    )
+    before = (ctx_k.clone(), ctx_v.clone())
+    attn = drafter.decoder_layers[0].self_attn
+    positions = starts[..., None] + torch.arange(BLOCK)
+    cos, sin = drafter.rope(positions, blocks)
+    q, k_blk, v_blk = attn.qkv(blocks, cos, sin)
+    expected = block_attention.reference(attn, q, k_blk, v_blk, starts, ctx_k, ctx_v)
+    got = block_attention.flash(attn, q, k_blk, v_blk, starts, ctx_k, ctx_v, length)
+    assert torch.allclose(got, expected, atol=1e-5)
+    # Full attention reads start + block keys per sequence and puts back what it moved; a causal or
+    # windowed layer falls back to a kernel that writes its block into the spare slots only.
+    full = rule == "full"
+    kept = slice(None) if full else slice(0, length)
+    assert torch.equal(ctx_k[..., kept, :], before[0][..., kept, :])
+    assert torch.equal(ctx_v[..., kept, :], before[1][..., kept, :])
+    assert calls == ([(starts[:, 0] + BLOCK).tolist()] if full else [])
+    # The whole drafter through the engine's call, and the layout kept when finished sequences leave.
+    monkeypatch.setattr(block_attention, "KERNEL", "flash")
+    plain = drafter(blocks, starts, drafter.context_kv(features))
+    assert torch.allclose(drafter.finish(*drafter.trunk(blocks, starts, context, length)), plain, atol=1e-5)
+    keep = torch.tensor([4, 1, 2])
+    kept = [
+        (block_attention.select_sequences(k, keep), block_attention.select_sequences(v, keep))
+        for k, v in context
+    ]
+    assert all(block_attention.token_major(k) and block_attention.token_major(v) for k, v in kept)
+    assert torch.equal(kept[0][0], ctx_k[keep])
+    again = drafter.finish(*drafter.trunk(blocks[keep], starts[keep], kept, length))
+    assert torch.allclose(again, plain[keep], atol=1e-5)
+    # The call above, then each layer that sees its whole block and the context before it, twice.
+    plain_layers = sum(
+        not a.self_attn.is_causal and a.self_attn.sliding_window is None for a in drafter.layers
+    )
+    assert len(calls) == int(full) + 2 * plain_layers
+    assert block_attention.FLASH_UNAVAILABLE is None
+
+
+@torch.inference_mode()
+def test_a_torch_without_the_variable_length_kernel_falls_back_to_the_masked_kernel_and_says_so(monkeypatch):
+    monkeypatch.setattr(block_attention, "TOKEN_MAJOR_DEVICES", ("cpu",))
+    monkeypatch.setattr(block_attention, "FLASH_DTYPES", (torch.float32,))
+    monkeypatch.setattr(block_attention, "FLASH_UNAVAILABLE", None)
+
+    def missing(*args):
+        raise TypeError("_flash_attention_forward() got an unexpected keyword argument 'seqused_k'")
+
+    monkeypatch.setattr(block_attention, "varlen_attention", missing)
+    drafter = build(*RULES["full"])
+    features, blocks, starts = inputs()
+    context = drafter.context_kv(features, block_slots=True)
+    before = [(k.clone(), v.clone()) for k, v in context]
+    monkeypatch.setattr(block_attention, "KERNEL", "flash")
+    with pytest.warns(RuntimeWarning, match="seqused_k"):
+        got = drafter.finish(*drafter.trunk(blocks, starts, context, features.shape[1]))
+    assert torch.allclose(got, drafter(blocks, starts, drafter.context_kv(features)), atol=1e-5)
+    assert "seqused_k" in block_attention.FLASH_UNAVAILABLE
+    length = features.shape[1]
+    assert all(
+        torch.equal(k[..., :length, :], k0[..., :length, :])
+        for (k, _), (k0, _) in zip(context, before, strict=True)
+    )
+
+
 @torch.inference_mode()
 def test_fused_projections_and_mask_rows_once_give_the_plain_forward():
     drafter = build(*RULES["sliding (causal, windowed)"])

@@ -51,6 +51,7 @@ import torch
 from specops.score.drafter import DFlashDrafter
 from specops.score.leading_matches import leading_matches
 from specops.score.step_timer import NoTimer, StepTimer
+from specops.score.streamed_context import StreamedContext
 from specops.score.target_head import TargetHead
 
 MODES = ("frontier", "all-anchors")
@@ -239,41 +240,40 @@ class SequenceGroup:
     ):
         self.drafter, self.head = drafter, head
         self.timer = timer or NoTimer()
-        device, dtype = head.device, drafter.fc.weight.dtype
+        device = head.device
         bs = drafter.block_size
         self.lengths = torch.tensor([it.input_ids.shape[0] for it in items], device=device)
         self.prompts = torch.tensor([it.prompt_len for it in items], device=device)
+        self.longest_prompt = max(it.prompt_len for it in items)
         longest = int(self.lengths.max())
         with self.timer.span("inputs"):
             # -1 past the end never equals a draft, so a block reaching past the completion stops matching.
             self.ids = torch.full((len(items), longest + bs), -1, dtype=torch.long, device=device)
-            features = torch.zeros(
-                len(items), longest, *items[0].features.shape[1:], dtype=dtype, device=device
-            )
             for b, it in enumerate(items):
-                # From pinned host memory these copies overlap; from pageable memory they are plain copies.
                 self.ids[b, : it.input_ids.shape[0]] = it.input_ids.to(device, non_blocking=True)
-                features[b, : it.features.shape[0]] = it.features.to(device=device, non_blocking=True)
             # Spare slots after the context take each step's block keys (the fused attention's input).
-            self.context = drafter.context_kv(features, block_slots=True)
+            self.context = StreamedContext(drafter, [it.features for it in items], longest, device)
             self.context_len = longest
-            del features
         self.offsets = torch.arange(1, bs, device=device)
 
     def select(self, index: torch.Tensor) -> None:
         self.lengths, self.prompts, self.ids = self.lengths[index], self.prompts[index], self.ids[index]
-        self.context = [(k[index], v[index]) for k, v in self.context]
+        self.context.select(index)
 
-    def match_runs(self, starts: torch.Tensor) -> torch.Tensor:
-        """Leading matches (0..bs-1) of the drafts of the blocks at starts [B, m] against the target."""
+    def match_runs(self, starts: torch.Tensor, reach: int | None = None) -> torch.Tensor:
+        """Leading matches (0..bs-1) of the drafts of the blocks at starts [B, m] against the target.
+
+        reach: no block starts after it (known on the host, so no sync); None: anywhere."""
         drafter, head, timer = self.drafter, self.head, self.timer
         B, m = starts.shape
         bs = drafter.block_size
         anchors = self.ids.gather(1, starts)
+        with timer.span("inputs"):
+            self.context.ensure(self.context_len if reach is None else reach)
         with timer.span("drafter"):
             embeds = drafter.block_embeddings(head.embed, anchors.clamp_min(0))
             residual, mixed = drafter.trunk(
-                embeds, starts, self.context, self.context_len, mask_rows_alike=True
+                embeds, starts, self.context.buffers, self.context_len, mask_rows_alike=True
             )
         # Draft positions 1..bs-1, one row per block; the rest of the last layer runs per head pass,
         # on the blocks and positions the pass needs.
@@ -331,7 +331,9 @@ def _frontier(group: SequenceGroup, ids_of: list[int], results: dict[int, Sequen
             group.select(keep)
             owner, starts, active = owner[keep], starts[keep], active[keep]
         remaining = group.lengths - 1 - starts
-        runs = group.match_runs(starts[:, None])[:, 0]
+        # A step moves a block forward by a block at most: no start is past this bound.
+        reach = group.longest_prompt + len(records) * group.drafter.block_size
+        runs = group.match_runs(starts[:, None], reach)[:, 0]
         k = torch.minimum(runs, remaining)
         a = torch.where(active, torch.minimum(k + 1, remaining), torch.zeros_like(k))
         records.append(torch.stack([owner, starts, a]))

@@ -13,7 +13,13 @@ Two kernels compute the same thing, chosen through one function (`block_attentio
   with the slots; otherwise the reference runs. Torch picks the backend: cuDNN's on the H200 (which
   builds a plan for every new batch size, and the frontier's batch shrinks as sequences finish), flash
   on the CPU. `sdpa-efficient` and `sdpa-cudnn` hold a CUDA device to one backend (elsewhere they are
-  `sdpa`).
+  `sdpa`). Every key of the padded buffer is read, the hidden ones too.
+- `flash`: FlashAttention's variable-length kernel (torch's own build) over the real context only:
+  the block's keys and values are written right after its start (what was there is kept aside and
+  put back after the call), and each sequence's key count is `start + block` (`seqused_k`), so keys
+  after the block are never read and no mask exists. It needs the buffers token-major (each
+  position's heads side by side, `context_slots`, which CUDA devices get) and a layer that sees its
+  whole block and the context before it (no causal rule, no window); elsewhere `sdpa-efficient` runs.
 
 The query heads of one key/value head are folded into the query length (g x bs queries against one
 key/value head), so no kernel needs grouped-query support and each key is read once per group.
@@ -21,6 +27,7 @@ key/value head), so no kernel needs grouped-query support and each key is read o
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -48,11 +55,50 @@ Kernel = Callable[..., torch.Tensor]
 # (flash). "reference" forces the plain path everywhere.
 KERNEL = "sdpa-efficient"
 
+# Devices whose context buffers are laid out token-major ([B, T', kv_heads, head_dim] in memory, handed
+# out as a [B, kv_heads, T', head_dim] view): what the variable-length kernel reads. The CPU keeps
+# head-major buffers, which its kernels read without a copy.
+TOKEN_MAJOR_DEVICES = ("cuda",)
+
 
 def slots_length(context_len: int, block_size: int) -> int:
     """The context buffer's length with room for one block after the context, aligned."""
     need = context_len + block_size
     return -(-need // SLOT_ALIGNMENT) * SLOT_ALIGNMENT
+
+
+def empty_slots(shape, block_size: int, device, dtype) -> torch.Tensor:
+    """A zero buffer for keys or values of shape [B, kv_heads, T, head_dim] with room for one block after
+    the context, laid out for the device's kernels (`TOKEN_MAJOR_DEVICES`), as a [B, kv_heads, T',
+    head_dim] view."""
+    B, heads, T, d = shape
+    slots = slots_length(T, block_size)
+    if torch.device(device).type in TOKEN_MAJOR_DEVICES:
+        return torch.zeros(B, slots, heads, d, device=device, dtype=dtype).transpose(1, 2)
+    return torch.zeros(B, heads, slots, d, device=device, dtype=dtype)
+
+
+def context_slots(k: torch.Tensor, v: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The context's keys and values [B, kv_heads, T, head_dim] copied into `empty_slots` buffers."""
+    T = k.shape[-2]
+    buffers = []
+    for x in (k, v):
+        buffer = empty_slots(x.shape, block_size, x.device, x.dtype)
+        buffer[..., :T, :] = x
+        buffers.append(buffer)
+    return buffers[0], buffers[1]
+
+
+def token_major(buffer: torch.Tensor) -> bool:
+    """Whether a [B, kv_heads, T', head_dim] buffer is a view of token-major memory."""
+    return buffer.transpose(-2, -3).is_contiguous()
+
+
+def select_sequences(buffer: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """The buffer's sequences at index, in the same memory layout (indexing a view would not keep it)."""
+    if token_major(buffer) and not buffer.is_contiguous():
+        return buffer.transpose(-2, -3)[index].transpose(-2, -3)
+    return buffer[index]
 
 
 def reference(attn: DFlashAttention, q, k_blk, v_blk, starts, ctx_k, ctx_v, context_len=None):
@@ -132,6 +178,81 @@ def sdpa(attn: DFlashAttention, q, k_blk, v_blk, starts, ctx_k, ctx_v, context_l
     return out.view(B, h, g, bs, d).permute(0, 3, 1, 2, 4).reshape(B, 1, bs, h * g * d)
 
 
+def varlen_attention(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, scale, seqused_k):
+    """FlashAttention's variable-length forward (torch's build, CUDA only): query [total_q, heads, d],
+    key/value [total_k, heads, d]; sequence i's queries are rows cu_seq_q[i]..cu_seq_q[i+1] and its keys
+    the first seqused_k[i] rows from cu_seq_k[i]. Returns [total_q, heads, d]."""
+    out = torch.ops.aten._flash_attention_forward(
+        query,
+        key,
+        value,
+        cu_seq_q,
+        cu_seq_k,
+        max_q,
+        max_k,
+        0.0,
+        False,
+        False,
+        scale=scale,
+        seqused_k=seqused_k,
+    )
+    return out[0]
+
+
+# What FlashAttention computes in.
+FLASH_DTYPES = (torch.bfloat16, torch.float16)
+# Why the variable-length kernel failed on this torch (then `flash` runs `sdpa-efficient`), or None.
+FLASH_UNAVAILABLE: str | None = None
+
+
+def _flash_unavailable(error: Exception) -> None:
+    global FLASH_UNAVAILABLE
+    FLASH_UNAVAILABLE = str(error).splitlines()[0] if str(error) else type(error).__name__
+    warnings.warn(
+        f"FlashAttention's variable-length kernel is not usable here ({FLASH_UNAVAILABLE}); "
+        "the drafter's attention uses the memory-efficient kernel with a mask",
+        RuntimeWarning,
+        stacklevel=3,
+    )
+
+
+def flash(attn: DFlashAttention, q, k_blk, v_blk, starts, ctx_k, ctx_v, context_len):
+    """The variable-length path (module docstring); `sdpa-efficient` where it does not apply."""
+    B, _, bs, h, g, d = q.shape
+    fits = (
+        not attn.is_causal
+        and attn.sliding_window is None
+        and q.dtype in FLASH_DTYPES
+        and token_major(ctx_k)
+        and token_major(ctx_v)
+        and FLASH_UNAVAILABLE is None
+    )
+    if not fits:
+        return KERNELS["sdpa-efficient"](attn, q, k_blk, v_blk, starts, ctx_k, ctx_v, context_len)
+    slots = ctx_k.shape[-2]
+    keys = ctx_k.transpose(1, 2).view(B * slots, h, d)
+    values = ctx_v.transpose(1, 2).view(B * slots, h, d)
+    first = torch.arange(B, device=q.device) * slots
+    rows = ((first + starts[:, 0])[:, None] + torch.arange(bs, device=q.device)).view(-1)
+    kept_k, kept_v = keys[rows], values[rows]
+    keys[rows] = k_blk[:, 0].transpose(1, 2).reshape(B * bs, h, d)
+    values[rows] = v_blk[:, 0].transpose(1, 2).reshape(B * bs, h, d)
+    try:
+        # A kv head's groups x block queries are one sequence of g * bs rows (module docstring).
+        queries = q[:, 0].permute(0, 3, 1, 2, 4).reshape(B * g * bs, h, d)
+        cu_seq_q = torch.arange(B + 1, device=q.device, dtype=torch.int32) * (g * bs)
+        cu_seq_k = torch.arange(B + 1, device=q.device, dtype=torch.int32) * slots
+        used = (starts[:, 0] + bs).to(torch.int32)
+        out = varlen_attention(queries, keys, values, cu_seq_q, cu_seq_k, g * bs, slots, attn.scaling, used)
+    except (RuntimeError, TypeError) as error:
+        # A torch built without FlashAttention or without seqused_k: the mask-based kernel, said once.
+        _flash_unavailable(error)
+        return KERNELS["sdpa-efficient"](attn, q, k_blk, v_blk, starts, ctx_k, ctx_v, context_len)
+    finally:
+        keys[rows], values[rows] = kept_k, kept_v
+    return out.view(B, g, bs, h, d).permute(0, 2, 3, 1, 4).reshape(B, 1, bs, h * g * d)
+
+
 def _on_backend(backend: SDPBackend) -> Kernel:
     def kernel(attn, q, k_blk, v_blk, starts, ctx_k, ctx_v, context_len):
         if not q.is_cuda:
@@ -147,6 +268,7 @@ KERNELS: dict[str, Kernel] = {
     "sdpa": sdpa,
     "sdpa-efficient": _on_backend(SDPBackend.EFFICIENT_ATTENTION),
     "sdpa-cudnn": _on_backend(SDPBackend.CUDNN_ATTENTION),
+    "flash": flash,
 }
 
 

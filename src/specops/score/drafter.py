@@ -28,7 +28,7 @@ from torch import nn
 from transformers import Qwen3Config
 from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RotaryEmbedding
 
-from specops.score.block_attention import block_attention, slots_length
+from specops.score.block_attention import block_attention, context_slots
 from specops.score.dflash_config import DrafterError, dflash_value, target_layer_ids
 from specops.score.drafter_ops import RMSNorm, apply_rope, fuse_linears, fused_linears
 
@@ -272,10 +272,7 @@ class DFlashDrafter(nn.Module):
         for layer in self.decoder_layers:
             k, v = layer.self_attn.kv(ctx, cos, sin)
             if block_slots:
-                shape = (*k.shape[:-2], slots_length(T, self.block_size), k.shape[-1])
-                k_slots, v_slots = k.new_zeros(shape), v.new_zeros(shape)
-                k_slots[..., :T, :], v_slots[..., :T, :] = k, v
-                k, v = k_slots, v_slots
+                k, v = context_slots(k, v, self.block_size)
             found.append((k, v))
         return found
 

@@ -38,7 +38,8 @@ def closest_call(
         starts = torch.tensor([list(block_starts[first : first + STEPS_PER_FORWARD])], device=head.device)
         anchors = group.ids.gather(1, starts)
         embeds = drafter.block_embeddings(head.embed, anchors.clamp_min(0))
-        hidden = drafter(embeds, starts, group.context)[:, :, 1:]
+        group.context.ensure(length)
+        hidden = drafter(embeds, starts, group.context.buffers)[:, :, 1:]
         logits = head.logits(hidden, drafter.output_multiplier, drafter.logit_softcap)[0].float()
         for row, s in enumerate(starts[0].tolist()):
             accepted = accept_lengths[first + row] - 1

@@ -1,0 +1,97 @@
+"""A group's context K/V, computed a chunk of positions at a time as the walk reaches them.
+
+The walk's first step reads the context before the prompt's end only, and each step moves a block
+forward at most: the context after that is needed later. At the real drafter's shape the features of
+256 completions are about 15 GB, half a second over PCIe, while the walk that reads them takes
+seconds. So on a GPU every chunk's copy is queued at once on a side stream, and a chunk's K/V are
+computed (on the walk's stream, after its copy) only when the walk is about to read past the positions
+computed so far: the copies run under the walk's arithmetic instead of before it. On the CPU the
+features are copied at once (there is nothing to overlap) and the chunks computed as on a GPU.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from specops.score.block_attention import empty_slots, select_sequences
+from specops.score.drafter import DFlashDrafter
+
+# Positions per chunk: the walk's first step waits for the chunks that hold the prompts (and one block);
+# smaller chunks start it sooner, larger ones make fewer, larger products.
+CHUNK_POSITIONS = 128
+
+
+@dataclass
+class _Chunk:
+    first: int
+    features: torch.Tensor  # [B, positions, n, hidden] on the device
+    copied: Any  # a CUDA event recorded after the copy, or None where the copy was synchronous
+
+
+class StreamedContext:
+    """Per layer (k, v) [B, kv_heads, T', head_dim] with block slots (`block_attention.empty_slots`),
+    filled up to `ready` positions; `ensure(n)` fills them up to n."""
+
+    def __init__(
+        self, drafter: DFlashDrafter, features: Sequence[torch.Tensor], length: int, device: torch.device
+    ):
+        self.drafter, self.length, self.ready = drafter, length, 0
+        dtype = drafter.fc.weight.dtype
+        attn = drafter.decoder_layers[0].self_attn
+        shape = (len(features), attn.num_kv_heads, length, attn.head_dim)
+        self.buffers = [
+            (
+                empty_slots(shape, drafter.block_size, device, dtype),
+                empty_slots(shape, drafter.block_size, device, dtype),
+            )
+            for _ in drafter.decoder_layers
+        ]
+        side = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self.chunks: list[_Chunk] = []
+        for first in range(0, length, CHUNK_POSITIONS):
+            last = min(first + CHUNK_POSITIONS, length)
+            # Zeros past a sequence's end: its context there is zero, which every kernel may read.
+            chunk = torch.zeros(
+                len(features), last - first, *features[0].shape[1:], dtype=dtype, device=device
+            )
+            copied = None
+            if side is not None:
+                # The chunk is allocated and zeroed on the walk's stream: its copy starts after that.
+                side.wait_stream(torch.cuda.current_stream(device))
+                with torch.cuda.stream(side):
+                    self._copy(chunk, features, first, last)
+                    copied = torch.cuda.Event()
+                    copied.record(side)
+            else:
+                self._copy(chunk, features, first, last)
+            self.chunks.append(_Chunk(first, chunk, copied))
+
+    @staticmethod
+    def _copy(chunk: torch.Tensor, features: Sequence[torch.Tensor], first: int, last: int) -> None:
+        for b, sequence in enumerate(features):
+            part = sequence[first:last]
+            if part.shape[0]:
+                # From pinned host memory the copy is asynchronous; from pageable memory it is a plain copy.
+                chunk[b, : part.shape[0]] = part.to(chunk.device, non_blocking=True)
+
+    def ensure(self, positions: int) -> None:
+        """Compute the K/V of the context up to positions (all of it past the end)."""
+        while self.chunks and self.ready < min(positions, self.length):
+            chunk = self.chunks.pop(0)
+            if chunk.copied is not None:
+                torch.cuda.current_stream(chunk.features.device).wait_event(chunk.copied)
+            last = chunk.first + chunk.features.shape[1]
+            computed = self.drafter.context_kv(chunk.features, first_position=chunk.first)
+            for (k_buffer, v_buffer), (k, v) in zip(self.buffers, computed, strict=True):
+                k_buffer[..., chunk.first : last, :] = k
+                v_buffer[..., chunk.first : last, :] = v
+            self.ready = last
+
+    def select(self, index: torch.Tensor) -> None:
+        """Keep the sequences at index (the whole context computed first: few chunks are left by then)."""
+        self.ensure(self.length)
+        self.buffers = [(select_sequences(k, index), select_sequences(v, index)) for k, v in self.buffers]
