@@ -62,7 +62,6 @@ import torch.nn.functional as F
 from score_h200 import build_models, logit_noise, plant_tokens, timed
 
 import specops.score.block_attention as block_attention
-import specops.score.drafter_ops as drafter_ops
 import specops.score.leading_matches as matching
 import specops.score.streamed_context as streamed_context
 import specops.score.target_head as target_head
@@ -234,8 +233,10 @@ def choose_kernels(drafter, head, sequences, device: str, rows_per_pass: int) ->
             args = (q[:rows], k_blk[:rows], v_blk[:rows], starts[:rows], k[:rows], v[:rows], T)
             return kernel(layer.self_attn, *args)
 
-        # A batch size this kernel has not met yet: what a new size costs (cuDNN builds a plan).
+        # A batch size this kernel has not met yet: what a new size costs (cuDNN builds a plan), after
+        # one call at another size, which loads the kernel's code once per process.
         try:
+            call(max(1, B - 2 * len(block_attention.KERNELS) - i))
             _, first = timed(lambda call=call, i=i: call(B - 1 - i), device)
         except (RuntimeError, TypeError) as error:  # a backend this torch or device lacks
             attention[name] = {"error": str(error).splitlines()[0][:300]}
@@ -544,21 +545,6 @@ def main() -> None:
         streamed_context.CHUNK_POSITIONS = chunk
         identical["context_before_the_walk_vs_streamed"] = same(upfront, results)
         record.stage("engine, context computed before the walk")
-    if time_left() and device == "cuda":
-        # The norms, RoPE and SiLU-and-mul compiled into one kernel each (torch.compile); the first
-        # calls compile (timed apart), then the same engine run.
-        record.begin("engine, compiled elementwise")
-        drafter_ops.ELEMENTWISE = "compiled"
-        try:
-            _, compile_seconds = timed(lambda: offline_acceptance(drafter, head, cut(P + 3 * bs)), device)
-            compiled, runs["compiled_elementwise"] = engine(POSITIONS_PER_PASS)
-            runs["compiled_elementwise"]["first_calls_with_compilation_s"] = compile_seconds
-            identical["compiled_elementwise_vs_eager"] = same(compiled, results)
-        except Exception as error:  # noqa: BLE001 (a torch without a working compiler: recorded, not fatal)
-            runs["compiled_elementwise"] = {"error": f"{type(error).__name__}: {str(error)[:300]}"}
-        finally:
-            drafter_ops.ELEMENTWISE = "eager"
-        record.stage("engine, compiled elementwise")
     if time_left():
         # The plain attention and one head product over the whole vocabulary: the engine before the
         # fused kernels (with its fused projections and norms), on the same inputs.

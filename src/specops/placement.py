@@ -14,6 +14,10 @@ completion token once through the drafter and the target's head, so
 
     seconds = passes x tokens x 2 x (drafter parameters + head parameters) / throughput
 
+plus what every scoring process pays before its first pass, whatever the number of completions: its
+start (interpreter, torch, the device's context, the report and its plots after) and reading the
+target's embedding and head and every drafter's weights onto the device (load_seconds)
+
 (the engine's exact count depends on tau and the block; benchmarks/score_real_h200.json measures 11.4
 TFLOP per completion of 1,000 tokens at the real shape, where this formula gives 6.4: the throughput
 below is stated in this formula's FLOPs, so the two agree there). On a GPU the throughput is the
@@ -49,6 +53,12 @@ GPU_FLOPS = 1.5e14
 CPU_EFFICIENCY = 0.5
 # Passes only the layer-offset diagnostic needs (target layers shifted by -1 and +1), per drafter.
 LAYER_OFFSET_PASSES = 2
+# What a scoring process costs besides its passes, planning figures from the H100 rehearsal of
+# 2026-12-05 (benchmarks/eval_h100_2026-12-05_evening.json: 8 short completions scored in the window in
+# 26 s, nearly all of it the start and 11.2 GiB of head and drafters read and moved to the device; the
+# FLOP term alone said 0.0 s): a fixed start, and seconds per GiB of weights read.
+STARTUP_SECONDS = 8.0
+LOAD_SECONDS_PER_GIB = 1.6
 # A CPU scoring longer than this is warned about before the window.
 LONG_CPU_SECONDS = 600
 
@@ -61,6 +71,19 @@ def safetensors_parameters(directory: Path) -> int:
             (length,) = struct.unpack("<Q", handle.read(8))
             header = json.loads(handle.read(length))
         total += sum(math.prod(t["shape"]) for name, t in header.items() if name != "__metadata__")
+    return total
+
+
+def safetensors_bytes(directory: Path) -> int:
+    """The bytes of a checkpoint's tensors, from their safetensors headers."""
+    total = 0
+    for file in sorted(directory.glob("*.safetensors")):
+        with file.open("rb") as handle:
+            (length,) = struct.unpack("<Q", handle.read(8))
+            header = json.loads(handle.read(length))
+        total += sum(
+            t["data_offsets"][1] - t["data_offsets"][0] for n, t in header.items() if n != "__metadata__"
+        )
     return total
 
 
@@ -202,6 +225,10 @@ def plan(request: Mapping[str, Any]) -> dict[str, Any]:
     offset_flops = (
         LAYER_OFFSET_PASSES * sum(2 * tokens * (p + head) for p in params) if counted["layer_offset"] else 0
     )
+    # The embedding and the head, in 16 bits as checkpoints store them, and every drafter's weights.
+    load_bytes = 2 * 2 * head + sum(safetensors_bytes(p) for p in drafters)
+    load_bytes += safetensors_bytes(reference) if reference else 0
+    load_seconds = STARTUP_SECONDS + LOAD_SECONDS_PER_GIB * load_bytes / 2**30
     device = str(request.get("device") or "cpu")
     threads = int(request.get("threads") or 1)
     cpu_rate = cpu_flops() * CPU_EFFICIENCY
@@ -210,8 +237,8 @@ def plan(request: Mapping[str, Any]) -> dict[str, Any]:
         if device.startswith("cuda")
         else (cpu_rate, f"measured on this host with {threads} thread(s), x{CPU_EFFICIENCY}")
     )
-    window_seconds = score_flops / window_rate
-    cpu_seconds = (score_flops + offset_flops) / cpu_rate
+    window_seconds = load_seconds + score_flops / window_rate
+    cpu_seconds = load_seconds + (score_flops + offset_flops) / cpu_rate
     scoring_host = str(request.get("scoring_host") or "")
     scoring_device = str(request.get("scoring_device") or "cuda")
     # The scoring host's own rate is not measured from here: a GPU's documented one, this host's CPU else.
@@ -224,7 +251,8 @@ def plan(request: Mapping[str, Any]) -> dict[str, Any]:
         window_taken=bool(request.get("window", True)),
         scoring_host=scoring_host,
     )
-    after = {"window": offset_flops / cpu_rate, "host": 0.0}.get(where, cpu_seconds)
+    offsets_after = load_seconds + offset_flops / cpu_rate if offset_flops else 0.0
+    after = {"window": offsets_after, "host": 0.0}.get(where, cpu_seconds)
     warning = None
     if after > LONG_CPU_SECONDS:
         warning = (
@@ -236,7 +264,9 @@ def plan(request: Mapping[str, Any]) -> dict[str, Any]:
         "placement": where,
         "why": why,
         "window_seconds": round(window_seconds, 1) if where == "window" else 0.0,
-        "host_seconds": round((score_flops + offset_flops) / host_rate, 1) if where == "host" else 0.0,
+        "host_seconds": round(load_seconds + (score_flops + offset_flops) / host_rate, 1)
+        if where == "host"
+        else 0.0,
         "cpu_seconds": round(after, 1),
         "warning": warning,
         "device": {"window": device, "host": scoring_device}.get(where, "cpu"),
@@ -249,6 +279,8 @@ def plan(request: Mapping[str, Any]) -> dict[str, Any]:
             "reference_parameters": reference_params,
             "score_flops": score_flops,
             "layer_offset_flops": offset_flops,
+            "load_bytes": load_bytes,
+            "load_seconds": round(load_seconds, 1),
             "window_device": device,
             "window_throughput": window_rate,
             "window_throughput_source": window_source,

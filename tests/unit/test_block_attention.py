@@ -17,7 +17,6 @@ from transformers import Qwen3Config  # noqa: E402
 
 import specops.score.acceptance as acceptance  # noqa: E402
 import specops.score.block_attention as block_attention  # noqa: E402
-import specops.score.drafter_ops as drafter_ops  # noqa: E402
 from specops.score.drafter import DFlashDrafter  # noqa: E402
 from specops.score.target_head import TargetHead  # noqa: E402
 
@@ -304,26 +303,3 @@ def test_the_cpu_group_budget_is_a_share_of_the_hosts_available_memory(tmp_path,
     assert acceptance.default_memory_budget(torch.device("cpu")) == acceptance.CPU_MEMORY_BUDGET
     monkeypatch.setattr(acceptance, "available_host_memory", lambda: None)
     assert acceptance.default_memory_budget(torch.device("cpu")) == acceptance.CPU_MEMORY_BUDGET
-
-
-@torch.inference_mode()
-def test_the_chains_compiled_on_a_gpu_state_what_the_eager_path_computes():
-    # ELEMENTWISE = "compiled" compiles these functions on a GPU; here they run as written, against the
-    # eager path the CPU and the tests take.
-    generator = torch.Generator().manual_seed(3)
-    x = torch.randn(2, 5, 3, HEAD_DIM, generator=generator)
-    cos, sin = (
-        torch.randn(2, 5, 1, HEAD_DIM, generator=generator),
-        torch.randn(2, 5, 1, HEAD_DIM, generator=generator),
-    )
-    norm = drafter_ops.RMSNorm(HEAD_DIM, eps=1e-6)
-    norm.weight.normal_(1, 0.2, generator=generator)
-    expected = drafter_ops.apply_rope(norm(x), cos, sin)
-    assert torch.allclose(
-        drafter_ops._norm_rope(x, norm.weight, norm.variance_epsilon, cos, sin), expected, atol=1e-6
-    )
-    assert torch.equal(drafter_ops.norm_rope(x, norm, cos, sin), expected)
-    gate, up = torch.randn(4, 7, generator=generator), torch.randn(4, 7, generator=generator)
-    act = drafter_ops.SiLUActivation()
-    assert torch.allclose(drafter_ops._silu_mul(gate, up), act(gate) * up, atol=1e-6)
-    assert torch.equal(drafter_ops.silu_mul(act, gate.clone(), up), act(gate) * up)

@@ -96,9 +96,18 @@ def test_the_plan_estimates_from_the_shapes_and_puts_the_layer_offsets_after_the
     assert estimate["layer_offset_flops"] == 2 * 2 * 64 * (drafter + head)
     assert planned["placement"] == "window" and planned["device"] == "cpu"
     # The window holds the drafter's and the reference's passes; the CPU after it the layer offsets.
+    # Each scoring process also starts and reads the head and the drafters, whatever the completions.
+    weights = placement.safetensors_bytes(MODELS / "drafter") + placement.safetensors_bytes(
+        MODELS / "reference_drafter"
+    )
+    assert estimate["load_bytes"] == 4 * head + weights
+    load = placement.STARTUP_SECONDS + placement.LOAD_SECONDS_PER_GIB * estimate["load_bytes"] / 2**30
+    assert estimate["load_seconds"] == round(load, 1) and load >= placement.STARTUP_SECONDS
     rate = estimate["window_throughput"]
-    assert planned["window_seconds"] == round(estimate["score_flops"] / rate, 1)
-    assert planned["cpu_seconds"] == round(estimate["layer_offset_flops"] / estimate["cpu_throughput"], 1)
+    assert planned["window_seconds"] == round(load + estimate["score_flops"] / rate, 1)
+    assert planned["cpu_seconds"] == round(
+        load + estimate["layer_offset_flops"] / estimate["cpu_throughput"], 1
+    )
 
     # A budget smaller than the extraction alone: the bounded CPU takes every pass.
     fallback = placement.plan({**request, "budget_seconds": 4})
@@ -112,5 +121,5 @@ def test_the_plan_estimates_from_the_shapes_and_puts_the_layer_offsets_after_the
     assert shipped["placement"] == "host" and shipped["host"] == "scorer" and shipped["device"] == "cuda"
     assert shipped["cpu_seconds"] == 0.0 and shipped["window_seconds"] == 0.0
     assert shipped["host_seconds"] == round(
-        (estimate["score_flops"] + estimate["layer_offset_flops"]) / placement.GPU_FLOPS, 1
+        load + (estimate["score_flops"] + estimate["layer_offset_flops"]) / placement.GPU_FLOPS, 1
     )

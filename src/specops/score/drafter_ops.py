@@ -1,8 +1,6 @@
 """The drafter's elementwise steps and its fused projections, written for fewer passes over memory.
 
 `RMSNorm` and `apply_rope` compute what transformers' Qwen3 modules compute in fewer kernels;
-`norm_rope` and `silu_mul` are the chains the drafter runs on every block, which `ELEMENTWISE =
-"compiled"` turns into one kernel each on a GPU (torch.compile);
 `fuse_linears` concatenates projections that read the same input into one matrix (q/k/v, gate/up) with
 the separate linears left as views of it, and `fused_linears` hands the matrix out only while it is
 still theirs.
@@ -13,14 +11,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers.activations import SiLUActivation
 from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
-
-# "eager": torch's kernels, a few passes over memory per chain; "compiled": each chain below compiled
-# into one kernel (torch.compile, Triton) where its tensors are on a GPU, eager elsewhere. The choice is
-# measured in benchmarks/score_real_h200.py ("engine, compiled elementwise").
-ELEMENTWISE = "eager"
-_COMPILED: dict = {}
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -76,39 +67,3 @@ def fused_linears(
             return None
         first += linear.weight.shape[0]
     return fused
-
-
-def _compiled(fn):
-    if fn not in _COMPILED:
-        # Shapes change as the walk drops finished sequences: one compilation for every batch size.
-        _COMPILED[fn] = torch.compile(fn, dynamic=True, fullgraph=True)
-    return _COMPILED[fn]
-
-
-def _norm_rope(x: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor):
-    y = F.rms_norm(x, (x.shape[-1],), weight, eps)
-    half = y.shape[-1] // 2
-    first, second = y[..., :half], y[..., half:]
-    rotated = (
-        first * cos[..., :half] - second * sin[..., :half],
-        second * cos[..., half:] + first * sin[..., half:],
-    )
-    return torch.cat(rotated, dim=-1)
-
-
-def norm_rope(x: torch.Tensor, norm: RMSNorm, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """RoPE of norm(x) (the queries' and keys' q_norm/k_norm, then the rotation)."""
-    if ELEMENTWISE == "compiled" and x.is_cuda:
-        return _compiled(_norm_rope)(x, norm.weight, norm.variance_epsilon, cos, sin)
-    return apply_rope(norm(x), cos, sin)
-
-
-def _silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    return F.silu(gate) * up
-
-
-def silu_mul(act_fn: nn.Module, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """act_fn(gate) * up, the MLP's product with up; gate is overwritten on the eager path."""
-    if ELEMENTWISE == "compiled" and gate.is_cuda and isinstance(act_fn, (SiLUActivation, nn.SiLU)):
-        return _compiled(_silu_mul)(gate, up)
-    return act_fn(gate).mul_(up)

@@ -75,8 +75,9 @@ class StreamedContext:
         for b, sequence in enumerate(features):
             part = sequence[first:last]
             if part.shape[0]:
-                # From pinned host memory the copy is asynchronous; from pageable memory it is a plain copy.
-                chunk[b, : part.shape[0]] = part.to(chunk.device, non_blocking=True)
+                # Straight into the chunk: from pinned host memory asynchronous, from pageable memory a
+                # plain copy.
+                chunk[b, : part.shape[0]].copy_(part, non_blocking=True)
 
     def ensure(self, positions: int) -> None:
         """Compute the K/V of the context up to positions (all of it past the end)."""
