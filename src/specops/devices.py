@@ -1,4 +1,5 @@
-"""Which torch device a stage runs on: one rule for every stage that loads a model."""
+"""Which torch device a stage runs on (one rule for every stage that loads a model), and giving a device
+its memory back at a window's end."""
 
 from __future__ import annotations
 
@@ -36,3 +37,23 @@ def resolve_device(device: str) -> torch.device:
     if resolved.type != "cpu":
         raise StageError(f"device {device!r} is not supported: use auto, cpu, cuda or cuda:N")
     return resolved
+
+
+# Device memory the caching allocator may still reserve when a stage says its window work is finished: a
+# server resumed beside more than this could fail to allocate its KV cache (sglang 0.5.23
+# srt/managers/scheduler_components/weight_updater.py:383-406 kills the scheduler then).
+MAX_RESERVED_WHEN_FINISHED = 256 << 20
+
+
+def release_device(device: torch.device) -> int:
+    """Give the caching allocator's free blocks back to the device; the bytes it still reserves."""
+    if getattr(device, "type", "cpu") != "cuda":
+        return 0
+    import gc
+
+    import torch
+
+    gc.collect()
+    torch.cuda.synchronize(device)
+    torch.cuda.empty_cache()
+    return int(torch.cuda.memory_reserved(device))

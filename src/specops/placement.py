@@ -300,7 +300,9 @@ def record(placement: Mapping[str, Any] | None, seconds: float, bounds: Mapping[
         "estimated_seconds": placed.get("estimated_seconds"),
         "seconds": round(seconds, 3),
         "bounds": dict(bounds),
-        **{k: v for k, v in placed.items() if k not in ("where", "why", "estimated_seconds")},
+        **{
+            k: v for k, v in placed.items() if k not in ("where", "why", "estimated_seconds", "finished_file")
+        },
     }
 
 

@@ -159,11 +159,11 @@ def test_finished_is_not_said_while_the_device_keeps_memory_of_the_extraction(tm
     signal = tmp_path / "start"
     held = start_signal.Held(model=object(), figures={"go_seen_at": 1.0})
     monkeypatch.setattr(
-        start_signal, "release_device", lambda device: start_signal.MAX_RESERVED_WHEN_FINISHED + 1
+        start_signal.devices, "release_device", lambda device: start_signal.MAX_RESERVED_WHEN_FINISHED + 1
     )
     assert start_signal.say_finished(signal, held, "cuda") is False
     assert not state_path(signal).exists() and held.model is None
-    monkeypatch.setattr(start_signal, "release_device", lambda device: 0)
+    monkeypatch.setattr(start_signal.devices, "release_device", lambda device: 0)
     assert start_signal.say_finished(signal, held, "cuda") is True
     assert json.loads(state_path(signal).read_text())["state"] == "finished"
 

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from specops import devices
 from specops.manifest import atomic_write_json
 from specops.stage import StageError, log
 
@@ -37,10 +38,8 @@ GO, WAIT, ABORT, GONE = "go", "wait", "abort", "gone"
 STATE_SUFFIX = ".state"
 FINISHED = "finished"
 POLL_S = 0.05
-# Device memory the caching allocator may still reserve when the extraction says finished: a server
-# that resumes into a device short of it fails its allocation and dies (sglang 0.5.23
-# srt/managers/scheduler_components/weight_updater.py:383-406). Above it the window waits for the exit.
-MAX_RESERVED_WHEN_FINISHED = 256 << 20
+# The most device memory still reserved when the extraction says finished (specops.devices).
+MAX_RESERVED_WHEN_FINISHED = devices.MAX_RESERVED_WHEN_FINISHED
 
 
 class NotStarted(StageError):
@@ -208,20 +207,6 @@ def _wait(
     return Held(model, figures, load_on)
 
 
-def release_device(device: Any) -> int:
-    """Give the caching allocator's free blocks back to the device; the bytes it still reserves."""
-    if getattr(device, "type", "cpu") != "cuda":
-        return 0
-    import gc
-
-    import torch
-
-    gc.collect()
-    torch.cuda.synchronize(device)
-    torch.cuda.empty_cache()
-    return int(torch.cuda.memory_reserved(device))
-
-
 def say_finished(path: Path, held: Held, device: Any) -> bool:
     """The outputs are durable: drop the target, give the device its memory back and say "finished".
 
@@ -231,7 +216,7 @@ def say_finished(path: Path, held: Held, device: Any) -> bool:
     started = time.perf_counter()
     held.model = None
     held.load_on = None
-    reserved = release_device(device)
+    reserved = devices.release_device(device)
     figures = {**held.figures, "device_release_s": round(time.perf_counter() - started, 3)}
     if reserved > MAX_RESERVED_WHEN_FINISHED:
         log(f"the device still holds {reserved >> 20} MiB of this extraction: the window ends with its exit")

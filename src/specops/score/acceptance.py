@@ -318,7 +318,7 @@ def _frontier(group: SequenceGroup, ids_of: list[int], results: dict[int, Sequen
     device = group.lengths.device
     owner = torch.tensor(ids_of, device=device)
     starts = group.prompts.clone()
-    records = []
+    records: list[torch.Tensor] = []
     while True:
         active = starts < group.lengths - 1
         n_active = int(active.sum())

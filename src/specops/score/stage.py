@@ -43,16 +43,24 @@ run in scorer, and the writing of the reports in writing (the package's __init__
 from __future__ import annotations
 
 import json
+import os
 import time
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
-from specops import cpu_bounds
+from specops import cpu_bounds, devices
 from specops import diagnostics as diag
 from specops import placement as where
 from specops import report as rep
 from specops.devices import resolve_device
-from specops.manifest import fingerprint, is_up_to_date, load_manifest, remove_stale_temporaries
+from specops.manifest import (
+    atomic_write_json,
+    fingerprint,
+    is_up_to_date,
+    load_manifest,
+    remove_stale_temporaries,
+)
 from specops.model_files import read_json
 from specops.score import report_reuse
 from specops.score.inputs import (
@@ -71,6 +79,9 @@ from specops.score.scorer import (
 )
 from specops.score.writing import write_outputs
 from specops.stage import StageError, log, serve
+
+# The word the window's guard reads as the work's end (module_utils/guard.py FINISHED).
+FINISHED = "finished"
 
 
 def plan(request: dict[str, Any]) -> dict[str, Any]:
@@ -225,11 +236,33 @@ def run(request: dict[str, Any]) -> dict[str, Any]:
             )
             reports.append(report)
             del drafter
+        del scorer, reference_model
     except model_errors() as error:
         raise StageError(str(error)) from error
+    finished_file = (opts.placement or {}).get("finished_file")
+    if finished_file:
+        _say_scored(finished_file, device)
 
     placed = where.record(opts.placement, time.monotonic() - started, cpu_bounds.observed())
     return write_outputs(opts, inputs, inputs_fingerprint, reports, placement=placed)
+
+
+def _say_scored(path: str, device: str) -> None:
+    """Scoring inside a window: every score is computed and no model is held any more. Give the device its
+    memory back and say "finished" in the file the window's guard watches (placement.finished_file), so
+    the service resumes while the reports and plots are still being written, as it does at an
+    extraction's end (extract/start_signal.py). Where the device keeps memory, nothing is said: the play
+    resumes the service after the stage, as without the file."""
+    import torch
+
+    reserved = devices.release_device(torch.device(device))
+    if reserved > devices.MAX_RESERVED_WHEN_FINISHED:
+        log(f"score: the device still holds {reserved >> 20} MiB: the service resumes after the stage")
+        return
+    atomic_write_json(
+        Path(path), {"state": FINISHED, "pid": os.getpid(), "at": time.time(), "reserved": reserved}
+    )
+    log("score: scores computed and the device's memory given back: the service may resume")
 
 
 def _online_check(

@@ -155,6 +155,9 @@ options:
         (C(where) is C(window) or C(cpu); C(why) the rule that chose it; C(estimated_seconds)).
       - Not part of the inputs' fingerprint; a report refreshed after the window keeps the placement it
         was scored with.
+      - C(finished_file) (inside a memory-saver window) - a file the stage writes the state C(finished)
+        to once its scores are computed and the device's memory is given back, before it writes its
+        reports; the window's guard resumes the service then. Not said in the report.
     type: dict
   cpu_bounds:
     description:
