@@ -109,8 +109,8 @@ def test_a_scoring_replica_without_a_router_is_refused_before_any_host_is_touche
     said = " ".join(result.stdout.split())
     assert result.returncode != 0
     assert (
-        "specops_scoring_host gpu2 is a replica of the fleet (a host of gpu_hosts) and no router is configured "
-        "(sglang_router_url is empty)" in said
+        "specops_scoring_host gpu2 is a replica of the fleet (a host of gpu_hosts) "
+        "and no router is configured (sglang_router_url is empty)" in said
     ), result.stdout[-3000:]
     assert "no host was touched" in said and "PLAY [Evaluate a speculative-decoding drafter" not in said
 

@@ -266,7 +266,7 @@ def test_a_scoring_replicas_time_out_of_the_router_is_recorded_and_shown_apart(t
         "server": "replica3",
         "down_at": 1_700_000_000.0,
         "ready_at": 1_700_000_012.5,
-        "cause": "out of the router to score replica1's share on its GPUs (its server stopped and started for it)",
+        "cause": "out of the router to score replica1's share (its server stopped and started for it)",
     }
     failed = {**out, "down_at": 1_700_000_100.0, "ready_at": 1_700_000_104.0, "failed": True, "msg": "boom"}
     kept = window.run({"hidden_states": str(hidden_states), "outages": [out, failed]})["outages"]
