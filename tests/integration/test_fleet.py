@@ -105,23 +105,36 @@ def rolling_run(fleet):
     watch = ReplicaWatch(fleet.router_url, scoring_url)
     watch.start()
     fleet.start_load("rolling", interval=PACED)
-    result = fleet.play(
-        "eval.yml",
-        specops_score_placement="host",
-        specops_scoring_host=SCORING_REPLICA,
-        specops_scoring_device="cpu",
-        specops_scoring_dir=str(fleet.work_dir / "scoring"),
-        specops_scoring_transit_dir=str(fleet.work_dir / "transit"),
-    )
+    on_the_replica = {
+        "specops_score_placement": "host",
+        "specops_scoring_host": SCORING_REPLICA,
+        "specops_scoring_device": "cpu",
+        "specops_scoring_dir": str(fleet.work_dir / "scoring"),
+        "specops_scoring_transit_dir": str(fleet.work_dir / "transit"),
+    }
+    result = fleet.play("eval.yml", **on_the_replica)
     load = fleet.stop_load("rolling")
     watch.done.set()
     watch.join()
+
+    def seen() -> SimpleNamespace:
+        return SimpleNamespace(
+            pid=fleet.server_pid(SCORING_REPLICA),
+            healthy=scoring_url in fleet.healthy_workers(),
+            health=http_status(f"{scoring_url}/health_generate"),
+        )
+
+    after = seen()
+    # A scoring that fails on the replica (replica1's share again, --tags score, forced, on a device it does
+    # not have): the replica is brought back and returned all the same, the failed scoring on the record.
+    failing = fleet.play(
+        "eval.yml",
+        args=("--tags", "score"),
+        hosts=("replica1",),
+        **{**on_the_replica, "specops_scoring_device": "cuda", "score_drafter_force": True},
+    )
     scoring = SimpleNamespace(
-        watch=watch,
-        pid_before=scoring_pid,
-        pid_after=fleet.server_pid(SCORING_REPLICA),
-        healthy_after=scoring_url in fleet.healthy_workers(),
-        health_after=http_status(f"{scoring_url}/health_generate"),
+        watch=watch, pid_before=scoring_pid, after=after, failing=failing, after_failing=seen()
     )
     fleet.leave(SCORING_REPLICA)
     return SimpleNamespace(result=result, load=load, scoring=scoring)
@@ -222,8 +235,23 @@ def test_the_scoring_replica_is_out_of_the_router_whenever_its_server_is_down_fo
 
 def test_the_scoring_replica_is_back_behind_the_router_healthy_after_the_run(rolling_run):
     scoring = rolling_run.scoring
-    assert scoring.healthy_after and scoring.health_after == 200
-    assert scoring.pid_after not in (None, scoring.pid_before)
+    assert scoring.after.healthy and scoring.after.health == 200
+    assert scoring.after.pid not in (None, scoring.pid_before)
+
+
+def test_a_scoring_that_fails_on_the_replica_still_brings_it_back_and_puts_its_time_out_on_the_record(
+    rolling_run, fleet
+):
+    scoring = rolling_run.scoring
+    said = " ".join(scoring.failing.output.split()).replace("''", "'")
+    assert scoring.failing.rc != 0
+    assert "specops stage 'score' failed" in said, scoring.failing.output[-6000:]
+    assert f"the scoring replica {SCORING_REPLICA} was brought back and returned to the router" in said
+    assert scoring.after_failing.healthy and scoring.after_failing.health == 200
+    assert scoring.after_failing.pid not in (None, scoring.after.pid)
+    outages = json.loads((fleet.work_dir / "replica1" / "run" / "hidden_states" / "outages.json").read_text())
+    [failed] = [o for o in outages if o["kind"] == "scoring_replica" and o["failed"]]
+    assert "to score replica1's share" in failed["cause"] and failed["msg"] and failed["downtime_s"] > 0
 
 
 def test_each_report_says_where_it_was_scored_and_puts_the_scoring_replicas_time_out_on_the_record(
