@@ -589,3 +589,36 @@ def test_new_server_options_roll_over_the_fleet_one_replica_at_a_time_and_lose_n
     assert watch.absent == set(fleet.worker_urls) and min(watch.counts) == len(HOSTS) - 1, watch.counts
     assert result.output.count("TASK [Stage drain: take the host out of the router") == len(HOSTS)
     assert fleet.healthy_workers() == set(fleet.worker_urls)
+
+
+def test_a_scoring_replica_with_the_memory_saver_is_released_and_resumed_not_restarted(fleet):
+    # After the roll above every replica has the memory saver. Replica1's share, scored again (--tags score,
+    # forced) on replica3, which the run leaves out: released for the scoring (the KV cache), resumed after.
+    url = fleet.replica_url(SCORING_REPLICA)
+    pid = fleet.server_pid(SCORING_REPLICA)
+    watch = ReplicaWatch(fleet.router_url, url)
+    watch.start()
+    result = fleet.play(
+        "eval.yml",
+        args=("--tags", "score"),
+        hosts=("replica1",),
+        specops_gpu_window_mode="memory_saver",
+        specops_score_placement="host",
+        specops_scoring_host=SCORING_REPLICA,
+        specops_scoring_device="cpu",
+        specops_scoring_dir=str(fleet.work_dir / "scoring"),
+        specops_scoring_transit_dir=str(fleet.work_dir / "transit"),
+        score_drafter_force=True,
+    )
+    watch.done.set()
+    watch.join()
+    assert result.rc == 0, result.output[-6000:]
+    said = " ".join(result.output.split())
+    assert "memory plan: kv_cache" in said, result.output[-6000:]
+    # The same process throughout, out of the router for a while, and back in it, healthy.
+    assert fleet.server_pid(SCORING_REPLICA) == pid and all(up for _, _, up in watch.samples)
+    assert any(not listed for _, listed, _ in watch.samples) and watch.samples[-1][1]
+    assert fleet.healthy_workers() == set(fleet.worker_urls)
+    report = json.loads((fleet.work_dir / "replica1" / "run" / "score" / "report.json").read_text())
+    out = [o for o in report["outages"] if o["kind"] == "scoring_replica"][-1]
+    assert out["cause"].endswith("replica1's share (its server released and resumed for it)"), out
