@@ -90,6 +90,18 @@ class ReplicaWatch(threading.Thread):
         return sum(1 for before, now in zip(ups, ups[1:], strict=False) if before and not now)
 
 
+def scored_on_the_replica(fleet: LocalFleet, **overrides) -> dict:
+    """The variables that score each host's share on the scoring replica (its CPU here)."""
+    return {
+        "specops_score_placement": "host",
+        "specops_scoring_host": SCORING_REPLICA,
+        "specops_scoring_device": "cpu",
+        "specops_scoring_dir": str(fleet.work_dir / "scoring"),
+        "specops_scoring_transit_dir": str(fleet.work_dir / "transit"),
+        **overrides,
+    }
+
+
 @pytest.fixture(scope="module")
 def rolling_run(fleet):
     # Replica1's server crashed before the run (outside any window): the router has stopped sending
@@ -105,14 +117,7 @@ def rolling_run(fleet):
     watch = ReplicaWatch(fleet.router_url, scoring_url)
     watch.start()
     fleet.start_load("rolling", interval=PACED)
-    on_the_replica = {
-        "specops_score_placement": "host",
-        "specops_scoring_host": SCORING_REPLICA,
-        "specops_scoring_device": "cpu",
-        "specops_scoring_dir": str(fleet.work_dir / "scoring"),
-        "specops_scoring_transit_dir": str(fleet.work_dir / "transit"),
-    }
-    result = fleet.play("eval.yml", **on_the_replica)
+    result = fleet.play("eval.yml", **scored_on_the_replica(fleet))
     load = fleet.stop_load("rolling")
     watch.done.set()
     watch.join()
@@ -131,7 +136,7 @@ def rolling_run(fleet):
         "eval.yml",
         args=("--tags", "score"),
         hosts=("replica1",),
-        **{**on_the_replica, "specops_scoring_device": "cuda", "score_drafter_force": True},
+        **scored_on_the_replica(fleet, specops_scoring_device="cuda", score_drafter_force=True),
     )
     scoring = SimpleNamespace(
         watch=watch, pid_before=scoring_pid, after=after, failing=failing, after_failing=seen()
@@ -602,13 +607,7 @@ def test_a_scoring_replica_with_the_memory_saver_is_released_and_resumed_not_res
         "eval.yml",
         args=("--tags", "score"),
         hosts=("replica1",),
-        specops_gpu_window_mode="memory_saver",
-        specops_score_placement="host",
-        specops_scoring_host=SCORING_REPLICA,
-        specops_scoring_device="cpu",
-        specops_scoring_dir=str(fleet.work_dir / "scoring"),
-        specops_scoring_transit_dir=str(fleet.work_dir / "transit"),
-        score_drafter_force=True,
+        **scored_on_the_replica(fleet, specops_gpu_window_mode="memory_saver", score_drafter_force=True),
     )
     watch.done.set()
     watch.join()
