@@ -292,7 +292,8 @@ def _outage_entry(outage: Mapping[str, Any]) -> dict[str, Any]:
         "failed": bool(outage.get("failed")),
         "msg": outage.get("msg"),
         # "guard": an outage a guard ended; "found_down": a server this run found not running (its start
-        # unknown) and started.
+        # unknown) and started; "scoring_replica": a replica of the fleet out of the router for this host's
+        # scoring (down_at to ready_at: from its drain to its return, the control node's clock).
         "kind": str(outage.get("kind") or "guard"),
     }
 
@@ -310,11 +311,22 @@ def record_outages(hidden_states: Path, outages: Sequence[Mapping[str, Any]]) ->
 
 
 def render_outages(outages: Sequence[Mapping[str, Any]]) -> str:
-    """report.md sections for the outages no play saw end and the servers found down; empty when there
-    were none."""
+    """report.md sections for the outages no play saw end, the servers found down and the scoring replica's
+    time out of the router; empty when there were none."""
     guarded = [o for o in outages if o.get("kind", "guard") == "guard"]
     found = [o for o in outages if o.get("kind") == "found_down"]
+    scoring = [o for o in outages if o.get("kind") == "scoring_replica"]
     lines = []
+    if scoring:
+        lines += ["", "## Scoring replica out of the router", ""]
+        lines += [
+            f"- {o.get('server') or 'the scoring replica'} was out of the router from {o['down_at']} to "
+            f"{o.get('ready_at') or '?'} ("
+            + (f"{o['downtime_s']:.1f} s" if o.get("downtime_s") is not None else "?")
+            + f"): {o['cause']}"
+            + (f"; the scoring failed: {o['msg']}" if o.get("failed") else "")
+            for o in scoring
+        ]
     if found:
         lines += ["", "## Servers found down", ""]
         lines += [

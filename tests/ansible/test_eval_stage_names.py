@@ -64,13 +64,23 @@ EVAL_BLOCK = next(task for task in EVAL_PLAY["tasks"] if "rescue" in task)
 RESCUE_NAMING = EVAL_BLOCK["rescue"][0]
 STAGE_OF = EVAL_PLAY["vars"]["specops_stage_of"]
 STAGE_OF_ROLE = EVAL_PLAY["vars"]["specops_stage_of_role"]
-# A table's templated entries, as they read before the window opens (outside it nothing else is set).
+# A table's templated entries, as they read before the window opens (outside it nothing else is set; the
+# scoring replica's calls, after the window, read `scoring-replica`).
 MODULE_BEFORE_THE_WINDOW = {
     "sglang_service:started": "serve",
+    "sglang_service:stopped": "stop-server",
+    "sglang_service:released": "release-server",
+    "sglang_service:resumed": "resume-server",
     "gpu_release": "gpu-holders",
     "job_wait": "prestart-extraction",
+    "uri": "router",
 }
-ROLE_BEFORE_THE_WINDOW = {"fla_env": "environment", "sglang_service": "serve", "sglang_router": "drain"}
+ROLE_BEFORE_THE_WINDOW = {
+    "fla_env": "environment",
+    "sglang_service": "serve",
+    "sglang_router": "drain",
+    "gpu_release": "release-gpus",
+}
 # Names of a dict's own methods: Jinja's table[name] finds these when the table has no such key.
 DICT_METHODS = sorted(name for name in dir(dict) if not name.startswith("_"))
 

@@ -64,6 +64,8 @@ class LocalFleet:
     # The inventory's replicas this fleet runs: every play is limited to them (--limit), and only their
     # servers are behind the router.
     hosts: tuple[str, ...] = HOSTS
+    # Replicas serving behind the router (or that did) outside the plays' --limit: a scoring replica.
+    outside: tuple[str, ...] = ()
 
     @property
     def replica_ports(self) -> list[int]:
@@ -212,12 +214,42 @@ class LocalFleet:
             return set()
         return {w["url"] for w in listing.get("workers", []) if w.get("is_healthy")}
 
+    def replica_url(self, host: str) -> str:
+        return f"http://127.0.0.1:{self.replica_ports[HOSTS.index(host)]}"
+
+    def serve_outside(self, host: str) -> None:
+        """Start an inventory replica's server and put it behind the router, leaving it out of the plays'
+        --limit (a replica the run does not evaluate: a scoring replica)."""
+        self.outside = (*self.outside, host)
+        self.put_behind_router(host)
+        self.wait_for_workers({*self.worker_urls, self.replica_url(host)}, timeout=120)
+
+    def leave(self, host: str) -> None:
+        """Take a replica out of the router (its server keeps running) and wait until it is not listed."""
+        url = self.replica_url(host)
+        [worker] = [w for w in get_json(f"{self.router_url}/workers")["workers"] if w["url"] == url]
+        request = urllib.request.Request(f"{self.router_url}/workers/{worker['id']}", method="DELETE")
+        with urllib.request.urlopen(request, timeout=30):
+            pass
+        deadline = time.monotonic() + 60
+        while any(w["url"] == url for w in get_json(f"{self.router_url}/workers")["workers"]):
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the router still lists {url} 60 s after its removal")
+            time.sleep(0.2)
+
     def join(self, host: str) -> None:
         """Start the server of an inventory replica this fleet did not run and put it behind the router."""
+        self.put_behind_router(host)
+        self.hosts = tuple(h for h in HOSTS if h in (*self.hosts, host))
+        self.wait_for_workers(set(self.worker_urls), timeout=120)
+
+    def put_behind_router(self, host: str) -> None:
         started = self.play("service.yml", timeout=600, hosts=(host,), sglang_service_state="started")
         if started.rc != 0:
             raise RuntimeError(f"{host} did not start:\n{started.output[-4000:]}")
-        url = f"http://127.0.0.1:{self.replica_ports[HOSTS.index(host)]}"
+        url = self.replica_url(host)
+        if any(w["url"] == url for w in get_json(f"{self.router_url}/workers")["workers"]):
+            return
         request = urllib.request.Request(
             f"{self.router_url}/workers",
             data=json.dumps({"url": url}).encode(),
@@ -226,8 +258,6 @@ class LocalFleet:
         )
         with urllib.request.urlopen(request, timeout=30):
             pass
-        self.hosts = tuple(h for h in HOSTS if h in (*self.hosts, host))
-        self.wait_for_workers(set(self.worker_urls), timeout=120)
 
     def wait_for_workers(self, urls: set[str], timeout: float) -> None:
         deadline = time.monotonic() + timeout
@@ -318,4 +348,5 @@ class LocalFleet:
                 os.killpg(self.router.pid, signal.SIGKILL)
                 self.router.wait()
             self.router = None
-        self.play("service.yml", sglang_service_state="stopped", timeout=300)
+        every = tuple(h for h in HOSTS if h in (*self.hosts, *self.outside))
+        self.play("service.yml", sglang_service_state="stopped", timeout=300, hosts=every)

@@ -3,7 +3,8 @@ sent through the router the whole time: no request fails and every host is back 
 
 Two replicas show every rule of the rollout that three would (one at a time, a replica always serving,
 a host found down, another lost inside a window) at two thirds of the servers, windows and stages. The
-last test has the inventory's third replica join, and rolls new server options over all three."""
+inventory's third replica serves behind the router outside the run and scores each host's share, out of
+the router meanwhile. The last test has it join, and rolls new server options over all three."""
 
 from __future__ import annotations
 
@@ -12,12 +13,14 @@ import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import threading
 import time
 import urllib.error
 import urllib.request
+from datetime import datetime
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -31,6 +34,8 @@ from ansible_collections.specops.drafter.plugins.module_utils import procfs  # n
 
 # The inventory's first two replicas: every play is limited to them.
 FLEET = HOSTS[:2]
+# The third serves outside the run and scores the rolling run's shares on its GPUs (here its CPU).
+SCORING_REPLICA = HOSTS[2]
 
 ML_PYTHON = REPO / ".venv-ml" / "bin" / "python"
 
@@ -54,27 +59,101 @@ def fleet(tmp_path_factory):
 PACED = 2.0
 
 
+class ReplicaWatch(threading.Thread):
+    """Every 0.25 s, whether the router lists a worker and whether its server accepts a connection."""
+
+    def __init__(self, router_url: str, worker_url: str):
+        super().__init__(daemon=True)
+        self.router_url, self.worker_url = router_url, worker_url
+        self.samples: list[tuple[float, bool, bool]] = []
+        self.done = threading.Event()
+
+    def run(self) -> None:
+        port = int(self.worker_url.rsplit(":", 1)[1])
+        while not self.done.is_set():
+            try:
+                listed = any(
+                    w["url"] == self.worker_url for w in get_json(f"{self.router_url}/workers")["workers"]
+                )
+            except OSError:
+                listed = True  # unknown: counted against the drain
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                up = True
+            except OSError:
+                up = False
+            self.samples.append((time.time(), listed, up))
+            self.done.wait(0.25)
+
+    def down_periods(self) -> int:
+        ups = [up for _, _, up in self.samples]
+        return sum(1 for before, now in zip(ups, ups[1:], strict=False) if before and not now)
+
+
+def scored_on_the_replica(fleet: LocalFleet, **overrides) -> dict:
+    """The variables that score each host's share on the scoring replica (its CPU here)."""
+    return {
+        "specops_score_placement": "host",
+        "specops_scoring_host": SCORING_REPLICA,
+        "specops_scoring_device": "cpu",
+        "specops_scoring_dir": str(fleet.work_dir / "scoring"),
+        "specops_scoring_transit_dir": str(fleet.work_dir / "transit"),
+        **overrides,
+    }
+
+
 @pytest.fixture(scope="module")
 def rolling_run(fleet):
     # Replica1's server crashed before the run (outside any window): the router has stopped sending
     # to it, and the run finds it down when it reaches it. The first host: the other stays healthy
     # behind the router until replica1's drain, which needs it.
+    # Each host's share is scored on the third replica (specops_score_placement: host), which serves behind
+    # the router outside the run: it leaves the router for each scoring and comes back. It leaves the
+    # router after the run, so that the tests after this one see the two replicas they know.
+    fleet.serve_outside(SCORING_REPLICA)
+    scoring_url = fleet.replica_url(SCORING_REPLICA)
+    scoring_pid = fleet.server_pid(SCORING_REPLICA)
     fleet.crashed = {"replica1": fleet.kill_server("replica1")}
+    watch = ReplicaWatch(fleet.router_url, scoring_url)
+    watch.start()
     fleet.start_load("rolling", interval=PACED)
-    result = fleet.play("eval.yml")
+    result = fleet.play("eval.yml", **scored_on_the_replica(fleet))
     load = fleet.stop_load("rolling")
-    return result, load
+    watch.done.set()
+    watch.join()
+
+    def seen() -> SimpleNamespace:
+        return SimpleNamespace(
+            pid=fleet.server_pid(SCORING_REPLICA),
+            healthy=scoring_url in fleet.healthy_workers(),
+            health=http_status(f"{scoring_url}/health_generate"),
+        )
+
+    after = seen()
+    # A scoring that fails on the replica (replica1's share again, --tags score, forced, on a device it does
+    # not have): the replica is brought back and returned all the same, the failed scoring on the record.
+    failing = fleet.play(
+        "eval.yml",
+        args=("--tags", "score"),
+        hosts=("replica1",),
+        **scored_on_the_replica(fleet, specops_scoring_device="cuda", score_drafter_force=True),
+    )
+    scoring = SimpleNamespace(
+        watch=watch, pid_before=scoring_pid, after=after, failing=failing, after_failing=seen()
+    )
+    fleet.leave(SCORING_REPLICA)
+    return SimpleNamespace(result=result, load=load, scoring=scoring)
 
 
 def test_rolling_evaluation_succeeds_on_every_host(rolling_run):
-    result, _ = rolling_run
+    result = rolling_run.result
     assert result.rc == 0, result.output[-6000:]
     assert set(result.recap) == set(FLEET)
     assert not any(counts["failed"] for counts in result.recap.values())
 
 
 def test_no_request_sent_through_the_router_fails_during_the_rollout(rolling_run):
-    _, load = rolling_run
+    load = rolling_run.load
     assert load["requests"] > 0
     assert load["failed"] == 0, load["failures"]
 
@@ -86,7 +165,7 @@ def test_every_host_returns_to_the_router_healthy(rolling_run, fleet):
 def test_a_replica_found_down_is_started_again_and_named_in_the_output_the_report_and_the_stats(
     rolling_run, fleet
 ):
-    result, _ = rolling_run
+    result = rolling_run.result
     said = " ".join(result.output.split())
     warnings = re.findall(
         r"WARNING: (\S+) on (\S+) was not running \(it died, or was stopped outside this play\): "
@@ -112,7 +191,7 @@ def test_a_replica_found_down_is_started_again_and_named_in_the_output_the_repor
 
 
 def test_the_run_ends_by_checking_that_every_replica_serves(rolling_run):
-    result, _ = rolling_run
+    result = rolling_run.result
     assert (
         result.output.count(
             "TASK [Stage fleet-check: ask the server and the router whether this replica serves]"
@@ -148,6 +227,56 @@ def test_one_report_merges_every_hosts_share_of_the_prompts(rolling_run, fleet):
         assert "downtime_s" not in window
         assert 0 < window["service_downtime_s"] <= window["play_downtime_s"] < window["window_s"], window
     assert report["fleet"]["sum_service_downtime_s"] <= report["fleet"]["sum_play_downtime_s"]
+
+
+def test_the_scoring_replica_is_out_of_the_router_whenever_its_server_is_down_for_a_scoring(rolling_run):
+    watch = rolling_run.scoring.watch
+    # Its server went down once per host's scoring (stop mode: stopped, scored on, started again)...
+    assert watch.down_periods() == len(FLEET), watch.samples
+    # ...and the router never listed it meanwhile: no request was routed to it while it scored.
+    assert not any(listed for _, listed, up in watch.samples if not up), watch.samples
+    assert rolling_run.load["failed"] == 0, rolling_run.load["failures"]
+
+
+def test_the_scoring_replica_is_back_behind_the_router_healthy_after_the_run(rolling_run):
+    scoring = rolling_run.scoring
+    assert scoring.after.healthy and scoring.after.health == 200
+    assert scoring.after.pid not in (None, scoring.pid_before)
+
+
+def test_a_scoring_that_fails_on_the_replica_still_brings_it_back_and_puts_its_time_out_on_the_record(
+    rolling_run, fleet
+):
+    scoring = rolling_run.scoring
+    said = " ".join(scoring.failing.output.split()).replace("''", "'")
+    assert scoring.failing.rc != 0
+    assert "specops stage 'score' failed" in said, scoring.failing.output[-6000:]
+    assert f"the scoring replica {SCORING_REPLICA} was brought back and returned to the router" in said
+    assert scoring.after_failing.healthy and scoring.after_failing.health == 200
+    assert scoring.after_failing.pid not in (None, scoring.after.pid)
+    outages = json.loads((fleet.work_dir / "replica1" / "run" / "hidden_states" / "outages.json").read_text())
+    [failed] = [o for o in outages if o["kind"] == "scoring_replica" and o["failed"]]
+    assert "to score replica1's share" in failed["cause"] and failed["msg"] and failed["downtime_s"] > 0
+
+
+def test_each_report_says_where_it_was_scored_and_puts_the_scoring_replicas_time_out_on_the_record(
+    rolling_run, fleet
+):
+    watch = rolling_run.scoring.watch
+    for host in FLEET:
+        score = fleet.work_dir / host / "run" / "score"
+        report = json.loads((score / "report.json").read_text())
+        assert report["placement"]["where"] == "host" and report["placement"]["host"] == SCORING_REPLICA
+        [out] = [o for o in report["outages"] if o["kind"] == "scoring_replica"]
+        assert out["server"] == SCORING_REPLICA and f"to score {host}'s share" in out["cause"], out
+        assert not out["failed"] and out["downtime_s"] > 0
+        # The record's span holds the time the replica's server was seen down for this host's scoring.
+        span = [datetime.fromisoformat(out[k]).timestamp() for k in ("down_at", "ready_at")]
+        assert any(span[0] <= at <= span[1] for at, _, up in watch.samples if not up), (out, watch.samples)
+        said = (score / "report.md").read_text()
+        assert f"scored on **{SCORING_REPLICA}** (cpu)" in said
+        assert "## Scoring replica out of the router" in said
+        assert f"- {SCORING_REPLICA} was out of the router" in said
 
 
 def test_an_unreachable_router_fails_before_any_host_is_drained(rolling_run, fleet, tmp_path):
@@ -465,3 +594,31 @@ def test_new_server_options_roll_over_the_fleet_one_replica_at_a_time_and_lose_n
     assert watch.absent == set(fleet.worker_urls) and min(watch.counts) == len(HOSTS) - 1, watch.counts
     assert result.output.count("TASK [Stage drain: take the host out of the router") == len(HOSTS)
     assert fleet.healthy_workers() == set(fleet.worker_urls)
+
+
+def test_a_scoring_replica_with_the_memory_saver_is_released_and_resumed_not_restarted(fleet):
+    # After the roll above every replica has the memory saver. Replica1's share, scored again (--tags score,
+    # forced) on replica3, which the run leaves out: released for the scoring (the KV cache), resumed after.
+    url = fleet.replica_url(SCORING_REPLICA)
+    pid = fleet.server_pid(SCORING_REPLICA)
+    watch = ReplicaWatch(fleet.router_url, url)
+    watch.start()
+    result = fleet.play(
+        "eval.yml",
+        args=("--tags", "score"),
+        hosts=("replica1",),
+        **scored_on_the_replica(fleet, specops_gpu_window_mode="memory_saver", score_drafter_force=True),
+    )
+    watch.done.set()
+    watch.join()
+    assert result.rc == 0, result.output[-6000:]
+    said = " ".join(result.output.split())
+    # The KV cache alone: the scoring's weights fit beside the server's.
+    assert "memory plan: kv_cache (tags" in said, result.output[-6000:]
+    # The same process throughout, out of the router for a while, and back in it, healthy.
+    assert fleet.server_pid(SCORING_REPLICA) == pid and all(up for _, _, up in watch.samples)
+    assert any(not listed for _, listed, _ in watch.samples) and watch.samples[-1][1]
+    assert fleet.healthy_workers() == set(fleet.worker_urls)
+    report = json.loads((fleet.work_dir / "replica1" / "run" / "score" / "report.json").read_text())
+    out = [o for o in report["outages"] if o["kind"] == "scoring_replica"][-1]
+    assert out["cause"].endswith("replica1's share (its server released and resumed for it)"), out

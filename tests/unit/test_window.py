@@ -259,6 +259,25 @@ def test_a_server_found_down_is_recorded_and_shown_apart_from_the_guards_outages
     assert "## Outages the guard ended" not in shown
 
 
+def test_a_scoring_replicas_time_out_of_the_router_is_recorded_and_shown_apart(tmp_path):
+    hidden_states = tmp_path / "hidden_states"
+    out = {
+        "kind": "scoring_replica",
+        "server": "replica3",
+        "down_at": 1_700_000_000.0,
+        "ready_at": 1_700_000_012.5,
+        "cause": "out of the router to score replica1's share (its server stopped and started for it)",
+    }
+    failed = {**out, "down_at": 1_700_000_100.0, "ready_at": 1_700_000_104.0, "failed": True, "msg": "boom"}
+    kept = window.run({"hidden_states": str(hidden_states), "outages": [out, failed]})["outages"]
+    assert [o["kind"] for o in kept] == ["scoring_replica"] * 2 and kept[0]["downtime_s"] == 12.5
+    shown = window.render_outages(kept)
+    assert "## Scoring replica out of the router" in shown
+    assert "- replica3 was out of the router from 2023-11-14T22:13:20" in shown and "(12.5 s)" in shown
+    assert "replica1's share" in shown and "; the scoring failed: boom" in shown
+    assert "## Outages the guard ended" not in shown and "## Servers found down" not in shown
+
+
 def test_a_window_right_after_another_runs_says_so_and_why():
     marks = [["stop-server", 100.0], ["extract", 101.0], ["ready", 110.0]]
     follows = {"owner": "/srv/run-a (eval)", "ago_s": 16.2, "same_work": False, "differs": ["the layers"]}
