@@ -68,6 +68,18 @@ def test_cpu_scoring_defaults_to_float32(fixture_models, run_dir, tmp_path):
     assert json.loads((tmp_path / "score/report.json").read_text())["run"]["dtype"] == "float32"
 
 
+def test_scoring_inside_a_window_on_a_gpu_defaults_to_bfloat16_and_elsewhere_keeps_its_rule(fixture_models):
+    from specops.score.scorer import resolve_dtype
+
+    target, drafters = fixture_models.target, [fixture_models.drafter]
+    # Inside the window the downtime counts: the benchmarked precision, whatever memory is free (no GPU
+    # is asked here: the rule is decided before).
+    assert resolve_dtype("auto", "cuda:0", target, drafters, in_window=True) == "bfloat16"
+    assert resolve_dtype("auto", "cpu", target, drafters, in_window=True) == "float32"
+    assert resolve_dtype("float32", "cuda:0", target, drafters, in_window=True) == "float32"
+    assert resolve_dtype("auto", "cpu", target, drafters) == "float32"
+
+
 def test_result_carries_the_key_figures_of_report_json(scored):
     _, result, out_dir = scored
     report = json.loads((out_dir / "report.json").read_text())

@@ -40,12 +40,19 @@ def limit_gpu_memory(device: str, gib: float) -> None:
     torch.cuda.set_per_process_memory_fraction(min(1.0, gib * 2**30 / total), torch.device(device))
 
 
-def resolve_dtype(dtype: str, device: str, target: Path, drafters: Sequence[Path]) -> str:
-    """auto: float32 (exact argmax ties, no bf16 drift) on the CPU, and on a GPU where it fits."""
+def resolve_dtype(
+    dtype: str, device: str, target: Path, drafters: Sequence[Path], in_window: bool = False
+) -> str:
+    """auto: float32 (exact argmax ties, no bf16 drift) on the CPU, and on a GPU where it fits, except
+    inside a window: there the service is down while scoring runs, so bfloat16 products (the logits still
+    float32), the precision the scoring benchmark and the placement's estimate are measured in and SGLang
+    runs the drafter in; float32 without tensor cores would take several times the planned downtime."""
     if dtype != "auto":
         return dtype
     if not device.startswith("cuda"):
         return "float32"
+    if in_window:
+        return "bfloat16"
     import torch
 
     free, _ = torch.cuda.mem_get_info(torch.device(device))

@@ -17,7 +17,8 @@ Request (JSON on stdin, docs/architecture.md):
   gpu_memory_gib     on a GPU, the most memory scoring may take; it fails at start when the
                      GPU has less free (the restarted server holds the rest); 0: no limit  default 0
   dtype              auto | float32 | bfloat16 | float16 (auto: float32 on the CPU,
-                     and on a GPU where the head and drafters fit in float32)          default auto
+                     and on a GPU where the head and drafters fit in float32, except
+                     bfloat16 on a GPU inside the window)                              default auto
   diagnostics        any of acceptance, layer_offset, backend, vocabulary              default all
   layer_offset_tolerance  a shifted layer choice warns when its tau exceeds the configured
                      layers' tau by more than this fraction                            default 0.10
@@ -155,7 +156,8 @@ def run(request: dict[str, Any]) -> dict[str, Any]:
     device = str(resolve_device(opts.device))
     limit_gpu_memory(device, opts.gpu_memory_gib)
     scored_paths = [*opts.drafter, *([opts.reference_drafter] if opts.reference_drafter else [])]
-    dtype = resolve_dtype(opts.dtype, device, opts.target, scored_paths)
+    in_window = (opts.placement or {}).get("where") == "window"
+    dtype = resolve_dtype(opts.dtype, device, opts.target, scored_paths, in_window=in_window)
     server_name = _server_drafter_name(opts)
 
     log(f"score: loading the target head from {opts.target} on {device} ({dtype})")

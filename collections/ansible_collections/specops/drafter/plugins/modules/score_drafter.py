@@ -104,7 +104,8 @@ options:
   dtype:
     description:
       - Precision of the drafter and the target head while scoring. V(auto) is V(float32) on the CPU
-        and on a GPU where the head and drafters fit in a quarter of free memory, else V(bfloat16).
+        and on a GPU where the head and drafters fit in a quarter of free memory, else V(bfloat16);
+        inside a window (O(placement) C(where=window)) on a GPU it is V(bfloat16), the service being down.
     type: str
     choices: [auto, bfloat16, float16, float32]
     default: auto
