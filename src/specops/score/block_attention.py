@@ -52,7 +52,10 @@ Kernel = Callable[..., torch.Tensor]
 # (benchmarks/score_real_h200.json, kernels.attention_kernels: per call at 256 x 1,128 tokens,
 # reference 2.02 ms, sdpa-efficient 0.95 ms, cuDNN 0.71-0.74 ms, but cuDNN's first call at each new
 # batch size costs 74 ms, and the frontier meets a new one every few steps). On the CPU it is `sdpa`
-# (flash). "reference" forces the plain path everywhere.
+# (flash). "reference" forces the plain path everywhere. On an H100 (score_real_h100_2026-12-05.json) `flash`
+# took 0.644 ms a call against sdpa-efficient's 0.860, but the chooser then counted its first call in the
+# process (its code loading, 53 ms) as a per-batch-size cost; the chooser no longer does, and the next GPU
+# run decides between them.
 KERNEL = "sdpa-efficient"
 
 # Devices whose context buffers are laid out token-major ([B, T', kv_heads, head_dim] in memory, handed
