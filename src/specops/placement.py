@@ -36,7 +36,7 @@ import json
 import math
 import struct
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -63,28 +63,23 @@ LOAD_SECONDS_PER_GIB = 1.6
 LONG_CPU_SECONDS = 600
 
 
-def safetensors_parameters(directory: Path) -> int:
-    """The number of parameters in a checkpoint's safetensors files, from their headers only."""
-    total = 0
+def _tensor_headers(directory: Path) -> Iterator[dict[str, Any]]:
+    """Each tensor's header entry (dtype, shape, data_offsets) in a checkpoint's safetensors files."""
     for file in sorted(directory.glob("*.safetensors")):
         with file.open("rb") as handle:
             (length,) = struct.unpack("<Q", handle.read(8))
             header = json.loads(handle.read(length))
-        total += sum(math.prod(t["shape"]) for name, t in header.items() if name != "__metadata__")
-    return total
+        yield from (entry for name, entry in header.items() if name != "__metadata__")
+
+
+def safetensors_parameters(directory: Path) -> int:
+    """The number of parameters in a checkpoint's safetensors files, from their headers only."""
+    return sum(math.prod(t["shape"]) for t in _tensor_headers(directory))
 
 
 def safetensors_bytes(directory: Path) -> int:
     """The bytes of a checkpoint's tensors, from their safetensors headers."""
-    total = 0
-    for file in sorted(directory.glob("*.safetensors")):
-        with file.open("rb") as handle:
-            (length,) = struct.unpack("<Q", handle.read(8))
-            header = json.loads(handle.read(length))
-        total += sum(
-            t["data_offsets"][1] - t["data_offsets"][0] for n, t in header.items() if n != "__metadata__"
-        )
-    return total
+    return sum(t["data_offsets"][1] - t["data_offsets"][0] for t in _tensor_headers(directory))
 
 
 def head_parameters(target: Path) -> int:
