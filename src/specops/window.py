@@ -153,6 +153,8 @@ def build_window(
         # The weights' checksum before the release and after the resume (/weights_checker); restarted
         # from disk when they differed. None where the server has no checksum to give.
         "weights_check": (service or {}).get("weights_check") or None,
+        # The window as one step on the host: its seconds by stage as sglang_service's state window saw them.
+        "step_stages": (service or {}).get("step_stages") or None,
         "play_span_s": round(play_span, 3),
         "stages": stages,
         "extraction": extraction,
@@ -206,11 +208,13 @@ def account(
     if finished is not None and ended <= finished <= resume:
         ready = parts.pop("resume_to_ready_s")
         del parts["loop_end_to_resume_s"]
-        parts.update(
-            outputs_and_device_release_s=finished - ended,
-            finished_to_resume_s=resume - finished,
-            resume_to_ready_s=ready,
-        )
+        parts["outputs_and_device_release_s"] = finished - ended
+        # The window in one step with the scoring in it: the scoring said finished last.
+        scored = _moment(service.get("work_finished_at"))
+        if scored is not None and finished < scored <= resume:
+            parts["scoring_s"] = scored - finished
+            finished = scored
+        parts.update(finished_to_resume_s=resume - finished, resume_to_ready_s=ready)
     parts = {key: round(value, 3) for key, value in parts.items()}
     parts["unexplained_s"] = round((ready_at - down_at) - sum(parts.values()), 3)
     return parts

@@ -371,6 +371,66 @@ def test_the_guard_resumes_the_moment_the_windows_work_has_ended_and_the_play_fi
     assert not (serving.state_dir / "released.json").exists()
 
 
+def test_the_window_in_one_step_releases_lets_the_work_go_hears_its_end_and_returns_serving(
+    serving, tmp_path
+):
+    """State window: one module call releases, tells the waiting work go, hears the work's "finished" (no
+    task of the play in between), lets the guard resume at that moment, proves the server serves, gives the
+    window back and returns each stage's seconds on the host's clock."""
+    go, job = tmp_path / "extract.start", tmp_path / "job.json"
+    state = tmp_path / "extract.start.state"
+    go.write_text(json.dumps({"signal": "wait", "until": time.time() + 600}))
+    job.write_text(json.dumps({"started": 1, "finished": 0}))
+    state.write_text(json.dumps({"state": "waiting", "pid": 1}))
+    finished_at = []
+
+    def work() -> None:
+        # The prestarted work: it waits for go, runs a moment, says finished (atomically, as it does).
+        assert wait_for(lambda: json.loads(go.read_text())["signal"] == "go", 300, step=0.05)
+        time.sleep(0.5)
+        finished_at.append(time.time())
+        partial = state.with_name(state.name + ".tmp")
+        partial.write_text(json.dumps({"state": "finished", "at": finished_at[0], "pid": 1}))
+        os.replace(partial, state)
+
+    worker = threading.Thread(target=work, daemon=True)
+    worker.start()
+    result = serving.run(
+        "window", window=window("w-one"), go_file=str(go), resume_when_done=[str(job), str(state)]
+    )
+    worker.join(timeout=60)
+
+    assert not result["failed"], result.get("msg")
+    assert result["resumed_by"] == "guard, at the end of the window's work"
+    assert result["work_finished_at"] == finished_at[0]
+    assert result["down_at"] <= result["released_at"] <= result["go_at"] <= finished_at[0]
+    assert finished_at[0] <= result["resume_started_at"] <= result["ready_at"]
+    stages = result["stages"]
+    assert stages["work_s"] >= 0.5 and set(stages) == {
+        "pause_and_release_s",
+        "memory_check_to_go_s",
+        "work_s",
+        "heard_to_resume_s",
+        "resume_to_ready_s",
+        "downtime_s",
+    }, stages
+    assert abs(sum(v for k, v in stages.items() if k != "downtime_s") - stages["downtime_s"]) < 0.01, stages
+    assert http_status(serving.url + "/health_generate") == 200
+    assert not (serving.state_dir / "window.lock").exists()
+    assert not (serving.state_dir / "released.json").exists()
+    assert not (serving.state_dir / "guard.armed").exists()
+
+
+def test_the_window_in_one_step_without_its_works_end_is_refused_before_the_pause(steady):
+    """Without resume_when_done nothing would say when to resume: refused while the server serves."""
+    result = steady.run("window", window=window("w-no-end"))
+    assert result["failed"] and "state window needs resume_when_done" in result["msg"], result
+    assert http_status(steady.url + "/health_generate") == 200
+    assert (
+        not (steady.state_dir / "window.lock").exists() and not (steady.state_dir / "released.json").exists()
+    )
+
+
 def test_a_device_too_small_for_weights_and_extraction_releases_every_tag_and_says_why(shared_site):
     site = shared_site(*MEMORY_SAVER, "--device-memory-gib", "2")
     pid = site.pid()

@@ -99,13 +99,18 @@ def test_memory_saver_window_keeps_the_server_process_and_loses_no_request_in_fl
     assert record["pause_mode"] == "retract" and record["server_version"] == "0.5.23"
     assert record["started_instead"] is False
     # The memory plan kept the weights on the (simulated 16 GiB) device: only the KV cache and graphs went.
-    # The scoring ran inside the window: its stage comes after the extraction and before the resume, so
-    # the server was released while it ran, and the report says where it ran and why.
+    # The window was one task (sglang_service's state window): release, the extraction told go, the scoring
+    # (started ahead, waiting for the extraction's end) on the freed device, the guard's resume the moment
+    # the scoring said its scores were computed (before its reports), all without a task of the play between.
     stages = [stage["stage"] for stage in record["stages"]]
-    assert stages.index("extract") < stages.index("score") < stages.index("start-server"), stages
-    # The guard resumed the service the moment the score stage said its scores were computed (before its
-    # reports were written), as it does at an extraction's end: not after the play's next tasks.
+    assert stages[0] == "window" and not {"stop-server", "extract", "score"} & set(stages), stages
+    assert output.count("TASK [Stage window: release, extract (and score where placed here), resume") == 1
     assert (record["resumed_by"] or "").startswith("guard"), record
+    step = record["step_stages"]
+    assert step["work_s"] > 0 and abs(step["downtime_s"] - record["downtime_s"]) < 0.01, (step, record)
+    # The scoring is a stage of the downtime of its own, after the extraction's outputs were written.
+    accounted = record["accounted"]
+    assert accounted["scoring_s"] > 0 and accounted["outputs_and_device_release_s"] >= 0, accounted
     finished = list(run_dir.glob("score.*.state"))
     assert len(finished) == 1 and json.loads(finished[0].read_text())["state"] == "finished", finished
     assert "scoring runs inside the window on cpu" in " ".join(result.output.split())

@@ -207,6 +207,25 @@ def test_every_second_of_a_memory_saver_window_is_accounted_for():
     assert (split["outputs_and_device_release_s"], split["finished_to_resume_s"]) == (0.3, 0.4)
     assert list(split)[-2:] == ["resume_to_ready_s", "unexplained_s"]
 
+    # The window in one step with the scoring in it: the scoring said finished after the extraction did,
+    # and the span splits there too (the scoring a stage of its own).
+    scored = window.build_window(
+        [["window", 999.0], ["ready", 1015.5]],
+        "memory_saver",
+        manifest,
+        None,
+        dict(service, work_finished_at=1014.5, step_stages={"work_s": 3.9}),
+        None,
+        1014.2,
+    )
+    parts = scored["accounted"]
+    assert (parts["outputs_and_device_release_s"], parts["scoring_s"], parts["finished_to_resume_s"]) == (
+        0.3,
+        0.3,
+        0.1,
+    )
+    assert parts["unexplained_s"] == 0.0 and scored["step_stages"] == {"work_s": 3.9}
+
 
 def test_the_extractions_finished_moment_is_read_from_its_state_file(tmp_path):
     state = tmp_path / "extract.start.state"

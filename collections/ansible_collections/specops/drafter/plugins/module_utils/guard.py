@@ -38,6 +38,7 @@ import time
 
 from ansible_collections.specops.drafter.plugins.module_utils import procfs
 from ansible_collections.specops.drafter.plugins.module_utils.async_job import job_result
+from ansible_collections.specops.drafter.plugins.module_utils.file_watch import FileWatch
 from ansible_collections.specops.drafter.plugins.module_utils.memory_window import ReleasedMarker, resume_claimed
 from ansible_collections.specops.drafter.plugins.module_utils.readiness import wait_ready
 from ansible_collections.specops.drafter.plugins.module_utils.service_errors import ServiceError
@@ -121,10 +122,6 @@ def log(message: str) -> None:
 # The reason the guard gives when the window's work has ended and it resumes at once: the normal path,
 # not a failure (the play's resume then finds the server resumed).
 WORK_ENDED = "the window's work has ended: the server is resumed at once, without waiting for the play"
-# How often the guard looks for the work's end; the process table is scanned once a second at most.
-WORK_END_POLL_S = 0.05
-
-
 # The extraction's state file (beside its start signal): "finished" once its outputs are on disk and
 # the device has its memory back, before the process exits (src/specops/extract/start_signal.py).
 STATE_SUFFIX = ".state"
@@ -151,6 +148,8 @@ def wait_for_reason(config: dict) -> str | None:
     last_work = last_scan = started
     done_files = done_files_of(config) if config.get("action") == "resume" else []
     seen = set()
+    # Woken by the work's own write of its end (and by a disarm), not found by polling.
+    watch = FileWatch(done_files + [armed_path(config["state_dir"])]) if done_files else None
     while True:
         if not is_armed(config["state_dir"], config["arm_id"]):
             return None
@@ -172,7 +171,12 @@ def wait_for_reason(config: dict) -> str | None:
                 last_work = now
             elif now - last_work >= float(config["grace"]):
                 return "the window's work is gone and the play did not disarm within %.0f s" % float(config["grace"])
-        time.sleep(WORK_END_POLL_S if done_files else min(1.0, max(0.05, fire_after - (now - started))))
+        until_fire = max(0.05, fire_after - (now - started))
+        if watch is not None:
+            # The process table is still scanned once a second (a lost play), the files heard at once.
+            watch.wait(min(1.0, until_fire) if config.get("watch_work") else until_fire)
+        else:
+            time.sleep(min(1.0, until_fire))
 
 
 def gpu_process_pids() -> set[int] | None:

@@ -36,7 +36,7 @@ from ansible_collections.specops.drafter.plugins.module_utils.state_files import
 PACKAGE = "ansible_collections.specops.drafter.plugins.module_utils"
 # The guard and everything it imports; none of them imports Ansible.
 GUARD_FILES = ("guard", "procfs", "service_errors", "state_files", "sglang_api", "service_process",
-               "service_systemd", "memory_window", "window_lock", "readiness", "async_job")
+               "service_systemd", "memory_window", "window_lock", "readiness", "async_job", "file_watch")
 
 
 def _source(name: str) -> bytes:

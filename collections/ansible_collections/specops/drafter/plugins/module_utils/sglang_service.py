@@ -15,6 +15,7 @@ import os
 import time
 
 from ansible_collections.specops.drafter.plugins.module_utils import guard_control, procfs
+from ansible_collections.specops.drafter.plugins.module_utils.file_watch import FileWatch
 from ansible_collections.specops.drafter.plugins.module_utils.guard import outages_dir, take_outages
 from ansible_collections.specops.drafter.plugins.module_utils.memory_plan import expected_used_after, plan_release
 from ansible_collections.specops.drafter.plugins.module_utils.memory_window import (
@@ -52,6 +53,31 @@ def release_outcome(answer) -> str:
     if answer.ok:
         return "released"
     return "unknown" if answer.status == -1 else "refused"
+
+
+def finished_moment(path: str) -> float | None:
+    """When a state file says its work finished (its `at`, on the host's clock); None otherwise."""
+    state = read_json(path) if path.endswith(".state") else None
+    if isinstance(state, dict) and state.get("state") == "finished":
+        try:
+            return float(state["at"])
+        except (KeyError, TypeError, ValueError):
+            return None
+    return None
+
+
+def window_stages(result: dict) -> dict:
+    """Seconds from each moment of the window to the next, on the host's clock (missing moments skipped):
+    pause + release, the GPU memory check until go, the work until it said finished, the guard hearing it
+    and beginning the resume, the resume until the first 1-token answer."""
+    names = (("down_at", "pause_and_release_s"), ("released_at", "memory_check_to_go_s"),
+             ("go_at", "work_s"), ("work_finished_at", "heard_to_resume_s"), ("resume_started_at", "resume_to_ready_s"))
+    moments = [(name, result.get(key)) for key, name in names] + [("", result.get("ready_at"))]
+    known = [(name, float(at)) for name, at in moments if at is not None]
+    stages = dict((name, round(after - at, 3)) for (name, at), (_, after) in zip(known, known[1:]))
+    if result.get("down_at") is not None and result.get("ready_at") is not None:
+        stages["downtime_s"] = round(float(result["ready_at"]) - float(result["down_at"]), 3)
+    return stages
 
 
 def default_state_dir(params: dict) -> str:
@@ -463,6 +489,47 @@ class ServiceWindow(object):
         self._end_window()
         return self.result
 
+    def one_step_window(self) -> dict:
+        """The memory-saver window as one step on the host (docs/window.md): release and let the work go, hear
+        the work's end while the guard, armed to resume at that end, brings the server back, then take the
+        window back as `resumed` does. Whatever fails, the guard stays armed or `resumed` brings it back."""
+        if not self.params.get("resume_when_done") or not self.params["guard"]:
+            raise ServiceError("%s is left as it is: state window needs resume_when_done (the files that say the "
+                               "window's work has ended) and the guard, which resumes the server at that end"
+                               % self.name)
+        self.released()
+        if self.check_mode:
+            return self.result
+        released = dict(self.result)
+        self.result["work_finished_at"] = self._hear_work_end()
+        self.resumed()
+        # What `resumed` returns of its own is kept; the release's moments are this call's too.
+        for key in ("down_at", "released_at", "go_at", "pause_mode", "version", "memory_plan", "released_tags",
+                    "memory_saver_backend", "gpu_memory", "waiting_timeout", "abort_pause"):
+            if key in released and key not in self.result:
+                self.result[key] = released[key]
+        self.result["stages"] = window_stages(self.result)
+        self.result["changed"] = True
+        return self.result
+
+    def _hear_work_end(self) -> float | None:
+        """Wait until the guard has resumed the server at the work's end (or has fired, or is gone); the
+        moment the work said finished (its state file's `at`), None where no file says it."""
+        done_files = list(self.params.get("resume_when_done") or [])
+        fired_file = os.path.join(self.state_dir, "guard.result.json")
+        fire_after = min(float(self.window["guard_after"]), float(self.window["max_downtime"]))
+        deadline = time.monotonic() + fire_after + float(self.params["ready_timeout"])
+        with FileWatch(done_files + [fired_file]) as watch:
+            while time.monotonic() < deadline:
+                fired = read_json(fired_file)
+                if isinstance(fired, dict) and fired.get("token") == self.token:
+                    break
+                if guard_control.current_guard(self.state_dir) is None:
+                    break  # no guard left to resume: `resumed` brings the server back itself
+                watch.wait(min(1.0, max(0.0, deadline - time.monotonic())))
+        moments = [finished_moment(path) for path in done_files]
+        return max([moment for moment in moments if moment is not None] or [None])
+
     def _take_guards_resume(self) -> None:
         """The guard resumed at the work's end (resume_when_done): its first 200 is the service's return."""
         path = os.path.join(self.state_dir, "guard.result.json")
@@ -529,8 +596,10 @@ class ServiceWindow(object):
                                % (self.name, check["after_restart"], before), weights_check=check)
 
     def run(self) -> dict:
-        result = getattr(self, self.params["state"])()
-        if self.params["state"] in ("started", "restarted", "resumed") and os.path.isdir(self.state_dir):
+        # self.window holds the window's settings: the state of that name is the window in one step.
+        state = self.params["state"]
+        result = self.one_step_window() if state == "window" else getattr(self, state)()
+        if self.params["state"] in ("started", "restarted", "resumed", "window") and os.path.isdir(self.state_dir):
             # Outages a guard ended (the play that began them was lost): they go on this run's record.
             result["earlier_outages"] = take_outages(self.state_dir, self.check_mode)
         return result

@@ -160,6 +160,26 @@ options:
         to once its scores are computed and the device's memory is given back, before it writes its
         reports; the window's guard resumes the service then. Not said in the report.
     type: dict
+  start_after:
+    description:
+      - Scoring inside a memory-saver window, started as a job before the window - wait, before the stage
+        starts, until the extraction says finished (C(finished_file), its C(<start signal>.state)); fail
+        without scoring when its job has ended without finishing (C(ended_file), its async results file)
+        or after C(timeout) seconds. The wait hears the files change (inotify), so the scoring begins the
+        moment the extraction's outputs are written; the window is then one task (sglang_service V(window)).
+    type: dict
+    suboptions:
+      finished_file:
+        description: The extraction's state file.
+        type: path
+        required: true
+      ended_file:
+        description: The extraction's async job results file.
+        type: path
+      timeout:
+        description: Seconds to wait at most.
+        type: float
+        default: 7200
   cpu_bounds:
     description:
       - Run the stage with its CPU share and priority bounded, keys C(nice), C(cpu_quota_percent) (100 is one
@@ -353,8 +373,11 @@ plots:
 
 import os
 import re
+import time
 
 from ansible_collections.specops.drafter.plugins.module_utils import cpu_scope
+from ansible_collections.specops.drafter.plugins.module_utils.async_job import job_result, read_json
+from ansible_collections.specops.drafter.plugins.module_utils.file_watch import FileWatch
 from ansible_collections.specops.drafter.plugins.module_utils.stage_runner import stage_module, stage_result
 
 # The request's options: specops.score REQUEST declares them (tests/ansible/test_stage_schemas.py checks).
@@ -410,8 +433,33 @@ FIGURES = {
 DEVICE_FORM = re.compile(r"^(auto|cpu|cuda(:[0-9]+)?)$")
 
 
+# Not part of the stage's request: the module waits on the host before it starts the stage.
+START_AFTER = dict(type="dict", options=dict(finished_file=dict(type="path", required=True),
+                                             ended_file=dict(type="path"),
+                                             timeout=dict(type="float", default=7200)))
+
+
+def wait_for_extraction(module, after):
+    """Until the extraction's state file says finished; fails the module when it ended without that."""
+    finished_file, ended_file = after["finished_file"], after.get("ended_file")
+    deadline = time.monotonic() + float(after["timeout"])
+    with FileWatch([path for path in (finished_file, ended_file) if path]) as watch:
+        while True:
+            if (read_json(finished_file) or {}).get("state") == "finished":
+                return
+            ended = job_result(ended_file) if ended_file else None
+            if ended is not None:
+                module.fail_json(msg="not scored: the extraction ended without finishing (%s)"
+                                 % (ended.get("msg") or "no message"), not_started=True)
+            if time.monotonic() >= deadline:
+                module.fail_json(msg="not scored: the extraction did not finish within %s s" % after["timeout"],
+                                 not_started=True)
+            watch.wait(min(1.0, deadline - time.monotonic()))
+
+
 def main():
-    module = stage_module(REQUEST_OPTIONS, required_if=[("server_drafter", "reference", ("reference_drafter",))])
+    module = stage_module(dict(REQUEST_OPTIONS, start_after=START_AFTER),
+                          required_if=[("server_drafter", "reference", ("reference_drafter",))])
     # Refused here, before the ML environment is started for nothing.
     if not DEVICE_FORM.match(module.params["device"]):
         module.fail_json(msg="device %r is not one of auto, cpu, cuda, cuda:N" % module.params["device"])
@@ -419,6 +467,8 @@ def main():
     problems = cpu_scope.check_bounds(bounds)
     if problems:
         module.fail_json(msg="cpu_bounds %r: %s" % (bounds, "; ".join(problems)))
+    if module.params["start_after"] and not module.check_mode:
+        wait_for_extraction(module, module.params["start_after"])
     manager = cpu_scope.host_systemd_manager() if bounds else None
     # Ansible reserves 'warnings' in a module result for its own display.
     # A systemd scope holds the process it starts; `nice` alone is set by whatever runs the stage.

@@ -29,8 +29,12 @@ options:
     description:
       - V(started), V(stopped), V(restarted) act on the server process; V(released) frees its GPU memory
         (pause, flush, release) and V(resumed) brings it back exactly once.
+      - V(window) is the memory-saver window as one step on the host - V(released) (with O(go_file) told
+        go), then the window's work heard ending through O(resume_when_done) (inotify, not a polling
+        interval), the guard's resume at that moment, and V(resumed)'s checks - and returns each stage's
+        seconds in RV(stages). It needs O(resume_when_done) and O(guard).
     type: str
-    choices: [started, stopped, restarted, released, resumed]
+    choices: [started, stopped, restarted, released, resumed, window]
     required: true
   backend:
     description: V(systemd) drives a unit with systemctl; V(process) a detached process described by O(spec).
@@ -244,7 +248,7 @@ pid:
   type: int
 version:
   description: The server's SGLang version, as its server info says.
-  returned: released
+  returned: released, window
   type: str
 down_at:
   description: When the service stopped answering (stop, or the pause), on the host's clock.
@@ -261,30 +265,30 @@ server_start_s:
 memory_saver_backend:
   description: What frees the memory on the server, as its server info says (the development server's
     C(torch_memory_saver <version>) on CUDA); absent where the server does not say.
-  returned: released
+  returned: released, window
   type: str
 pause_mode:
   description: C(retract), or C(drain then abort) on versions without pause modes.
-  returned: released
+  returned: released, window
   type: str
 released_tags:
   description: The tags released (empty - every tag).
-  returned: released
+  returned: released, window
   type: list
 memory_plan:
   description:
     - What the release frees and why - C(choice) (kv_cache, all or explicit), C(tags), C(reason), the server's
       own accounting per rank (C(server) - weights, KV cache, CUDA graphs in MiB), the GPUs' figures (C(gpus)),
       C(free_after_kv_release_mib), C(fits_beside_weights), and the extraction's needs.
-  returned: released
+  returned: released, window
   type: dict
 released_at:
   description: When the release answered, on the host's clock.
-  returned: released, when it happened
+  returned: released or window, when it happened
   type: float
 resumed_by:
   description: Who resumed the server when it was not this call (the guard, at the end of the window's work).
-  returned: resumed, when it happened
+  returned: resumed or window, when it happened
   type: str
 resume_started_at:
   description: When the guard began the resume, on the host's clock.
@@ -292,20 +296,30 @@ resume_started_at:
   type: float
 called_at:
   description: When C(resumed) began, on the host's clock (the window's record splits its downtime with it).
-  returned: resumed
+  returned: resumed, window
   type: float
+work_finished_at:
+  description: When the window's work said finished (its state file's moment), on the host's clock.
+  returned: window, where a state file says it
+  type: float
+stages:
+  description:
+    - The window's seconds by stage, on the host's clock - C(pause_and_release_s), C(memory_check_to_go_s),
+      C(work_s) (go to the work's finished), C(heard_to_resume_s), C(resume_to_ready_s) and C(downtime_s).
+  returned: window
+  type: dict
 go_at:
   description: When O(go_file) was told go, on the host's clock.
-  returned: released, with go_file
+  returned: released or window, with go_file
   type: float
 gpu_memory:
   description: The GPU memory check after the release (C(checked) false where nvidia-smi is absent).
-  returned: released
+  returned: released, window
   type: dict
 waiting_timeout:
   description: The server's C(SGLANG_REQ_WAITING_TIMEOUT) as read from its process's environment (C(seconds), none
     when unset), with the planned and the guard's seconds; C(read) false where the environment could not be read.
-  returned: released
+  returned: released, window
   type: dict
 abort_pause:
   description: Why the abort-only pause of a server without pause modes was taken (drained, or the risk accepted).
@@ -370,7 +384,8 @@ WINDOW_OPTIONS = dict(
 )
 
 ARGUMENT_SPEC = dict(
-    state=dict(type="str", required=True, choices=["started", "stopped", "restarted", "released", "resumed"]),
+    state=dict(type="str", required=True,
+               choices=["started", "stopped", "restarted", "released", "resumed", "window"]),
     backend=dict(type="str", required=True, choices=["systemd", "process"]),
     unit=dict(type="str", default="sglang"),
     adopt=dict(type="bool", default=False),

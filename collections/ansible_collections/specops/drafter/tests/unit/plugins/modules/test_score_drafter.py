@@ -6,6 +6,8 @@ from __future__ import absolute_import, division, print_function
 
 __metaclass__ = type
 
+import json
+
 import pytest
 
 from ansible_collections.specops.drafter.plugins.modules import score_drafter
@@ -112,3 +114,30 @@ def test_a_package_error_fails_the_module_with_its_message(run_module, fake_pyth
     with pytest.raises(AnsibleFailJson) as failure:
         run_module(score_drafter.main, args_for(fake_python, tmp_path))
     assert "target layer 64 out of range" in failure.value.result["msg"]
+
+
+def test_started_ahead_of_a_window_it_scores_once_the_extraction_says_finished(
+        run_module, fake_python, fake_stage, tmp_path):
+    fake_stage()
+    finished = tmp_path / "extract.start.state"
+    finished.write_text(json.dumps({"state": "finished", "at": 1.0}))
+    with pytest.raises(AnsibleExitJson):
+        run_module(score_drafter.main, args_for(fake_python, tmp_path, start_after={
+            "finished_file": str(finished), "ended_file": str(tmp_path / "job.json"), "timeout": 600}))
+    assert fake_stage.received()["argv"][-1] == "--run"
+    assert "start_after" not in fake_stage.received()["request"]
+
+
+def test_started_ahead_of_a_window_it_does_not_score_when_the_extraction_ended_otherwise(
+        run_module, fake_python, fake_stage, tmp_path):
+    fake_stage()
+    state, job = tmp_path / "extract.start.state", tmp_path / "job.json"
+    state.write_text(json.dumps({"state": "stopped"}))
+    job.write_text(json.dumps({"failed": True, "finished": 1, "msg": "out of memory"}))
+    with pytest.raises(AnsibleFailJson) as failure:
+        run_module(score_drafter.main, args_for(fake_python, tmp_path, start_after={
+            "finished_file": str(state), "ended_file": str(job), "timeout": 600}))
+    assert "the extraction ended without finishing (out of memory)" in failure.value.result["msg"]
+    assert failure.value.result["not_started"] is True
+    with pytest.raises((OSError, ValueError)):
+        fake_stage.received()  # the stage never ran
