@@ -62,10 +62,12 @@ def reached(path: Path, depth: int = 0, seen: dict | None = None) -> dict[Path, 
     return seen
 
 
-def test_eval_reaches_at_most_sixteen_task_files():
-    # 16: the scoring host's shipping (tasks/score_on_host.yml) runs after the window, in a file of its own.
+def test_eval_reaches_at_most_eighteen_task_files():
+    # 16: the scoring host's shipping (tasks/score_on_host.yml) runs after the window, in a file of its own;
+    # 18: the scoring's start and its wait (score_drafter's start.yml, wait.yml), which the window in one
+    # step runs apart (started before the pause, read after the service is back).
     files = reached(EVAL)
-    assert len(files) <= 16, sorted(str(f.relative_to(ROOT)) for f in files)
+    assert len(files) <= 18, sorted(str(f.relative_to(ROOT)) for f in files)
 
 
 def test_includes_go_at_most_three_deep():
