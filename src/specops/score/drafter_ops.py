@@ -88,12 +88,16 @@ def norm_rope(x: torch.Tensor, norm: RMSNorm, cos: torch.Tensor, sin: torch.Tens
 
         heads, d = x.shape[-2:]
         tokens = x.shape[:-2]
-        rows = kernel(x.reshape(-1, heads, d), norm.weight, norm.variance_epsilon, *per_token(cos, sin, tokens))
+        rows = kernel(
+            x.reshape(-1, heads, d), norm.weight, norm.variance_epsilon, *per_token(cos, sin, tokens)
+        )
         return rows.view(x.shape)
     return apply_rope(norm(x), cos.unsqueeze(-2), sin.unsqueeze(-2))
 
 
-def per_token(cos: torch.Tensor, sin: torch.Tensor, tokens: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+def per_token(
+    cos: torch.Tensor, sin: torch.Tensor, tokens: tuple[int, ...]
+) -> tuple[torch.Tensor, torch.Tensor]:
     """cos/sin as [rows, head_dim] for x's tokens flattened, token t reading row t % rows: a view where
     their token dimensions are the last of x's (the context's [T] against x's [B, T]), expanded else."""
     d = cos.shape[-1]
@@ -107,7 +111,11 @@ def per_token(cos: torch.Tensor, sin: torch.Tensor, tokens: tuple[int, ...]) -> 
 
 def silu_mul(act_fn: nn.Module, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """act_fn(gate) * up, the MLP's product with up; gate is overwritten on the eager path."""
-    if ELEMENTWISE == "triton" and isinstance(act_fn, (SiLUActivation, nn.SiLU)) and kernels.applies(gate, up):
+    if (
+        ELEMENTWISE == "triton"
+        and isinstance(act_fn, (SiLUActivation, nn.SiLU))
+        and kernels.applies(gate, up)
+    ):
         from specops.score.kernels.silu_mul import silu_mul as kernel
 
         n = gate.shape[-1]

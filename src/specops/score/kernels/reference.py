@@ -10,7 +10,9 @@ import torch.nn.functional as F
 from specops.score.kernels.argmax_order import combine_partials, takes_first
 
 
-def head_argmax(x: torch.Tensor, weight: torch.Tensor, multiplier: float = 1.0, block_n: int = 128) -> torch.Tensor:
+def head_argmax(
+    x: torch.Tensor, weight: torch.Tensor, multiplier: float = 1.0, block_n: int = 128
+) -> torch.Tensor:
     """Token ids [rows] of argmax(x @ weight.T * multiplier) through the kernel's steps: float32 logits,
     each tile of block_n tokens folded to (maximum, first index) with `takes_first`, the tiles combined."""
     values, indices = head_argmax_partials(x, weight, multiplier, block_n)
@@ -64,5 +66,7 @@ def norm_rope(
     c, s = cos[per_token].float()[:, None, :], sin[per_token].float()[:, None, :]
     half = d // 2
     lo, hi = normed[..., :half], normed[..., half:]
-    out = torch.cat([lo * c[..., :half] - hi * s[..., :half], hi * c[..., half:] + lo * s[..., half:]], dim=-1)
+    out = torch.cat(
+        [lo * c[..., :half] - hi * s[..., :half], hi * c[..., half:] + lo * s[..., half:]], dim=-1
+    )
     return out.to(x.dtype)
