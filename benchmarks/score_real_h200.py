@@ -2,6 +2,8 @@
 
     PYTHONPATH=src python3 benchmarks/score_real_h200.py            # H200: Qwen3.6-27B's drafter, bf16
     PYTHONPATH=src python3 benchmarks/score_real_h200.py --smoke    # CPU: tiny shapes, fp32
+    PYTHONPATH=src python3 benchmarks/score_real_h200.py --smoke --triton-references  # and the Triton
+                                  # variants' stages, with the kernels' torch references in their place
 
 The drafter has the shape of the DFlash drafter published for Qwen3.6-27B (hidden 5120, 5 layers,
 32/8 heads of 128, intermediate 17408, block 16, vocabulary 248320, 5 target layers), random weights;
@@ -34,8 +36,13 @@ Timed on all completions, each stage written to the record as it ends:
     the needed positions, and the walk's own steps (the rest);
   - the same with the head and the last layer over all 15 draft positions of every block, and in
     passes of 2 positions instead of 3;
+  - the same with the Triton kernels of specops.score.kernels (on CUDA with triton): the head's argmax in
+    its product's epilogue, SiLU-and-mul and the q/k norms with RoPE, each alone and all together;
+    before them, the Triton head's tokens against the torch head's on the drafter's outputs (must be
+    equal) and on random rows (a mismatch only at a near-tie: --head-tie-tolerance);
   - a kernel profile of the engine on every completion cut to its first --profile-tokens tokens.
-Accept lengths must equal the planted ones on every completion and the oracle's on the subset. The
+Accept lengths must equal the planted ones on every completion, the oracle's on the subset, and the
+first engine run's in every variant. The
 record counts the arithmetic of the steps the walk took (matrix-product FLOPs per completion: drafter
 layers, the last layer's rest, head, attention, context) against a bf16 matrix rate measured in the
 same run: the ceiling in completions per second at this tau, and the fraction of it measured.
@@ -62,6 +69,8 @@ import torch.nn.functional as F
 from score_h200 import build_models, logit_noise, plant_tokens, timed
 
 import specops.score.block_attention as block_attention
+import specops.score.drafter_ops as drafter_ops
+import specops.score.kernels as kernels
 import specops.score.leading_matches as matching
 import specops.score.streamed_context as streamed_context
 import specops.score.target_head as target_head
@@ -285,6 +294,44 @@ def choose_kernels(drafter, head, sequences, device: str, rows_per_pass: int) ->
     }
 
 
+@torch.inference_mode()
+def triton_head_tokens(head, rows, multiplier, softcap, tolerance: float, device: str) -> dict:
+    """The Triton head's tokens against the torch head's on the same rows, and the time of each.
+
+    The kernel sums in another order than cuBLAS, so a token may differ only where the two tokens'
+    torch logits are within rounding: each mismatch's gap is measured, the largest must be <= tolerance.
+    """
+    saved = target_head.ARGMAX_KERNEL
+    found = {"rows": rows.shape[0]}
+    try:
+        for kernel in ("torch", "triton"):
+            target_head.ARGMAX_KERNEL = kernel
+            if kernel == "triton":  # false where the rule keeps the torch path (a softcap, no CUDA)
+                found["triton_kernel_ran"] = head.fused_argmax_applies(rows, softcap)
+            found[kernel] = head.argmax(rows, multiplier, softcap)
+            _, seconds = timed(lambda: [head.argmax(rows, multiplier, softcap) for _ in range(10)], device)
+            found[f"{kernel}_ms"] = seconds / 10 * 1e3
+    finally:
+        target_head.ARGMAX_KERNEL = saved
+    expected, tokens = found.pop("torch"), found.pop("triton")
+    wrong = (tokens != expected).nonzero().flatten()
+    gap = 0.0
+    if len(wrong):
+        logits = head.logits(rows[wrong], multiplier, softcap)
+        gap = float((logits.gather(-1, expected[wrong, None]) - logits.gather(-1, tokens[wrong, None])).max())
+    found.update(
+        mismatches=len(wrong), largest_torch_logit_gap_at_a_mismatch=gap, within_tolerance=gap <= tolerance
+    )
+    return found
+
+
+def warm_triton(head, hidden: int, device: str) -> None:
+    """Compile the Triton head for the row counts the engine meets: each row tile (16 to 128 rows), row
+    counts that are and are not multiples of 16 (triton specialises on both)."""
+    for rows in (1, 15, 16, 17, 31, 32, 33, 63, 64, 65, 127, 128, 129, 256):
+        head.argmax(torch.randn(rows, hidden, device=device, dtype=head.dtype))
+
+
 def kernel_profile(drafter, head, sequences, rows: int = 30) -> list[dict]:
     """The kernels that take the most device time in one engine run (torch.profiler)."""
     from torch.profiler import ProfilerActivity, profile
@@ -346,6 +393,17 @@ def main() -> None:
     )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
+        "--triton-references",
+        action="store_true",
+        help="run the Triton variants' stages with the kernels' torch references (the benchmark's own check)",
+    )
+    parser.add_argument(
+        "--head-tie-tolerance",
+        type=float,
+        default=1e-3,
+        help="largest torch logit gap between the Triton head's token and the torch head's where they differ",
+    )
+    parser.add_argument(
         "--profile-tokens",
         type=int,
         default=96,
@@ -397,6 +455,9 @@ def main() -> None:
     ids = torch.randint(0, shape["vocab"] - 1, (B, L), device=device, generator=generator)
     decisive = decisive_head(drafter, head, features, ids, P, args.lead) if args.lead > 0 else {}
     noise = logit_noise(drafter, head, features, ids, P)
+    # The drafter's outputs at draft positions, with the decisive head: the rows the Triton head is
+    # checked on (later, when the features have left the device).
+    probe_rows = probe_states(drafter, head, features, ids, P).to(dtype)
     threshold = max(args.margin_factor * noise, 1e-4)
     if decisive:
         random_gaps = decisive.pop("_random_gaps")
@@ -492,6 +553,27 @@ def main() -> None:
         identical={"planted_accept_lengths": [r.accept_lengths for r in results] == planted.accept_lengths},
     )
     identical = record.data["identical"]
+    if args.triton_references:
+        from score_triton_check import references_as_kernels
+
+        references_as_kernels()
+    triton_ready = args.triton_references or (device == "cuda" and kernels.triton_available())
+
+    if triton_ready and time_left():
+        record.begin("triton head tokens")
+        random_rows = torch.randn(B * POSITIONS_PER_PASS, shape["hidden"], device=device, dtype=dtype)
+        checks = {
+            name: triton_head_tokens(
+                head, rows, drafter.output_multiplier, drafter.logit_softcap, args.head_tie_tolerance, device
+            )
+            for name, rows in (("drafter_outputs", probe_rows), ("random_rows", random_rows))
+        }
+        identical["triton_head_tokens_on_drafter_outputs"] = checks["drafter_outputs"]["mismatches"] == 0
+        identical["triton_head_mismatches_on_random_rows_at_near_ties"] = checks["random_rows"][
+            "within_tolerance"
+        ]
+        record.stage("triton head tokens", triton_head_tokens=checks)
+    del probe_rows
 
     record.begin("sequential oracle")
     subset = sequences[: shape["subset"]]
@@ -555,6 +637,38 @@ def main() -> None:
         block_attention.KERNEL, target_head.DEFAULT_VOCAB_CHUNK = chosen
         identical["reference_kernels_vs_chosen"] = same(plain, results)
         record.stage("engine, reference kernels")
+    # The Triton kernels one switch at a time and together, on the same inputs; their first calls
+    # compile (timed apart). Any failure is recorded and fails the run.
+    triton_variants = {
+        "triton_head": ("triton", "eager"),
+        "triton_elementwise": ("torch", "triton"),
+        "triton_head_and_elementwise": ("triton", "triton"),
+    }
+    for name, (head_kernel, elementwise) in triton_variants.items():
+        if not (triton_ready and time_left()):
+            runs.setdefault(
+                name, {"skipped": "no CUDA device or no triton" if not triton_ready else "deadline"}
+            )
+            continue
+        record.begin(f"engine, {name}")
+        target_head.ARGMAX_KERNEL, drafter_ops.ELEMENTWISE = head_kernel, elementwise
+        try:
+            _, compile_seconds = timed(
+                lambda: (
+                    warm_triton(head, shape["hidden"], device),
+                    offline_acceptance(drafter, head, cut(P + 3 * bs)),
+                ),
+                device,
+            )
+            variant, runs[name] = engine(POSITIONS_PER_PASS)
+            runs[name]["first_calls_with_compilation_s"] = compile_seconds
+            identical[f"{name}_vs_torch"] = same(variant, results)
+        except Exception as error:  # noqa: BLE001 (recorded, and the run fails)
+            runs[name] = {"error": f"{type(error).__name__}: {str(error)[:300]}"}
+            identical[f"{name}_vs_torch"] = False
+        finally:
+            target_head.ARGMAX_KERNEL, drafter_ops.ELEMENTWISE = "torch", "eager"
+        record.stage(f"engine, {name}")
     if time_left():
         record.begin("engine, head over all positions")
         full_head, runs["all_positions"] = engine(bs - 1)

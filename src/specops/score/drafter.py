@@ -30,7 +30,7 @@ from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RotaryEmbedd
 
 from specops.score.block_attention import block_attention, context_slots
 from specops.score.dflash_config import DrafterError, dflash_value, target_layer_ids
-from specops.score.drafter_ops import RMSNorm, apply_rope, fuse_linears, fused_linears
+from specops.score.drafter_ops import RMSNorm, fuse_linears, fused_linears, norm_rope, silu_mul
 
 SUPPORTED_ARCHITECTURES = ("DFlashDraftModel",)
 SUPPORTED_LAYER_TYPES = ("full_attention", "sliding_attention")
@@ -93,9 +93,8 @@ class DFlashAttention(nn.Module):
             weight, bias = fused
             first = self.num_heads * self.head_dim
             k, v = F.linear(x, weight[first:], None if bias is None else bias[first:]).chunk(2, dim=-1)
-        k = self.k_norm(k.reshape(shape)).transpose(-2, -3)
-        v = v.reshape(shape).transpose(-2, -3)
-        return apply_rope(k, cos.unsqueeze(-3), sin.unsqueeze(-3)), v
+        k = norm_rope(k.reshape(shape), self.k_norm, cos, sin).transpose(-2, -3)
+        return k, v.reshape(shape).transpose(-2, -3)
 
     def visibility(self, queries: torch.Tensor, keys: torch.Tensor) -> torch.Tensor | None:
         """Which key positions each query position sees ([len(queries), len(keys)] bool), or None
@@ -139,10 +138,9 @@ class DFlashAttention(nn.Module):
         h, g, d = self.num_kv_heads, self.groups, self.head_dim
         q, k, v = self.projections(x, rows_alike).split([h * g * d, h * d, h * d], dim=-1)
         # Query heads are grouped as kv_head * groups + g (transformers' repeat_kv order).
-        q = self.q_norm(q.view(*x.shape[:-1], h, g, d))
-        q = apply_rope(q, cos[..., None, None, :], sin[..., None, None, :])
+        q = norm_rope(q.view(*x.shape[:-1], h * g, d), self.q_norm, cos, sin).view(*x.shape[:-1], h, g, d)
         shape = (*x.shape[:-1], h, d)
-        k = apply_rope(self.k_norm(k.view(shape)).transpose(-2, -3), cos.unsqueeze(-3), sin.unsqueeze(-3))
+        k = norm_rope(k.view(shape), self.k_norm, cos, sin).transpose(-2, -3)
         return q, k, v.view(shape).transpose(-2, -3)
 
     def forward(self, x, cos, sin, starts, ctx_k, ctx_v, context_len=None, rows_alike=False):
@@ -171,14 +169,14 @@ class DFlashLayer(nn.Module):
         self._gate_up: tuple[torch.Tensor, torch.Tensor | None] | None = None
 
     def feed_forward(self, x: torch.Tensor) -> torch.Tensor:
-        """The MLP: one product for gate and up where they are fused, the activation and the product
-        with up in two in-place passes; Qwen3MLP's own forward otherwise."""
+        """The MLP: one product for gate and up where they are fused, then the activation and the product
+        with up (`silu_mul`: two in-place passes, or one kernel); Qwen3MLP's own forward otherwise."""
         mlp = self.mlp
         fused = fused_linears(self._gate_up, (mlp.gate_proj, mlp.up_proj))
         if fused is None:
             return mlp(x)
         gate, up = F.linear(x, *fused).chunk(2, dim=-1)
-        return mlp.down_proj(mlp.act_fn(gate).mul_(up))
+        return mlp.down_proj(silu_mul(mlp.act_fn, gate, up))
 
     def forward(self, x, cos, sin, starts, ctx_k, ctx_v, context_len=None, rows_alike=False):
         y = self.input_layernorm(x)

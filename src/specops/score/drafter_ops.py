@@ -1,6 +1,8 @@
 """The drafter's elementwise steps and its fused projections, written for fewer passes over memory.
 
 `RMSNorm` and `apply_rope` compute what transformers' Qwen3 modules compute in fewer kernels;
+`norm_rope` and `silu_mul` are the chains the drafter runs on every block, which `ELEMENTWISE =
+"triton"` runs as one Triton kernel each where they apply (`specops.score.kernels`);
 `fuse_linears` concatenates projections that read the same input into one matrix (q/k/v, gate/up) with
 the separate linears left as views of it, and `fused_linears` hands the matrix out only while it is
 still theirs.
@@ -11,7 +13,16 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+from transformers.activations import SiLUActivation
 from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
+
+from specops.score import kernels
+
+# "eager": torch's kernels, a few passes over memory per chain; "triton": `norm_rope` and `silu_mul` as
+# one Triton kernel each where `kernels.applies` (CUDA, half precision, triton importable), eager
+# elsewhere. torch.compile of the same chains measured no gain on the H100 (benchmarks/README.md); the
+# kernels are measured beside eager in benchmarks/score_real_h200.py ("engine, triton elementwise").
+ELEMENTWISE = "eager"
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -67,3 +78,46 @@ def fused_linears(
             return None
         first += linear.weight.shape[0]
     return fused
+
+
+def norm_rope(x: torch.Tensor, norm: RMSNorm, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE of norm(x) for x [..., heads, head_dim] (the queries' and keys' q_norm/k_norm, then the
+    rotation); cos/sin [..., head_dim] per token, broadcasting over x's leading token dimensions."""
+    if ELEMENTWISE == "triton" and kernels.applies(x, norm.weight, cos, sin):
+        from specops.score.kernels.norm_rope import norm_rope as kernel
+
+        heads, d = x.shape[-2:]
+        tokens = x.shape[:-2]
+        rows = kernel(
+            x.reshape(-1, heads, d), norm.weight, norm.variance_epsilon, *per_token(cos, sin, tokens)
+        )
+        return rows.view(x.shape)
+    return apply_rope(norm(x), cos.unsqueeze(-2), sin.unsqueeze(-2))
+
+
+def per_token(
+    cos: torch.Tensor, sin: torch.Tensor, tokens: tuple[int, ...]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin as [rows, head_dim] for x's tokens flattened, token t reading row t % rows: a view where
+    their token dimensions are the last of x's (the context's [T] against x's [B, T]), expanded else."""
+    d = cos.shape[-1]
+    lead = tuple(cos.shape[:-1])
+    while lead and lead[0] == 1:
+        lead = lead[1:]
+    if len(lead) > len(tokens) or tuple(tokens[len(tokens) - len(lead) :]) != lead:
+        cos, sin = cos.expand(*tokens, d), sin.expand(*tokens, d)
+    return cos.reshape(-1, d), sin.reshape(-1, d)
+
+
+def silu_mul(act_fn: nn.Module, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """act_fn(gate) * up, the MLP's product with up; gate is overwritten on the eager path."""
+    if (
+        ELEMENTWISE == "triton"
+        and isinstance(act_fn, (SiLUActivation, nn.SiLU))
+        and kernels.applies(gate, up)
+    ):
+        from specops.score.kernels.silu_mul import silu_mul as kernel
+
+        n = gate.shape[-1]
+        return kernel(gate.reshape(-1, n), up.reshape(-1, n)).view(gate.shape)
+    return act_fn(gate).mul_(up)

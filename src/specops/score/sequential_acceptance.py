@@ -12,7 +12,8 @@ import torch
 import torch.nn.functional as F
 
 from specops.score.acceptance import SequenceAcceptance, as_input
-from specops.score.drafter import DFlashAttention, DFlashDrafter, apply_rope
+from specops.score.drafter import DFlashAttention, DFlashDrafter
+from specops.score.drafter_ops import apply_rope
 from specops.score.target_head import TargetHead
 
 

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from specops.model_files import EMBED_NAMES, LM_HEAD_NAMES
+from specops.score import kernels
 
 # Logits for this many bytes at most are alive at once in `argmax`.
 DEFAULT_LOGITS_BUDGET = 1 << 30
@@ -23,6 +24,12 @@ DEFAULT_LOGITS_BUDGET = 1 << 30
 # 8,192 tokens: the smaller products run further from the matrix rate than the logits' traffic costs;
 # benchmarks/score_real_h200.json, kernels.head_vocab_chunks).
 DEFAULT_VOCAB_CHUNK: int | None = None
+# "torch": float32 logits from one product (or vocabulary chunks, above), then their argmax. "triton": the
+# product with its argmax in one kernel that writes each tile's row maxima and first indices instead of
+# logits (specops.score.kernels.head_argmax), where `kernels.applies` (CUDA, half precision, triton
+# importable) and no softcap is set (tanh in the epilogue could round otherwise than torch's and turn a
+# close call); the torch path elsewhere. Measured beside "torch" in benchmarks/score_real_h200.py.
+ARGMAX_KERNEL = "torch"
 
 
 class TargetHeadError(ValueError):
@@ -97,15 +104,28 @@ class TargetHead:
         torch.argmax over the whole vocabulary gives them: within a chunk torch.argmax returns the
         first maximum, and a later chunk replaces the running best only when strictly greater (or
         NaN, which torch.argmax also takes as the maximum). Chunking over rows never changes a row.
+        The Triton kernel (ARGMAX_KERNEL) follows the same order, but its float32 sums run in another
+        order than cuBLAS's: a token can differ only where two logits are within that rounding.
         """
         flat = hidden.reshape(-1, hidden.shape[-1])
         vocab = self.vocab_size
-        chunk = min(self.vocab_chunk or DEFAULT_VOCAB_CHUNK or vocab, vocab)
+        fused = self.fused_argmax_applies(flat, softcap)
+        chunk = vocab if fused else min(self.vocab_chunk or DEFAULT_VOCAB_CHUNK or vocab, vocab)
+        # The fused kernel's partials are far smaller than logits; the same row chunks keep it simple.
         rows = max(1, self.logits_budget_bytes // (chunk * 4))
         out = torch.empty(flat.shape[0], dtype=torch.long, device=flat.device)
         for i in range(0, flat.shape[0], rows):
-            out[i : i + rows] = self._chunked_argmax(flat[i : i + rows], chunk, multiplier, softcap)
+            if fused:
+                from specops.score.kernels.head_argmax import head_argmax
+
+                out[i : i + rows] = head_argmax(flat[i : i + rows], self.lm_head_weight, multiplier)
+            else:
+                out[i : i + rows] = self._chunked_argmax(flat[i : i + rows], chunk, multiplier, softcap)
         return out.view(hidden.shape[:-1])
+
+    def fused_argmax_applies(self, rows: torch.Tensor, softcap: float | None) -> bool:
+        """Whether `argmax` runs the Triton kernel on these rows (see ARGMAX_KERNEL)."""
+        return ARGMAX_KERNEL == "triton" and softcap is None and kernels.applies(rows, self.lm_head_weight)
 
     def _chunked_argmax(
         self, rows: torch.Tensor, chunk: int, multiplier: float, softcap: float | None

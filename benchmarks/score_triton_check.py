@@ -1,0 +1,360 @@
+"""The Triton kernels of specops.score.kernels against their torch references and the engine's torch paths.
+
+    PYTHONPATH=src python3 benchmarks/score_triton_check.py                  # a CUDA device with triton
+    PYTHONPATH=src python3 benchmarks/score_triton_check.py --references     # CPU: the script itself, with
+                                                                             # the references as kernels
+
+At the real drafter's shapes (hidden 5120, vocabulary 248,320, intermediate 17,408, 32/8 heads of 128;
+the rows the engine hands over: 768 per head pass, 3,840 over all positions, 15 in the oracle) and at
+odd ones (rows that are not a multiple of the tile, a vocabulary and a hidden size that are not, a
+head_dim of 64 and of 96), in bf16 and fp16, through the engine's own entry points
+(`TargetHead.argmax`, `drafter_ops.norm_rope`, `drafter_ops.silu_mul`) with the switches on and off:
+
+- the head: the kernel's tokens against the torch head's. The kernel sums in another order than
+  cuBLAS, so a token may differ only at a near-tie: each mismatch's gap between the two tokens' torch
+  logits must be under --tie-tolerance. Exact ties across tiles go to the lowest token, a row of zeros
+  to token 0, a NaN logit wins as in torch.argmax. Times of both at 768 rows, for a few tile settings.
+- SiLU-and-mul and the q/k norm with RoPE: the largest difference from the reference (which computes
+  what the kernel does, in torch: at most 2 units of the dtype's last place at max(|value|, 1)), and from
+  eager torch (reported: eager rounds twice where the kernels round once). Times of both.
+
+Prints a JSON summary (and writes it to --out or $OUT/score_triton_check.json); exits 1 if a check fails.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+try:
+    import specops  # noqa: F401
+except ImportError:
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+
+import torch
+from torch import nn
+
+import specops.score.drafter_ops as drafter_ops
+import specops.score.kernels as kernels
+import specops.score.target_head as target_head
+from specops.score.drafter_ops import RMSNorm
+from specops.score.kernels import reference
+from specops.score.target_head import TargetHead
+
+REAL = {"hidden": 5120, "vocab": 248320, "intermediate": 17408, "heads": 32, "kv_heads": 8, "head_dim": 128}
+SMALL = {"hidden": 64, "vocab": 1000, "intermediate": 96, "heads": 4, "kv_heads": 2, "head_dim": 16}
+TILE_SETTINGS = [
+    {"block_m": 128, "block_n": 128, "block_k": 64, "num_warps": 8, "num_stages": 4},
+    {"block_m": 128, "block_n": 128, "block_k": 64, "num_warps": 4, "num_stages": 4},
+    {"block_m": 128, "block_n": 256, "block_k": 64, "num_warps": 8, "num_stages": 3},
+    {"block_m": 64, "block_n": 128, "block_k": 64, "num_warps": 4, "num_stages": 4},
+    {"block_m": 64, "block_n": 256, "block_k": 64, "num_warps": 8, "num_stages": 4},
+]
+EPS = {torch.bfloat16: 2**-8, torch.float16: 2**-11, torch.float32: 2**-24}  # half a unit in the last place
+
+
+def references_as_kernels() -> None:
+    """The CPU run: the references stand in for the kernels, and the kernels' rule says yes."""
+    kernels.applies = lambda *tensors: True  # type: ignore[assignment]
+    sys.modules["specops.score.kernels.head_argmax"] = SimpleNamespace(head_argmax=reference.head_argmax)  # type: ignore[assignment]
+    sys.modules["specops.score.kernels.silu_mul"] = SimpleNamespace(silu_mul=reference.silu_mul)  # type: ignore[assignment]
+    sys.modules["specops.score.kernels.norm_rope"] = SimpleNamespace(norm_rope=reference.norm_rope)  # type: ignore[assignment]
+
+
+def timed_ms(fn, device: str, repeat: int = 10) -> float:
+    fn()
+    if device == "cuda":
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(repeat):
+        fn()
+    if device == "cuda":
+        torch.cuda.synchronize()
+    return (time.perf_counter() - start) / repeat * 1e3
+
+
+def ulps(found: torch.Tensor, expected: torch.Tensor) -> float:
+    """The largest difference in units of the dtype's last place at max(|expected|, 1)."""
+    scale = expected.float().abs().clamp_min(1.0) * 2 * EPS[expected.dtype]
+    return float(((found.float() - expected.float()).abs() / scale).max()) if found.numel() else 0.0
+
+
+# ---------------------------------------------------------------------------------------------
+# The head
+# ---------------------------------------------------------------------------------------------
+
+
+def head_tokens(head: TargetHead, rows: torch.Tensor, multiplier: float, kernel: str) -> torch.Tensor:
+    saved = target_head.ARGMAX_KERNEL
+    target_head.ARGMAX_KERNEL = kernel
+    try:
+        return head.argmax(rows, multiplier)
+    finally:
+        target_head.ARGMAX_KERNEL = saved
+
+
+def head_case(head: TargetHead, rows: torch.Tensor, multiplier: float, tolerance: float) -> dict:
+    """The kernel's tokens against the torch head's on rows: mismatches, and the torch logits' gap at each."""
+    expected = head_tokens(head, rows, multiplier, "torch")
+    found = head_tokens(head, rows, multiplier, "triton")
+    wrong = (found != expected).nonzero().flatten()
+    gap = 0.0
+    if len(wrong):
+        logits = head.logits(rows[wrong], multiplier)
+        gaps = logits.gather(-1, expected[wrong, None]) - logits.gather(-1, found[wrong, None])
+        gap = float(gaps.abs().max())
+    return {
+        "rows": rows.shape[0],
+        "hidden": rows.shape[1],
+        "vocab": head.vocab_size,
+        "dtype": str(rows.dtype).removeprefix("torch."),
+        "multiplier": multiplier,
+        "mismatches": len(wrong),
+        "largest_gap_at_a_mismatch": gap,
+        "ok": gap <= tolerance,
+    }
+
+
+def random_head(vocab: int, hidden: int, dtype, device, seed: int) -> TargetHead:
+    generator = torch.Generator(device=device).manual_seed(seed)
+    weight = torch.randn(vocab, hidden, device=device, generator=generator) * hidden**-0.5
+    return TargetHead(weight.to(dtype), weight.to(dtype))
+
+
+def random_rows(rows: int, hidden: int, dtype, device, seed: int) -> torch.Tensor:
+    generator = torch.Generator(device=device).manual_seed(seed)
+    return torch.randn(rows, hidden, device=device, generator=generator).to(dtype)
+
+
+def head_checks(shape: dict, dtype, device: str, tolerance: float, timing: bool) -> dict:
+    H, V = shape["hidden"], shape["vocab"]
+    cases = []
+    real = random_head(V, H, dtype, device, seed=0)
+    for rows in (768, 3840, 15, 1):
+        cases.append(head_case(real, random_rows(rows, H, dtype, device, rows), 1.0, tolerance))
+    # Rows and a vocabulary that are not a multiple of the tile, hidden sizes that are not a multiple of
+    # BLOCK_K, a negative multiplier (the epilogue's scaling turns the order).
+    for rows, hidden, vocab, multiplier in ((130, H, V - 5, 0.7), (37, 200, 1000, -1.3), (17, 96, 129, 1.0)):
+        head = random_head(vocab, hidden, dtype, device, seed=rows)
+        cases.append(
+            head_case(head, random_rows(rows, hidden, dtype, device, rows + 1), multiplier, tolerance)
+        )
+    found = {"cases": cases, "ties_and_nan": head_ties(dtype, device)}
+    if timing:
+        found["timing_768_rows"] = head_timing(real, random_rows(768, H, dtype, device, 9), device)
+    found["ok"] = all(c["ok"] for c in cases) and found["ties_and_nan"]["ok"]
+    return found
+
+
+def head_ties(dtype, device: str) -> dict:
+    """Exact ties across tiles (one row shared by tokens 5, 300 and the last), a row of zeros, a NaN logit."""
+    vocab, hidden = 1000, 64
+    head = random_head(vocab, hidden, dtype, device, seed=3)
+    lead = torch.ones(hidden, device=device, dtype=dtype)
+    for token in (5, 300, vocab - 1):
+        head.lm_head_weight[token] = lead
+    rows = torch.zeros(3, hidden, device=device, dtype=dtype)
+    rows[0] = lead
+    rows[2, 7] = float("nan")
+    found = {"ties_then_zeros_then_nan_row": head_tokens(head, rows, 1.0, "triton").tolist()}
+    found["torch"] = head_tokens(head, rows, 1.0, "torch").tolist()
+    head.lm_head_weight[777] = float("nan")
+    found["nan_logit"] = head_tokens(head, rows[:2], 1.0, "triton").tolist()
+    found["ok"] = found["ties_then_zeros_then_nan_row"] == found["torch"] == [5, 0, 0] and found[
+        "nan_logit"
+    ] == [777, 777]
+    return found
+
+
+def head_timing(head: TargetHead, rows: torch.Tensor, device: str) -> dict:
+    timing = {"torch_ms": timed_ms(lambda: head_tokens(head, rows, 1.0, "torch"), device)}
+    if device != "cuda":
+        return timing
+    from specops.score.kernels.head_argmax import head_argmax
+
+    expected = head_tokens(head, rows, 1.0, "torch")
+    for tiles in TILE_SETTINGS:
+        name = "triton " + " ".join(f"{k}={v}" for k, v in tiles.items())
+        try:
+            tokens = head_argmax(rows, head.lm_head_weight, 1.0, **tiles)
+            ms = timed_ms(lambda tiles=tiles: head_argmax(rows, head.lm_head_weight, 1.0, **tiles), device)
+            timing[name] = {"ms": ms, "mismatches_vs_torch": int((tokens != expected).sum())}
+        except Exception as error:  # a setting this device cannot hold (shared memory): recorded
+            timing[name] = {"error": f"{type(error).__name__}: {str(error)[:200]}"}
+    return timing
+
+
+# ---------------------------------------------------------------------------------------------
+# SiLU-and-mul and the q/k norm with RoPE
+# ---------------------------------------------------------------------------------------------
+
+
+def elementwise(kind: str, fn):
+    saved = drafter_ops.ELEMENTWISE
+    drafter_ops.ELEMENTWISE = kind
+    try:
+        return fn()
+    finally:
+        drafter_ops.ELEMENTWISE = saved
+
+
+def silu_case(rows: int, n: int, dtype, device: str, timing: bool) -> dict:
+    generator = torch.Generator(device=device).manual_seed(rows)
+    # The fused gate-up product's two halves, as DFlashLayer.feed_forward hands them over.
+    product = (torch.randn(rows, 2 * n, device=device, generator=generator) * 2).to(dtype)
+    gate, up = product.chunk(2, dim=-1)
+    act = nn.SiLU()
+    found = elementwise("triton", lambda: drafter_ops.silu_mul(act, gate.clone(), up))
+    eager = elementwise("eager", lambda: drafter_ops.silu_mul(act, gate.clone(), up))
+    case = {
+        "rows": rows,
+        "intermediate": n,
+        "dtype": str(dtype).removeprefix("torch."),
+        "ulps_vs_reference": ulps(found, reference.silu_mul(gate, up)),
+        "ulps_vs_eager": ulps(found, eager),
+        "elements_unlike_eager": float((found != eager).float().mean()),
+    }
+    if timing:
+        # Eager overwrites gate: on a copy of the product, as strided as the original.
+        gate_copy, up_copy = product.clone().chunk(2, dim=-1)
+        case["eager_ms"] = timed_ms(lambda: act(gate_copy).mul_(up_copy), device)
+        case["triton_ms"] = timed_ms(
+            lambda: elementwise("triton", lambda: drafter_ops.silu_mul(act, gate, up)), device
+        )
+    case["ok"] = case["ulps_vs_reference"] <= 2
+    return case
+
+
+def rope_angles(positions: torch.Tensor, d: int, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    inv_freq = 1e6 ** -(torch.arange(0, d, 2, device=positions.device).float() / d)
+    angles = positions.float()[..., None] * inv_freq
+    angles = torch.cat([angles, angles], dim=-1)
+    return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+def norm_rope_case(
+    name: str,
+    tokens: tuple[int, ...],
+    heads: int,
+    d: int,
+    columns: tuple[int, int],
+    cos_tokens,
+    dtype,
+    device,
+    timing,
+) -> dict:
+    """x: heads x d columns [first, first + heads * d) of a wider product (a strided view, as q and k are);
+    cos/sin per token of cos_tokens (x's last token dimensions)."""
+    generator = torch.Generator(device=device).manual_seed(heads * d)
+    first, width = columns
+    product = torch.randn(*tokens, width, device=device, generator=generator).to(dtype)
+    x = product[..., first : first + heads * d].view(*tokens, heads, d)
+    norm = RMSNorm(d, eps=1e-6).to(device=device, dtype=dtype)
+    with torch.no_grad():
+        norm.weight.copy_(torch.rand(d, device=device, generator=generator) + 0.5)
+    positions = torch.arange(int(torch.tensor(cos_tokens).prod()), device=device).view(cos_tokens) + 7
+    cos, sin = rope_angles(positions, d, dtype)
+    with torch.inference_mode():
+        found = elementwise("triton", lambda: drafter_ops.norm_rope(x, norm, cos, sin))
+        eager = elementwise("eager", lambda: drafter_ops.norm_rope(x, norm, cos, sin))
+        rows = drafter_ops.per_token(cos, sin, tuple(tokens))
+        expected = reference.norm_rope(x.reshape(-1, heads, d), norm.weight, 1e-6, *rows).view(x.shape)
+    case = {
+        "name": name,
+        "x": list(x.shape),
+        "cos": list(cos.shape),
+        "dtype": str(dtype).removeprefix("torch."),
+        "ulps_vs_reference": ulps(found, expected),
+        "ulps_vs_eager": ulps(found, eager),
+        "elements_unlike_eager": float((found != eager).float().mean()),
+    }
+    if timing:
+        with torch.inference_mode():
+            for kind in ("eager", "triton"):
+                case[f"{kind}_ms"] = timed_ms(
+                    lambda kind=kind: elementwise(kind, lambda: drafter_ops.norm_rope(x, norm, cos, sin)),
+                    device,
+                )
+    case["ok"] = case["ulps_vs_reference"] <= 2
+    return case
+
+
+def elementwise_checks(shape: dict, dtype, device: str, timing: bool) -> dict:
+    n, heads, kv_heads, d = shape["intermediate"], shape["heads"], shape["kv_heads"], shape["head_dim"]
+    qkv = (heads + 2 * kv_heads) * d
+    silu = [silu_case(rows, n, dtype, device, timing) for rows in (4096, 15)]
+    silu.append(silu_case(37, 1003, dtype, device, False))
+    rope = [
+        # The blocks' queries and keys: 256 blocks of 16, columns of the fused q/k/v product.
+        norm_rope_case("block queries", (256, 16), heads, d, (0, qkv), (256, 16), dtype, device, timing),
+        norm_rope_case(
+            "block keys", (256, 16), kv_heads, d, (heads * d, qkv), (256, 16), dtype, device, False
+        ),
+        # The context's keys: one cos row per position, shared by the sequences.
+        norm_rope_case(
+            "context keys", (8, 1128), kv_heads, d, (0, 2 * kv_heads * d), (1128,), dtype, device, timing
+        ),
+        # 15 rows (not a multiple of the kernel's 16), head_dim 64; head_dim 96 (half not a power of 2).
+        norm_rope_case("odd rows, head_dim 64", (5,), 3, 64, (0, 3 * 64), (5,), dtype, device, False),
+        norm_rope_case("head_dim 96", (2, 7), 5, 96, (96, 7 * 96), (7,), dtype, device, False),
+    ]
+    return {"silu_mul": silu, "norm_rope": rope, "ok": all(c["ok"] for c in silu + rope)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--references", action="store_true", help="CPU: the references in the kernels' place")
+    parser.add_argument("--small", action="store_true", help="small shapes instead of the real drafter's")
+    parser.add_argument(
+        "--tie-tolerance", type=float, default=1e-3, help="largest torch logit gap at a mismatch"
+    )
+    parser.add_argument(
+        "--out", help="JSON file to write (default $OUT/score_triton_check.json when OUT is set)"
+    )
+    args = parser.parse_args()
+    if args.references:
+        references_as_kernels()
+        device = "cpu"
+    elif not (torch.cuda.is_available() and kernels.triton_available()):
+        sys.exit("score_triton_check.py needs a CUDA device and triton (or --references on the CPU)")
+    else:
+        device = "cuda"
+    shape = SMALL if args.small or args.references else REAL
+    dtypes = (torch.bfloat16, torch.float16)
+    summary: dict = {
+        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "command": "PYTHONPATH=src python3 benchmarks/score_triton_check.py " + " ".join(sys.argv[1:]),
+        "device": torch.cuda.get_device_name() if device == "cuda" else "cpu (references as kernels)",
+        "torch": torch.__version__,
+        "triton": __import__("triton").__version__ if device == "cuda" else None,
+        "shape": shape,
+        "tie_tolerance": args.tie_tolerance,
+    }
+    with torch.inference_mode():
+        for dtype in dtypes:
+            name = str(dtype).removeprefix("torch.")
+            timing = dtype == torch.bfloat16
+            summary[f"head_{name}"] = head_checks(shape, dtype, device, args.tie_tolerance, timing)
+            summary[f"elementwise_{name}"] = elementwise_checks(shape, dtype, device, timing)
+            if device == "cuda":
+                torch.cuda.empty_cache()
+    summary["ok"] = all(v["ok"] for k, v in summary.items() if k.startswith(("head_", "elementwise_")))
+    text = json.dumps(summary, indent=2)
+    print(text)
+    out = args.out or (
+        os.path.join(os.environ["OUT"], "score_triton_check.json") if os.environ.get("OUT") else None
+    )
+    if out:
+        Path(out).parent.mkdir(parents=True, exist_ok=True)
+        Path(out).write_text(text + "\n")
+    if not summary["ok"]:
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()

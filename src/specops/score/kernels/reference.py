@@ -1,0 +1,72 @@
+"""What each Triton kernel of this package computes, in torch: the kernels are checked against these
+(benchmarks/score_triton_check.py on a GPU), and the engine's wiring is tested on the CPU with these in
+the kernels' place. Same signatures as the kernels' launchers."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from specops.score.kernels.argmax_order import combine_partials, takes_first
+
+
+def head_argmax(
+    x: torch.Tensor, weight: torch.Tensor, multiplier: float = 1.0, block_n: int = 128
+) -> torch.Tensor:
+    """Token ids [rows] of argmax(x @ weight.T * multiplier) through the kernel's steps: float32 logits,
+    each tile of block_n tokens folded to (maximum, first index) with `takes_first`, the tiles combined."""
+    values, indices = head_argmax_partials(x, weight, multiplier, block_n)
+    return combine_partials(values, indices)
+
+
+def head_argmax_partials(
+    x: torch.Tensor, weight: torch.Tensor, multiplier: float, block_n: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(values [rows, tiles] float32, indices [rows, tiles] int32): each tile's row maxima and first index."""
+    logits = F.linear(x.float(), weight.float()) * multiplier
+    rows, vocab = logits.shape
+    tiles = -(-vocab // block_n)
+    # The kernel's padding: columns past the vocabulary are -inf, with indices past it.
+    padded = logits.new_full((rows, tiles * block_n), float("-inf"))
+    padded[:, :vocab] = logits
+    values = padded.view(rows, tiles, block_n)
+    index = torch.arange(tiles * block_n, dtype=torch.int32, device=x.device).view(1, tiles, block_n)
+    indices = index.expand(rows, tiles, block_n)
+    return fold(values, indices)
+
+
+def fold(values: torch.Tensor, indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Reduce the last dimension pairwise with `takes_first` (a tree, as a kernel's reduction runs)."""
+    while values.shape[-1] > 1:
+        if values.shape[-1] % 2:
+            values = torch.cat([values, values[..., -1:]], dim=-1)
+            indices = torch.cat([indices, indices[..., -1:]], dim=-1)
+        va, vb = values[..., 0::2], values[..., 1::2]
+        ia, ib = indices[..., 0::2], indices[..., 1::2]
+        first = takes_first(va, ia, vb, ib)
+        values, indices = torch.where(first, va, vb), torch.where(first, ia, ib)
+    return values[..., 0], indices[..., 0]
+
+
+def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """SiLU(gate) * up [rows, n] in float32, rounded once (as SGLang's fused silu_and_mul; torch's eager
+    act_fn(gate).mul_(up) rounds twice)."""
+    return (F.silu(gate.float()) * up.float()).to(gate.dtype)
+
+
+def norm_rope(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor
+) -> torch.Tensor:
+    """RoPE of RMSNorm(x) for x [tokens, heads, head_dim]; cos/sin [rows, head_dim], token t reading row
+    t % rows. The norm as torch's rms_norm (float32, times the weight, rounded once), the rotation in
+    float32 and rounded once (eager `apply_rope` rounds x * cos before adding the other half's term)."""
+    tokens, d = x.shape[0], x.shape[-1]
+    normed = F.rms_norm(x.float(), (d,), weight.float(), eps).to(x.dtype).float()
+    per_token = torch.arange(tokens, device=x.device) % cos.shape[0]
+    c, s = cos[per_token].float()[:, None, :], sin[per_token].float()[:, None, :]
+    half = d // 2
+    lo, hi = normed[..., :half], normed[..., half:]
+    out = torch.cat(
+        [lo * c[..., :half] - hi * s[..., :half], hi * c[..., half:] + lo * s[..., half:]], dim=-1
+    )
+    return out.to(x.dtype)
