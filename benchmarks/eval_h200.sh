@@ -170,8 +170,13 @@ for play in plays:
     # The client that kept requests in flight through a memory-saver window, and the server's pid.
     for key, name in (("client", "loadgen.json"), ("pids", "pids.json"), ("sequential_check", "sequential.json")):
         path = work / "logs" / f"{play['play']}.{name}"
-        if path.is_file() and path.read_text().strip():
-            play[key] = json.loads(path.read_text().splitlines()[-1])
+        text = path.read_text().strip() if path.is_file() else ""
+        if text:
+            # One JSON document (the sequential check's, indented), or a log whose last line is one.
+            try:
+                play[key] = json.loads(text)
+            except ValueError:
+                play[key] = json.loads(text.splitlines()[-1])
     # Where the play's time went: its eight slowest tasks (ansible's junit callback).
     tasks = [(float(case.get("time") or 0), case.get("name", "")) for xml in (work / "junit" / play["play"]).glob("*.xml")
              for case in ET.parse(xml).iter("testcase")]
