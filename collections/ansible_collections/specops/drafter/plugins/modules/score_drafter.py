@@ -354,8 +354,8 @@ plots:
 import os
 import re
 
-from ansible_collections.specops.drafter.plugins.module_utils import cpu_scope
-from ansible_collections.specops.drafter.plugins.module_utils.stage_runner import stage_module, stage_result
+from ansible_collections.specops.drafter.plugins.module_utils.stages import cpu_scope
+from ansible_collections.specops.drafter.plugins.module_utils.stages.stage_runner import stage_module, stage_result
 
 # The request's options: specops.score REQUEST declares them (tests/ansible/test_stage_schemas.py checks).
 REQUEST_OPTIONS = dict(
