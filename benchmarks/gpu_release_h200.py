@@ -28,7 +28,7 @@ from pathlib import Path
 
 UTILS = (
     Path(__file__).resolve().parents[1]
-    / "collections/ansible_collections/specops/drafter/plugins/module_utils/gpu_release.py"
+    / "collections/ansible_collections/specops/drafter/plugins/module_utils/gpus/gpu_release.py"
 )
 
 HOLDER = r"""

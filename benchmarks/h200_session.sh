@@ -30,7 +30,7 @@ fi
 nvidia-smi --query-gpu=memory.used --format=csv,noheader
 df -h "$WORK" | tail -1
 ls "$WORK/done"
-# The stage hosts of this lease (plugins/module_utils/stage_host.py): which environments had one, and
+# The stage hosts of this lease (plugins/module_utils/stages/stage_host.py): which environments had one, and
 # whether any failed to start (a <socket>.failed file) or refused a call.
 for log in "${XDG_RUNTIME_DIR:-/tmp}/specops-stage-host-$(id -u)"/*.log; do
   [ -f "$log" ] && { echo "== stage host log $log"; tail -5 "$log"; }

@@ -2,7 +2,7 @@
 
 One run, three phases side by side against one development server (the fixture target, on the CPU):
 no scoring; the score stage run back to back, unbounded (as eval.yml scored before the placement); and
-the same, bounded as `specops_score_placement: cpu` bounds it (module_utils/cpu_scope.py: a systemd
+the same, bounded as `specops_score_placement: cpu` bounds it (module_utils/stages/cpu_scope.py: a systemd
 scope where systemd is PID 1 and may be asked, else `nice -n 10` with one thread per quarter core). The
 client (specops.loadgen) sends short greedy /generate requests (8 tokens, one thread, back to back);
 its p50/p99 per phase go to JSON with the date and the machine.
@@ -30,7 +30,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "src"), str(ROOT / "tests" / "unit"), str(ROOT / "collections")]
 
-from ansible_collections.specops.drafter.plugins.module_utils import cpu_scope  # noqa: E402
+from ansible_collections.specops.drafter.plugins.module_utils.stages import cpu_scope  # noqa: E402
 
 PYTHON = sys.executable
 

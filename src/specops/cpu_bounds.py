@@ -1,7 +1,7 @@
 """The CPU bounds a stage runs within, applied where the process can apply them itself and read back
 from the kernel, so that a report says what held it rather than what was asked.
 
-The module side (plugins/module_utils/cpu_scope.py) starts the stage in a systemd scope (CPUQuota,
+The module side (plugins/module_utils/stages/cpu_scope.py) starts the stage in a systemd scope (CPUQuota,
 Nice) or under `nice -n`; this side holds torch to the thread count and observes the result: the
 process's nice value (getpriority(2)), its cgroup's cpu.max (cgroup v2) and torch's thread count.
 """

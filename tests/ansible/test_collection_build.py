@@ -79,7 +79,7 @@ def test_the_tarball_holds_every_module_the_runtime_metadata_and_the_changelog(b
         "meta/runtime.yml",
         "meta/execution-environment.yml",
         "changelogs/changelog.yaml",
-        "plugins/module_utils/stage_runner.py",
+        "plugins/module_utils/stages/stage_runner.py",
         "README.md",
     ):
         assert path in names, path

@@ -9,7 +9,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "collections"))
 
-from ansible_collections.specops.drafter.plugins.module_utils import cpu_scope  # noqa: E402
+from ansible_collections.specops.drafter.plugins.module_utils.stages import cpu_scope  # noqa: E402
 
 COMMAND = ["/opt/specops/ml/bin/python", "-m", "specops.score", "--run"]
 BOUNDS = {"nice": 10, "cpu_quota_percent": 400, "threads": 4}

@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from module_call import call_module  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
-UTILS_PATH = ROOT / "collections/ansible_collections/specops/drafter/plugins/module_utils/gpu_release.py"
+UTILS_PATH = ROOT / "collections/ansible_collections/specops/drafter/plugins/module_utils/gpus/gpu_release.py"
 
 
 def _load_utils():
@@ -42,7 +42,7 @@ def _load_utils():
 
 
 gr = _load_utils()
-from ansible_collections.specops.drafter.plugins.module_utils.service_process import ProcessServer  # noqa: E402
+from ansible_collections.specops.drafter.plugins.module_utils.service.service_process import ProcessServer  # noqa: E402
 
 # argv: mode marker [files...]; mode is term (default SIGTERM), stubborn (ignores SIGTERM),
 # launcher (holds nothing; double-forks an orphan holder: argv after the marker is

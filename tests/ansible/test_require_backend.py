@@ -23,7 +23,7 @@ from specops.stage import StageError
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "collections"))
 
-from ansible_collections.specops.drafter.plugins.module_utils import fla_env_verify  # noqa: E402
+from ansible_collections.specops.drafter.plugins.module_utils.ml_env import fla_env_verify  # noqa: E402
 
 MODULES = "ansible_collections.specops.drafter.plugins.modules"
 DEPRECATED = {"fla-cuda": "fla"}

@@ -714,7 +714,7 @@ def test_stop_ends_every_process_of_the_servers_tree_and_records_it(site_factory
     site = site_factory(argv=forker)
     site.argv = forker
     spec = site.args("started")["spec"]
-    from ansible_collections.specops.drafter.plugins.module_utils.service_process import ProcessServer
+    from ansible_collections.specops.drafter.plugins.module_utils.service.service_process import ProcessServer
 
     server = ProcessServer(spec)
     pid = server.launch()
@@ -773,8 +773,8 @@ def test_a_start_with_settings_that_cannot_start_names_the_setting(site_factory,
 def test_the_guard_waits_for_the_windows_work_to_leave_the_gpu(tmp_path, monkeypatch):
     """A killed CUDA process is listed by nvidia-smi until the driver has freed its memory: the guard's
     resume waits for that (a resume that cannot allocate kills SGLang), and gives up at its bound."""
-    from ansible_collections.specops.drafter.plugins.module_utils import procfs
-    from ansible_collections.specops.drafter.plugins.module_utils.guard import wait_work_memory_freed
+    from ansible_collections.specops.drafter.plugins.module_utils.common import procfs
+    from ansible_collections.specops.drafter.plugins.module_utils.window.guard import wait_work_memory_freed
 
     work = subprocess.Popen(SLEEPER)
     known = [(work.pid, procfs.start_time(work.pid))]

@@ -23,7 +23,7 @@ ROOT = Path(__file__).resolve().parents[2]
 COLLECTION = ROOT / "collections/ansible_collections/specops/drafter"
 sys.path.insert(0, str(ROOT / "collections"))
 
-from ansible_collections.specops.drafter.plugins.module_utils import stage_runner  # noqa: E402
+from ansible_collections.specops.drafter.plugins.module_utils.stages import stage_runner  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -144,7 +144,7 @@ def test_the_module_documents_the_shared_options_with_the_stage_fragment(stage):
     shared = yaml.safe_load(fragment.ModuleDocFragment.DOCUMENTATION)["options"]
     assert sorted(shared) == sorted(stage_runner.STAGE_OPTIONS), (
         f"plugins/doc_fragments/stage.py documents {sorted(shared)}, "
-        f"module_utils/stage_runner.py STAGE_OPTIONS are {sorted(stage_runner.STAGE_OPTIONS)}"
+        f"module_utils/stages/stage_runner.py STAGE_OPTIONS are {sorted(stage_runner.STAGE_OPTIONS)}"
     )
     for name, spec in stage_runner.STAGE_OPTIONS.items():
         assert spec_view(shared[name]) == spec_view(spec), f"plugins/doc_fragments/stage.py option {name}"

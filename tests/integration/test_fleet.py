@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from fleet_site import HOSTS, REPO, LocalFleet, get_json  # noqa: E402
 
 sys.path.insert(0, str(REPO / "collections"))
-from ansible_collections.specops.drafter.plugins.module_utils import procfs  # noqa: E402
+from ansible_collections.specops.drafter.plugins.module_utils.common import procfs  # noqa: E402
 
 # The inventory's first two replicas: every play is limited to them.
 FLEET = HOSTS[:2]

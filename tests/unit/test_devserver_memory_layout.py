@@ -13,7 +13,7 @@ from specops.devserver.memory_layout import GIB, UNSIZED_KV_CACHE_BYTES, lay_out
 from specops.devserver.versions import VERSIONS
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "collections"))
-from ansible_collections.specops.drafter.plugins.module_utils.sglang_api import (  # noqa: E402
+from ansible_collections.specops.drafter.plugins.module_utils.service.sglang_api import (  # noqa: E402
     RELEASES,
     has_pause_modes,
     release_facts,

@@ -1,6 +1,6 @@
 """The stage host: a stage forked from a preloaded interpreter behaves as the process it replaces.
 
-The client is the collection's (plugins/module_utils/stage_host.py, what every stage module calls); the
+The client is the collection's (plugins/module_utils/stages/stage_host.py, what every stage module calls); the
 host is the package's (specops.stage_host). The probe stage below reports what it was given.
 """
 
@@ -20,7 +20,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "collections"))
-from ansible_collections.specops.drafter.plugins.module_utils import stage_host  # noqa: E402
+from ansible_collections.specops.drafter.plugins.module_utils.stages import stage_host  # noqa: E402
 
 PROBE = textwrap.dedent(
     """
@@ -138,7 +138,7 @@ def test_a_stage_whose_caller_is_killed_goes_with_it_and_a_signal_to_the_caller_
         f"""
         import sys
         sys.path.insert(0, {str(ROOT / "collections")!r})
-        from ansible_collections.specops.drafter.plugins.module_utils import stage_host
+        from ansible_collections.specops.drafter.plugins.module_utils.stages import stage_host
         print(stage_host.run(sys.executable, "stage_probe", ["sleep"], b"", dict(__import__("os").environ),
                              cwd={str(work)!r})[0], flush=True)
         """
@@ -170,8 +170,10 @@ def test_the_windows_work_forked_by_the_host_is_found_by_its_callers_token_and_s
 ):
     """The guard, job_wait and the window lock know the window's work by SPECOPS_WINDOW_TOKEN in
     /proc/<pid>/environ; a forked stage shows its host's there, so it is found through its caller."""
-    from ansible_collections.specops.drafter.plugins.module_utils import procfs
-    from ansible_collections.specops.drafter.plugins.module_utils.service_process import stop_processes
+    from ansible_collections.specops.drafter.plugins.module_utils.common import procfs
+    from ansible_collections.specops.drafter.plugins.module_utils.service.service_process import (
+        stop_processes,
+    )
 
     work = runtime / "work"
     served(call_env, work)  # a host is up
@@ -179,7 +181,7 @@ def test_the_windows_work_forked_by_the_host_is_found_by_its_callers_token_and_s
         f"""
         import os, sys
         sys.path.insert(0, {str(ROOT / "collections")!r})
-        from ansible_collections.specops.drafter.plugins.module_utils import stage_host
+        from ansible_collections.specops.drafter.plugins.module_utils.stages import stage_host
         env = dict(os.environ)
         print(stage_host.run(sys.executable, "stage_probe", ["sleep"], b"", env, cwd={str(work)!r}))
         """
@@ -294,7 +296,7 @@ def test_a_host_killed_under_its_stage_takes_the_stage_with_it_and_the_caller_sa
         f"""
         import json, sys
         sys.path.insert(0, {str(ROOT / "collections")!r})
-        from ansible_collections.specops.drafter.plugins.module_utils import stage_host
+        from ansible_collections.specops.drafter.plugins.module_utils.stages import stage_host
         env = dict(__import__("os").environ)
         rc, out, err = stage_host.run(sys.executable, "stage_probe", ["sleep"], b"", env, cwd={str(work)!r})
         print(json.dumps([rc, err[-200:]]), flush=True)

@@ -81,7 +81,7 @@ from specops.score.scorer import (
 from specops.score.writing import write_outputs
 from specops.stage import StageError, log, serve
 
-# The word the window's guard reads as the work's end (module_utils/guard.py FINISHED).
+# The word the window's guard reads as the work's end (module_utils/window/guard.py FINISHED).
 FINISHED = "finished"
 
 

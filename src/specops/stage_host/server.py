@@ -1,6 +1,6 @@
 """The host's loop: accept a call, fork its stage, tell the caller the pid and then the exit status.
 
-Wire protocol (the client is the collection's plugins/module_utils/stage_host.py), over a Unix stream
+Wire protocol (the client is the collection's plugins/module_utils/stages/stage_host.py), over a Unix stream
 socket only its user can reach:
 - the caller sends a 4-byte big-endian length and a JSON call {"key", "module", "args", "env", "cwd",
   "umask", "niceness"}, with its stage's stdin, stdout and stderr attached (SCM_RIGHTS);

@@ -7,7 +7,7 @@ __metaclass__ = type
 
 
 class ModuleDocFragment(object):
-    # The options of module_utils/stage_runner.py STAGE_OPTIONS, shared by every stage module.
+    # The options of module_utils/stages/stage_runner.py STAGE_OPTIONS, shared by every stage module.
     DOCUMENTATION = r"""
 options:
   python:

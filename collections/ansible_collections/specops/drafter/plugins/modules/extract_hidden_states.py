@@ -298,7 +298,7 @@ estimated_seconds:
   type: float
 """
 
-from ansible_collections.specops.drafter.plugins.module_utils.stage_runner import stage_module, stage_result
+from ansible_collections.specops.drafter.plugins.module_utils.stages.stage_runner import stage_module, stage_result
 
 # The request's options: specops.extract REQUEST declares them (tests/ansible/test_stage_schemas.py checks).
 REQUEST_OPTIONS = dict(

@@ -308,8 +308,8 @@ msg:
 """
 
 from ansible.module_utils.basic import AnsibleModule
-from ansible_collections.specops.drafter.plugins.module_utils.fla_env import FlaEnv
-from ansible_collections.specops.drafter.plugins.module_utils.fla_env_verify import REQUIRE_BACKEND_CHOICES
+from ansible_collections.specops.drafter.plugins.module_utils.ml_env.fla_env import FlaEnv
+from ansible_collections.specops.drafter.plugins.module_utils.ml_env.fla_env_verify import REQUIRE_BACKEND_CHOICES
 
 
 def main():

@@ -257,7 +257,7 @@ elapsed_s:
 """
 
 from ansible.module_utils.basic import AnsibleModule
-from ansible_collections.specops.drafter.plugins.module_utils.gpu_release import (
+from ansible_collections.specops.drafter.plugins.module_utils.gpus.gpu_release import (
     DEFAULT_DEVICE_PATTERN,
     DEFAULT_GRACE,
     DEFAULT_MEMORY_THRESHOLD_MB,

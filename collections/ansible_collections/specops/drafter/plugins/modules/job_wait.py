@@ -133,9 +133,9 @@ import os
 import time
 
 from ansible.module_utils.basic import AnsibleModule
-from ansible_collections.specops.drafter.plugins.module_utils.async_job import job_result, write_signal
-from ansible_collections.specops.drafter.plugins.module_utils.procfs import read_stat, window_processes
-from ansible_collections.specops.drafter.plugins.module_utils.service_process import stop_processes
+from ansible_collections.specops.drafter.plugins.module_utils.common.procfs import read_stat, window_processes
+from ansible_collections.specops.drafter.plugins.module_utils.service.service_process import stop_processes
+from ansible_collections.specops.drafter.plugins.module_utils.stages.async_job import job_result, write_signal
 
 
 def last_line(path):

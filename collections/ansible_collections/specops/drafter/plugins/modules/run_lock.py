@@ -104,7 +104,7 @@ import time
 import uuid
 
 from ansible.module_utils.basic import AnsibleModule
-from ansible_collections.specops.drafter.plugins.module_utils import procfs
+from ansible_collections.specops.drafter.plugins.module_utils.common import procfs
 
 PLAY_COMMAND = "ansible-playbook"
 # The title of OpenSSH's per-connection process (sshd-session since OpenSSH 9.8).

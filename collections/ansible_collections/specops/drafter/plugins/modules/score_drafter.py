@@ -375,10 +375,10 @@ import os
 import re
 import time
 
-from ansible_collections.specops.drafter.plugins.module_utils import cpu_scope
-from ansible_collections.specops.drafter.plugins.module_utils.async_job import job_result, read_json
-from ansible_collections.specops.drafter.plugins.module_utils.file_watch import FileWatch
-from ansible_collections.specops.drafter.plugins.module_utils.stage_runner import stage_module, stage_result
+from ansible_collections.specops.drafter.plugins.module_utils.common.file_watch import FileWatch
+from ansible_collections.specops.drafter.plugins.module_utils.stages import cpu_scope
+from ansible_collections.specops.drafter.plugins.module_utils.stages.async_job import job_result, read_json
+from ansible_collections.specops.drafter.plugins.module_utils.stages.stage_runner import stage_module, stage_result
 
 # The request's options: specops.score REQUEST declares them (tests/ansible/test_stage_schemas.py checks).
 REQUEST_OPTIONS = dict(

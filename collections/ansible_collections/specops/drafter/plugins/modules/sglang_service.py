@@ -370,8 +370,8 @@ port_holder:
 """
 
 from ansible.module_utils.basic import AnsibleModule
-from ansible_collections.specops.drafter.plugins.module_utils.service_errors import ServiceError
-from ansible_collections.specops.drafter.plugins.module_utils.sglang_service import ServiceWindow
+from ansible_collections.specops.drafter.plugins.module_utils.service.service_errors import ServiceError
+from ansible_collections.specops.drafter.plugins.module_utils.window.sglang_service import ServiceWindow
 
 WINDOW_OPTIONS = dict(
     token=dict(type="str", no_log=False),

@@ -118,7 +118,7 @@ import signal as signals
 import time
 
 from ansible.module_utils.basic import AnsibleModule
-from ansible_collections.specops.drafter.plugins.module_utils.async_job import job_result, read_json, write_signal
+from ansible_collections.specops.drafter.plugins.module_utils.stages.async_job import job_result, read_json, write_signal
 
 STATE_SUFFIX = ".state"
 # Only an extraction is ever stopped: a recycled pid running anything else is left alone.

@@ -10,7 +10,7 @@ import os
 import threading
 import time
 
-from ansible_collections.specops.drafter.plugins.module_utils.file_watch import FALLBACK_POLL_S, FileWatch
+from ansible_collections.specops.drafter.plugins.module_utils.common.file_watch import FALLBACK_POLL_S, FileWatch
 
 
 def write_atomically(path, text, after):

@@ -11,7 +11,7 @@ import json
 import threading
 import time
 
-from ansible_collections.specops.drafter.plugins.module_utils import guard
+from ansible_collections.specops.drafter.plugins.module_utils.window import guard
 
 
 def write(path, value):

@@ -9,12 +9,12 @@ __metaclass__ = type
 
 import pytest
 
-from ansible_collections.specops.drafter.plugins.module_utils.memory_plan import (
+from ansible_collections.specops.drafter.plugins.module_utils.service.service_errors import ServiceError
+from ansible_collections.specops.drafter.plugins.module_utils.window.memory_plan import (
     expected_used_after,
     plan_release,
     server_memory,
 )
-from ansible_collections.specops.drafter.plugins.module_utils.service_errors import ServiceError
 
 GIB = 1 << 30
 

@@ -11,15 +11,15 @@ import threading
 
 import pytest
 
-from ansible_collections.specops.drafter.plugins.module_utils.memory_window import (
+from ansible_collections.specops.drafter.plugins.module_utils.service.service_errors import ServiceError
+from ansible_collections.specops.drafter.plugins.module_utils.service.sglang_api import Answer
+from ansible_collections.specops.drafter.plugins.module_utils.window.memory_window import (
     ReleasedMarker,
     flush_retry_delays,
     flush_until_idle,
     pause_without_losing_requests,
     resume_claimed,
 )
-from ansible_collections.specops.drafter.plugins.module_utils.service_errors import ServiceError
-from ansible_collections.specops.drafter.plugins.module_utils.sglang_api import Answer
 
 
 class FakeApi(object):

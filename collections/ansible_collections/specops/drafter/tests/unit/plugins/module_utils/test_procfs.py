@@ -12,7 +12,8 @@ import subprocess
 import sys
 import time
 
-from ansible_collections.specops.drafter.plugins.module_utils import procfs, readiness
+from ansible_collections.specops.drafter.plugins.module_utils.common import procfs
+from ansible_collections.specops.drafter.plugins.module_utils.service import readiness
 
 
 def test_a_process_is_known_by_pid_and_start_time():

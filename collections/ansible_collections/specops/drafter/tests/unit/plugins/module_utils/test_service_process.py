@@ -11,8 +11,8 @@ import sys
 import threading
 import time
 
-from ansible_collections.specops.drafter.plugins.module_utils import procfs
-from ansible_collections.specops.drafter.plugins.module_utils.service_process import ProcessServer
+from ansible_collections.specops.drafter.plugins.module_utils.common import procfs
+from ansible_collections.specops.drafter.plugins.module_utils.service.service_process import ProcessServer
 
 # A server whose leader exits at SIGTERM at once while a child of its group takes a second longer. SGLang's
 # scheduler processes die with their parent (PR_SET_PDEATHSIG SIGKILL: sglang 0.5.23,

@@ -6,7 +6,7 @@ from __future__ import absolute_import, division, print_function
 
 __metaclass__ = type
 
-from ansible_collections.specops.drafter.plugins.module_utils.service_settings import settings_problems
+from ansible_collections.specops.drafter.plugins.module_utils.service.service_settings import settings_problems
 
 # TEST-NET-1 (RFC 5737): documentation only, an interface of no host.
 ELSEWHERE = "192.0.2.1"

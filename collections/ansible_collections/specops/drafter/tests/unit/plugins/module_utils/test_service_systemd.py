@@ -6,7 +6,7 @@ from __future__ import absolute_import, division, print_function
 
 __metaclass__ = type
 
-from ansible_collections.specops.drafter.plugins.module_utils.service_systemd import (
+from ansible_collections.specops.drafter.plugins.module_utils.service.service_systemd import (
     command_line_facts,
     exec_start_argv,
 )

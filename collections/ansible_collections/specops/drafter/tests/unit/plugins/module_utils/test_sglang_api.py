@@ -13,7 +13,7 @@ from http.server import BaseHTTPRequestHandler, HTTPServer
 
 import pytest
 
-from ansible_collections.specops.drafter.plugins.module_utils.sglang_api import (
+from ansible_collections.specops.drafter.plugins.module_utils.service.sglang_api import (
     SglangApi,
     has_pause_modes,
     offers,

@@ -12,8 +12,8 @@ import pytest
 
 from ansible.module_utils.basic import AnsibleModule
 from ansible.module_utils.testing import patch_module_args
-from ansible_collections.specops.drafter.plugins.module_utils import stage_host
-from ansible_collections.specops.drafter.plugins.module_utils.stage_runner import (
+from ansible_collections.specops.drafter.plugins.module_utils.stages import stage_host
+from ansible_collections.specops.drafter.plugins.module_utils.stages.stage_runner import (
     crash_message,
     run_stage,
     stage_module,

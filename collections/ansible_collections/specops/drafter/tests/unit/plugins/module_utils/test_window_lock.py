@@ -12,9 +12,9 @@ import sys
 
 import pytest
 
-from ansible_collections.specops.drafter.plugins.module_utils import procfs
-from ansible_collections.specops.drafter.plugins.module_utils.service_errors import ServiceError
-from ansible_collections.specops.drafter.plugins.module_utils.window_lock import NO_WINDOW_TOKEN, WindowLock
+from ansible_collections.specops.drafter.plugins.module_utils.common import procfs
+from ansible_collections.specops.drafter.plugins.module_utils.service.service_errors import ServiceError
+from ansible_collections.specops.drafter.plugins.module_utils.window.window_lock import NO_WINDOW_TOKEN, WindowLock
 
 
 @pytest.fixture

@@ -15,8 +15,8 @@ import time
 
 from urllib.parse import urlparse
 
-from ansible_collections.specops.drafter.plugins.module_utils import procfs
-from ansible_collections.specops.drafter.plugins.module_utils.service_errors import ServiceError
+from ansible_collections.specops.drafter.plugins.module_utils.common import procfs
+from ansible_collections.specops.drafter.plugins.module_utils.service.service_errors import ServiceError
 
 
 def url_port(url: str) -> int:

@@ -24,8 +24,8 @@ from __future__ import absolute_import, annotations, division, print_function
 
 __metaclass__ = type
 
-from ansible_collections.specops.drafter.plugins.module_utils.service_errors import ServiceError
-from ansible_collections.specops.drafter.plugins.module_utils.sglang_api import release_tags_keeping_weights
+from ansible_collections.specops.drafter.plugins.module_utils.service.service_errors import ServiceError
+from ansible_collections.specops.drafter.plugins.module_utils.service.sglang_api import release_tags_keeping_weights
 
 MIB = 1 << 20
 GIB = 1 << 30

@@ -26,14 +26,14 @@ import os
 import subprocess
 import time
 
-from ansible_collections.specops.drafter.plugins.module_utils.service_errors import ServiceError
-from ansible_collections.specops.drafter.plugins.module_utils.sglang_api import has_pause_modes, offers
-from ansible_collections.specops.drafter.plugins.module_utils.state_files import (
+from ansible_collections.specops.drafter.plugins.module_utils.common.state_files import (
     ensure_dir,
     read_json,
     remove,
     write_json,
 )
+from ansible_collections.specops.drafter.plugins.module_utils.service.service_errors import ServiceError
+from ansible_collections.specops.drafter.plugins.module_utils.service.sglang_api import has_pause_modes, offers
 
 
 def marker_path(state_dir: str) -> str:

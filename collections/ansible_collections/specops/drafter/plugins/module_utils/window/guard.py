@@ -2,7 +2,7 @@
 # GNU General Public License v3.0+ (see https://www.gnu.org/licenses/gpl-3.0.txt)
 """The guard: a small program on the host that brings the server back when the play does not.
 
-    python -m ansible_collections.specops.drafter.plugins.module_utils.guard <state_dir>/guard.json
+    python -m ansible_collections.specops.drafter.plugins.module_utils.window.guard <state_dir>/guard.json
 
 The module extracts this file and the stdlib-only files it imports into <state_dir>/guard_lib and
 starts it detached (systemd-run on systemd hosts). It fires after min(guard_after, max_downtime)
@@ -36,17 +36,17 @@ import subprocess
 import sys
 import time
 
-from ansible_collections.specops.drafter.plugins.module_utils import procfs
-from ansible_collections.specops.drafter.plugins.module_utils.async_job import job_result
-from ansible_collections.specops.drafter.plugins.module_utils.file_watch import FileWatch
-from ansible_collections.specops.drafter.plugins.module_utils.memory_window import ReleasedMarker, resume_claimed
-from ansible_collections.specops.drafter.plugins.module_utils.readiness import wait_ready
-from ansible_collections.specops.drafter.plugins.module_utils.service_errors import ServiceError
-from ansible_collections.specops.drafter.plugins.module_utils.service_process import ProcessServer, stop_processes
-from ansible_collections.specops.drafter.plugins.module_utils.service_systemd import SystemdUnit
-from ansible_collections.specops.drafter.plugins.module_utils.sglang_api import SglangApi
-from ansible_collections.specops.drafter.plugins.module_utils.state_files import ensure_dir, read_json, remove, write_json
-from ansible_collections.specops.drafter.plugins.module_utils.window_lock import WindowLock
+from ansible_collections.specops.drafter.plugins.module_utils.common import procfs
+from ansible_collections.specops.drafter.plugins.module_utils.common.file_watch import FileWatch
+from ansible_collections.specops.drafter.plugins.module_utils.common.state_files import ensure_dir, read_json, remove, write_json
+from ansible_collections.specops.drafter.plugins.module_utils.service.readiness import wait_ready
+from ansible_collections.specops.drafter.plugins.module_utils.service.service_errors import ServiceError
+from ansible_collections.specops.drafter.plugins.module_utils.service.service_process import ProcessServer, stop_processes
+from ansible_collections.specops.drafter.plugins.module_utils.service.service_systemd import SystemdUnit
+from ansible_collections.specops.drafter.plugins.module_utils.service.sglang_api import SglangApi
+from ansible_collections.specops.drafter.plugins.module_utils.stages.async_job import job_result
+from ansible_collections.specops.drafter.plugins.module_utils.window.memory_window import ReleasedMarker, resume_claimed
+from ansible_collections.specops.drafter.plugins.module_utils.window.window_lock import WindowLock
 
 
 def armed_path(state_dir: str) -> str:

@@ -15,14 +15,14 @@ import fcntl
 import os
 import time
 
-from ansible_collections.specops.drafter.plugins.module_utils import procfs
-from ansible_collections.specops.drafter.plugins.module_utils.service_errors import ServiceError
-from ansible_collections.specops.drafter.plugins.module_utils.state_files import (
+from ansible_collections.specops.drafter.plugins.module_utils.common import procfs
+from ansible_collections.specops.drafter.plugins.module_utils.common.state_files import (
     ensure_dir,
     read_json,
     remove,
     write_json,
 )
+from ansible_collections.specops.drafter.plugins.module_utils.service.service_errors import ServiceError
 
 # Calls without a window (service.yml, an operator's stop and start) share this token: they are one owner.
 NO_WINDOW_TOKEN = "no-window"

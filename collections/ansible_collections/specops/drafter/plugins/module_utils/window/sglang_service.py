@@ -14,11 +14,19 @@ __metaclass__ = type
 import os
 import time
 
-from ansible_collections.specops.drafter.plugins.module_utils import guard_control, procfs
-from ansible_collections.specops.drafter.plugins.module_utils.file_watch import FileWatch
-from ansible_collections.specops.drafter.plugins.module_utils.guard import outages_dir, take_outages
-from ansible_collections.specops.drafter.plugins.module_utils.memory_plan import expected_used_after, plan_release
-from ansible_collections.specops.drafter.plugins.module_utils.memory_window import (
+from ansible_collections.specops.drafter.plugins.module_utils.common import procfs
+from ansible_collections.specops.drafter.plugins.module_utils.common.file_watch import FileWatch
+from ansible_collections.specops.drafter.plugins.module_utils.common.state_files import ensure_dir, read_json, remove, write_json
+from ansible_collections.specops.drafter.plugins.module_utils.service.readiness import url_port, wait_port_free, wait_ready
+from ansible_collections.specops.drafter.plugins.module_utils.service.service_errors import ServiceError, one_refusal
+from ansible_collections.specops.drafter.plugins.module_utils.service.service_process import ProcessServer, launch_problems
+from ansible_collections.specops.drafter.plugins.module_utils.service.service_settings import settings_problems
+from ansible_collections.specops.drafter.plugins.module_utils.service.service_systemd import SystemdUnit
+from ansible_collections.specops.drafter.plugins.module_utils.service.sglang_api import SglangApi, offers
+from ansible_collections.specops.drafter.plugins.module_utils.window import guard_control
+from ansible_collections.specops.drafter.plugins.module_utils.window.guard import outages_dir, take_outages
+from ansible_collections.specops.drafter.plugins.module_utils.window.memory_plan import expected_used_after, plan_release
+from ansible_collections.specops.drafter.plugins.module_utils.window.memory_window import (
     ReleasedMarker,
     flush_through_grammar_queue,
     flush_until_idle,
@@ -28,20 +36,13 @@ from ansible_collections.specops.drafter.plugins.module_utils.memory_window impo
     resume_claimed,
     wait_memory_dropped,
 )
-from ansible_collections.specops.drafter.plugins.module_utils.readiness import url_port, wait_port_free, wait_ready
-from ansible_collections.specops.drafter.plugins.module_utils.release_checks import (
+from ansible_collections.specops.drafter.plugins.module_utils.window.release_checks import (
     check_abort_pause,
     check_memory_flags,
     check_waiting_timeout,
     process_environment,
 )
-from ansible_collections.specops.drafter.plugins.module_utils.service_errors import ServiceError, one_refusal
-from ansible_collections.specops.drafter.plugins.module_utils.service_process import ProcessServer, launch_problems
-from ansible_collections.specops.drafter.plugins.module_utils.service_settings import settings_problems
-from ansible_collections.specops.drafter.plugins.module_utils.service_systemd import SystemdUnit
-from ansible_collections.specops.drafter.plugins.module_utils.sglang_api import SglangApi, offers
-from ansible_collections.specops.drafter.plugins.module_utils.state_files import ensure_dir, read_json, remove, write_json
-from ansible_collections.specops.drafter.plugins.module_utils.window_lock import NO_WINDOW_TOKEN, WindowLock
+from ansible_collections.specops.drafter.plugins.module_utils.window.window_lock import NO_WINDOW_TOKEN, WindowLock
 
 WINDOW_DEFAULTS = {"token": NO_WINDOW_TOKEN, "owner": "sglang_service without a window", "guard_after": 7200,
                    "max_downtime": 7200, "guard_grace": 60, "wait": 0}

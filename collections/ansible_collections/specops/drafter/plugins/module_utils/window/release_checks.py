@@ -9,8 +9,8 @@ from __future__ import absolute_import, annotations, division, print_function
 
 __metaclass__ = type
 
-from ansible_collections.specops.drafter.plugins.module_utils.service_errors import ServiceError
-from ansible_collections.specops.drafter.plugins.module_utils.sglang_api import has_pause_modes, releases_weights
+from ansible_collections.specops.drafter.plugins.module_utils.service.service_errors import ServiceError
+from ansible_collections.specops.drafter.plugins.module_utils.service.sglang_api import has_pause_modes, releases_weights
 
 # Seconds a request may wait in the scheduler's queue before SGLang aborts it with 503 (0.5.23
 # srt/environ.py:685, -1 = off; srt/managers/scheduler.py:3605-3620). Retracted requests wait there for the window.

@@ -17,7 +17,13 @@ import time
 
 # The option defaults, NVML and the helpers the tests call are re-exported: this file stays the one
 # the module and the tests import.
-from ansible_collections.specops.drafter.plugins.module_utils.gpu_release_holders import (  # noqa: F401  # pylint: disable=unused-import
+from ansible_collections.specops.drafter.plugins.module_utils.common.procfs import (  # noqa: F401  # pylint: disable=unused-import
+    list_pids,
+    read_proc,
+    read_stat,
+    scan_fd_holders,
+)
+from ansible_collections.specops.drafter.plugins.module_utils.gpus.gpu_release_holders import (  # noqa: F401  # pylint: disable=unused-import
     DEFAULT_DEVICE_PATTERN,
     DEFAULT_PATTERNS,
     DEFAULT_PROTECTED,
@@ -40,12 +46,6 @@ from ansible_collections.specops.drafter.plugins.module_utils.gpu_release_holder
     snapshot,
     spare,
     unit_cgroup,
-)
-from ansible_collections.specops.drafter.plugins.module_utils.procfs import (  # noqa: F401  # pylint: disable=unused-import
-    list_pids,
-    read_proc,
-    read_stat,
-    scan_fd_holders,
 )
 
 DEFAULT_GRACE = 10.0

@@ -12,13 +12,13 @@ __metaclass__ = type
 import json
 import os
 
-from ansible_collections.specops.drafter.plugins.module_utils.fla_env_install import (
+from ansible_collections.specops.drafter.plugins.module_utils.ml_env.fla_env_install import (
     FLA_DISTRIBUTIONS,
     FlaEnvInstall,
     fingerprint_sources,
     is_distribution,
 )
-from ansible_collections.specops.drafter.plugins.module_utils.fla_env_verify import FlaEnvVerify
+from ansible_collections.specops.drafter.plugins.module_utils.ml_env.fla_env_verify import FlaEnvVerify
 
 
 class FlaEnv(FlaEnvInstall, FlaEnvVerify):

@@ -17,9 +17,9 @@ import shlex
 import subprocess
 import time
 
-from ansible_collections.specops.drafter.plugins.module_utils import procfs
-from ansible_collections.specops.drafter.plugins.module_utils.service_errors import ServiceError
-from ansible_collections.specops.drafter.plugins.module_utils.state_files import write_json
+from ansible_collections.specops.drafter.plugins.module_utils.common import procfs
+from ansible_collections.specops.drafter.plugins.module_utils.common.state_files import write_json
+from ansible_collections.specops.drafter.plugins.module_utils.service.service_errors import ServiceError
 
 # SGLang's own defaults when the command line leaves them out (sglang 0.5.23
 # srt/arg_groups/fields/serving.py:65-66: host "127.0.0.1", port 30000).

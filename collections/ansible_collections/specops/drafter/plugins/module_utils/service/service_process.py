@@ -23,15 +23,15 @@ import signal
 import subprocess
 import time
 
-from ansible_collections.specops.drafter.plugins.module_utils import procfs
-from ansible_collections.specops.drafter.plugins.module_utils.service_errors import ServiceError
-from ansible_collections.specops.drafter.plugins.module_utils.state_files import (
+from ansible_collections.specops.drafter.plugins.module_utils.common import procfs
+from ansible_collections.specops.drafter.plugins.module_utils.common.state_files import (
     ensure_dir,
     read_json,
     remove,
     tail,
     write_json,
 )
+from ansible_collections.specops.drafter.plugins.module_utils.service.service_errors import ServiceError
 
 
 def option_after(argv: list[str], name: str) -> str | None:

@@ -10,7 +10,7 @@ import json
 import os
 
 from ansible.module_utils.basic import AnsibleModule
-from ansible_collections.specops.drafter.plugins.module_utils import stage_host
+from ansible_collections.specops.drafter.plugins.module_utils.stages import stage_host
 
 # The options every stage module has besides its request; documented once in doc_fragments/stage.py.
 STAGE_OPTIONS = dict(

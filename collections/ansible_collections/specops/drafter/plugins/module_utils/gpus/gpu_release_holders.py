@@ -23,7 +23,7 @@ import os
 import re
 import traceback
 
-from ansible_collections.specops.drafter.plugins.module_utils.procfs import (
+from ansible_collections.specops.drafter.plugins.module_utils.common.procfs import (
     _read,
     list_pids,
     read_proc,

@@ -17,7 +17,7 @@ import re
 Stat = collections.namedtuple("Stat", ["state", "ppid", "pgid", "sid", "starttime"])
 
 WINDOW_TOKEN_VARIABLE = "SPECOPS_WINDOW_TOKEN"
-# The stage host's module (module_utils/stage_host.py starts it): the stages it forks keep its command line.
+# The stage host's module (module_utils/stages/stage_host.py starts it): the stages it forks keep its command line.
 STAGE_HOST_MODULE = "specops.stage_host"
 # The run directory's lock token, in every task of eval.yml: run_lock's holder waits for its carriers.
 RUN_LOCK_VARIABLE = "SPECOPS_RUN_LOCK"

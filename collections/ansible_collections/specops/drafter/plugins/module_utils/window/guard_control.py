@@ -22,54 +22,59 @@ import sys
 import time
 import uuid
 
-from ansible_collections.specops.drafter.plugins.module_utils import procfs
-from ansible_collections.specops.drafter.plugins.module_utils.guard import armed_path
-from ansible_collections.specops.drafter.plugins.module_utils.service_errors import ServiceError
-from ansible_collections.specops.drafter.plugins.module_utils.state_files import (
+from ansible_collections.specops.drafter.plugins.module_utils.common import procfs
+from ansible_collections.specops.drafter.plugins.module_utils.common.state_files import (
     ensure_dir,
     read_json,
     remove,
     write_atomic,
     write_json,
 )
+from ansible_collections.specops.drafter.plugins.module_utils.service.service_errors import ServiceError
+from ansible_collections.specops.drafter.plugins.module_utils.window.guard import armed_path
 
 PACKAGE = "ansible_collections.specops.drafter.plugins.module_utils"
-# The guard and everything it imports; none of them imports Ansible.
-GUARD_FILES = ("guard", "procfs", "service_errors", "state_files", "sglang_api", "service_process",
-               "service_systemd", "memory_window", "window_lock", "readiness", "async_job", "file_watch")
+# The guard and everything it imports, by their names under module_utils; none of them imports Ansible.
+GUARD_FILES = ("window.guard", "common.procfs", "common.state_files", "service.service_errors",
+               "service.sglang_api", "service.service_process", "service.service_systemd", "service.readiness",
+               "window.memory_window", "window.window_lock", "stages.async_job", "common.file_watch")
 
 
 def _source(name: str) -> bytes:
+    """The source of module_utils/<name> (a dotted name under module_utils, as in GUARD_FILES)."""
+    package, dummy, module = (PACKAGE + "." + name).rpartition(".")
     # Imported above (guard) or by the module: AnsiballZ carries only the module_utils that are imported.
     try:
-        data = pkgutil.get_data(PACKAGE, name + ".py")
+        data = pkgutil.get_data(package, module + ".py")
     except (IOError, OSError):
         data = None
     if data is None:
-        # Run from the collection's files rather than AnsiballZ's zip, module_utils is a namespace
-        # package, whose loader reads no data: read the imported module's own file.
+        # A namespace package (a directory without __init__.py, as module_utils itself is when run from
+        # the collection's files rather than AnsiballZ's zip) has no loader that reads data: read the
+        # imported module's own file.
         origin = getattr(importlib.import_module(PACKAGE + "." + name), "__file__", None)
         if origin and os.path.isfile(origin):
             with open(origin, "rb") as handle:
                 data = handle.read()
     if data is None:
-        raise ServiceError("cannot read module_utils/%s.py from the module's payload to place the guard" % name)
+        raise ServiceError("cannot read module_utils/%s.py from the module's payload to place the guard"
+                           % name.replace(".", "/"))
     return data
 
 
 def place_guard_lib(state_dir: str) -> str:
     """Write the guard's code under <state_dir>/guard_lib; its PYTHONPATH."""
     lib = os.path.join(state_dir, "guard_lib")
-    package_dir = os.path.join(lib, *PACKAGE.split("."))
-    ensure_dir(package_dir)
-    # Regular packages (with __init__.py): an installed ansible_collections namespace cannot shadow them.
-    parts = PACKAGE.split(".")
-    for depth in range(1, len(parts) + 1):
-        init = os.path.join(lib, *(parts[:depth] + ["__init__.py"]))
-        if not os.path.exists(init):
-            write_atomic(init, "")
+    # Regular packages (with __init__.py) down to each file's subpackage of module_utils: an installed
+    # ansible_collections namespace cannot shadow them.
     for name in GUARD_FILES:
-        write_atomic(os.path.join(package_dir, name + ".py"), _source(name).decode("utf-8"))
+        parts = (PACKAGE + "." + name).split(".")
+        ensure_dir(os.path.join(lib, *parts[:-1]))
+        for depth in range(1, len(parts)):
+            init = os.path.join(lib, *(parts[:depth] + ["__init__.py"]))
+            if not os.path.exists(init):
+                write_atomic(init, "")
+        write_atomic(os.path.join(lib, *parts[:-1] + [parts[-1] + ".py"]), _source(name).decode("utf-8"))
     return lib
 
 
@@ -94,7 +99,7 @@ def arm(state_dir: str, config: dict, use_systemd: bool) -> dict:
     config_path = os.path.join(state_dir, "guard.json")
     write_json(config_path, config, mode=0o600)
     write_atomic(armed_path(state_dir), arm_id + "\n")
-    argv = [sys.executable, "-m", PACKAGE + ".guard", config_path]
+    argv = [sys.executable, "-m", PACKAGE + ".window.guard", config_path]
     # The guard's PYTHONPATH is its copied code; a server it starts gets the module's (guard.main).
     env = dict(os.environ, PYTHONPATH=lib, SPECOPS_GUARD_OUTER_PYTHONPATH=os.environ.get("PYTHONPATH", ""))
     env.pop(procfs.WINDOW_TOKEN_VARIABLE, None)  # the guard is not the window's work it watches

@@ -10,7 +10,7 @@ import hashlib
 import json
 import os
 
-from ansible_collections.specops.drafter.plugins.module_utils.stage_runner import run_stage
+from ansible_collections.specops.drafter.plugins.module_utils.stages.stage_runner import run_stage
 
 # specops.backend.REQUIRE_BACKENDS, the extraction's vocabulary, and the deprecated aliases (new name),
 # which the module translates before envcheck sees them.
