@@ -45,6 +45,7 @@ def test_a_bare_inventory_gets_every_problem_in_one_message_before_any_host_is_t
         specops_gpu_window_mode="unload",
         specops_max_new_tokens="many",
         specops_demo_models=True,
+        specops_prestart_lease_s=600,
     )
     assert rc != 0
     missing = re.search(r"missing required arguments: ([a-z_, ]+);", said)
@@ -59,6 +60,8 @@ def test_a_bare_inventory_gets_every_problem_in_one_message_before_any_host_is_t
     assert "specops_max_new_tokens' is of type str" in said
     assert "specops_gpu_window_mode must be one of: stop, memory_saver, got: unload" in said
     assert "ansible-doc -t role specops.drafter.eval_vars" in said
+    # A variable under its old name is named with its new one, not ignored.
+    assert "specops_prestart_lease_s was renamed extract_hidden_states_prestart_lease" in said
     # Reported for each host, and the play went no further: no fleet placement, no directory, no lock.
     assert "fatal: [first]: FAILED! => changed: false msg: 'the evaluation's variables are not usable" in said
     assert (
