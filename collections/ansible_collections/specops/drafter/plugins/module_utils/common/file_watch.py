@@ -1,6 +1,6 @@
 # -*- coding: utf-8 -*-
 # GNU General Public License v3.0+ (see https://www.gnu.org/licenses/gpl-3.0.txt)
-"""Sleep until a file in some directories is written or moved in: the end of a window's work is heard,
+"""Sleep until a file in some directories is written, moved or removed: the end of a window's work is heard,
 not found by polling at a fixed interval.
 
 Linux inotify through ctypes (stdlib only: the guard runs this outside Ansible). Where inotify is not
@@ -19,10 +19,14 @@ import os
 import select
 import time
 
-# inotify(7): a file closed after writing, moved in (an atomic write's rename), created.
+# inotify(7): a file closed after writing, moved in (an atomic write's rename), created, removed or moved
+# away (a job's file read and cleaned up, a disarm).
 IN_CLOSE_WRITE = 0x00000008
+IN_MOVED_FROM = 0x00000040
 IN_MOVED_TO = 0x00000080
 IN_CREATE = 0x00000100
+IN_DELETE = 0x00000200
+WATCHED = IN_CLOSE_WRITE | IN_MOVED_FROM | IN_MOVED_TO | IN_CREATE | IN_DELETE
 IN_NONBLOCK = 0o4000
 IN_CLOEXEC = 0o2000000
 FALLBACK_POLL_S = 0.05
@@ -36,7 +40,7 @@ def _libc():
 
 
 class FileWatch(object):
-    """Wakes `wait` when anything is written into the directories of `paths`."""
+    """Wakes `wait` when a file in the directories of `paths` is written, moved or removed."""
 
     def __init__(self, paths) -> None:
         self.fd: int | None = None
@@ -48,7 +52,7 @@ class FileWatch(object):
         if fd < 0:
             return
         for directory in directories:
-            if libc.inotify_add_watch(fd, directory.encode(), IN_CLOSE_WRITE | IN_MOVED_TO | IN_CREATE) < 0:
+            if libc.inotify_add_watch(fd, directory.encode(), WATCHED) < 0:
                 os.close(fd)  # a directory not there yet: poll rather than miss its file
                 return
         self.fd = fd

@@ -173,8 +173,9 @@ def wait_for_reason(config: dict) -> str | None:
                 return "the window's work is gone and the play did not disarm within %.0f s" % float(config["grace"])
         until_fire = max(0.05, fire_after - (now - started))
         if watch is not None:
-            # The process table is still scanned once a second (a lost play), the files heard at once.
-            watch.wait(min(1.0, until_fire) if config.get("watch_work") else until_fire)
+            # The files heard at once; the process table (a lost play) and the arm file still looked at
+            # once a second, whatever the kernel says.
+            watch.wait(min(1.0, until_fire))
         else:
             time.sleep(min(1.0, until_fire))
 
