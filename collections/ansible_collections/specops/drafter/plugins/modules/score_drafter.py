@@ -376,6 +376,7 @@ import re
 import time
 
 from ansible_collections.specops.drafter.plugins.module_utils.common.file_watch import FileWatch
+from ansible_collections.specops.drafter.plugins.module_utils.common.state_files import write_json
 from ansible_collections.specops.drafter.plugins.module_utils.stages import cpu_scope
 from ansible_collections.specops.drafter.plugins.module_utils.stages.async_job import job_result, read_json
 from ansible_collections.specops.drafter.plugins.module_utils.stages.stage_runner import stage_module, stage_result
@@ -440,7 +441,14 @@ START_AFTER = dict(type="dict", options=dict(finished_file=dict(type="path", req
 
 
 def wait_for_extraction(module, after):
-    """Until the extraction's state file says finished; fails the module when it ended without that."""
+    """Until the extraction's state file says finished; fails the module when it ended without that.
+
+    Its own state file (placement.finished_file, which says "finished" once the scores are computed) says
+    "waiting" first: the play opens the window only once the scoring waits, so a scoring that failed
+    before it could wait never ends the window (its end would resume the server under the extraction)."""
+    own = (module.params.get("placement") or {}).get("finished_file")
+    if own:
+        write_json(own, {"state": "waiting", "pid": os.getpid(), "at": time.time()})
     finished_file, ended_file = after["finished_file"], after.get("ended_file")
     deadline = time.monotonic() + float(after["timeout"])
     with FileWatch([path for path in (finished_file, ended_file) if path]) as watch:

@@ -121,11 +121,16 @@ def test_started_ahead_of_a_window_it_scores_once_the_extraction_says_finished(
     fake_stage()
     finished = tmp_path / "extract.start.state"
     finished.write_text(json.dumps({"state": "finished", "at": 1.0}))
+    own = tmp_path / "score.w1.state"
     with pytest.raises(AnsibleExitJson):
-        run_module(score_drafter.main, args_for(fake_python, tmp_path, start_after={
-            "finished_file": str(finished), "ended_file": str(tmp_path / "job.json"), "timeout": 600}))
+        run_module(score_drafter.main, args_for(fake_python, tmp_path, placement={"finished_file": str(own)},
+                                                start_after={"finished_file": str(finished),
+                                                             "ended_file": str(tmp_path / "job.json"),
+                                                             "timeout": 600}))
     assert fake_stage.received()["argv"][-1] == "--run"
     assert "start_after" not in fake_stage.received()["request"]
+    # It said it waits, in the file the play reads before it opens the window.
+    assert json.loads(own.read_text())["state"] == "waiting"
 
 
 def test_started_ahead_of_a_window_it_does_not_score_when_the_extraction_ended_otherwise(
