@@ -189,8 +189,12 @@ def test_the_plan_estimates_the_extraction_and_nothing_for_an_up_to_date_output(
 ):
     needed = extract.plan(request(fixture_models, completions, tmp_path / "out"))
     assert needed["changed"] and needed["estimated_seconds"] >= preflight.STARTUP_S
+    # Started ahead of its window, the extraction's start and disk reads are behind it.
+    prestarted = needed["estimated_seconds_prestarted"]
+    assert preflight.PRESTARTED_START_S <= prestarted <= needed["estimated_seconds"] - preflight.STARTUP_S + 5
     current = extract.plan(request(fixture_models, completions, extracted))
     assert not current["changed"] and current["estimated_seconds"] == 0.0
+    assert current["estimated_seconds_prestarted"] == 0.0
 
 
 # ------------------------------------------------------------------ integrity by content

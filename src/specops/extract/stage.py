@@ -75,6 +75,7 @@ def plan(request: dict[str, Any]) -> dict[str, Any]:
         return {
             **stage_result(load_manifest(prep.out_dir) or {}, prep.out_dir, changed=False),
             "estimated_seconds": 0.0,
+            "estimated_seconds_prestarted": 0.0,
         }
     resumable = resumable_shards(prep, fp)
     from transformers import AutoConfig
@@ -105,6 +106,8 @@ def plan(request: dict[str, Any]) -> dict[str, Any]:
         "gpu_need": gpu_need(prep),
         "estimated_bytes": needed,
         "estimated_seconds": round(estimated_seconds(prep, todo, needed), 1),
+        # The same inside the window of an extraction started ahead of it (eval.yml's window plans with it).
+        "estimated_seconds_prestarted": round(estimated_seconds(prep, todo, needed, prestarted=True), 1),
         "host_memory": memory,
     }
 
@@ -161,7 +164,9 @@ def host_memory(prep: Prepared) -> dict[str, Any]:
     )
 
 
-def estimated_seconds(prep: Prepared, todo: Sequence[ShardPlan], write_bytes: int) -> float:
+def estimated_seconds(
+    prep: Prepared, todo: Sequence[ShardPlan], write_bytes: int, prestarted: bool = False
+) -> float:
     """A pessimistic duration of the run (preflight.estimate_seconds), for the window's guard."""
     weights = sum(w["size"] for w in prep.target.identity["weights"])
     itemsize = stored_itemsize(prep)
@@ -177,6 +182,7 @@ def estimated_seconds(prep: Prepared, todo: Sequence[ShardPlan], write_bytes: in
         sum(len(s.batches) for s in todo),
         parity_tokens,
         write_bytes,
+        prestarted=prestarted,
     )
 
 

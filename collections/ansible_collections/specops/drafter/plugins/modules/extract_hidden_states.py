@@ -296,6 +296,12 @@ estimated_seconds:
       window's guard; V(0.0) when nothing is to extract.
   returned: in check mode
   type: float
+estimated_seconds_prestarted:
+  description:
+    - The same inside the window of an extraction started ahead of it (its start and disk reads done, the
+      weights copied from host memory), which eval.yml plans the window with.
+  returned: in check mode
+  type: float
 """
 
 from ansible_collections.specops.drafter.plugins.module_utils.stages.stage_runner import stage_module, stage_result
