@@ -84,7 +84,12 @@ def test_the_window_is_one_block_whose_always_brings_the_service_back():
         for task in blocks[0]["always"]
         if task.get("ansible.builtin.include_role", {}).get("name") == "sglang_service"
     ]
-    assert states == ["{{ 'resumed' if specops_gpu_window == 'memory_saver' else 'started' }}"]
+    assert states == ["{{ specops_window_server_states.back }}"]
+    # The one table that pairs each mode with the server's states it takes.
+    main_play = yaml.safe_load((ROOT / "playbooks" / "eval.yml").read_text())[1]
+    table = main_play["vars"]["specops_window_server_states"]
+    for mode, down, back in (("stop", "stopped", "started"), ("memory_saver", "released", "resumed")):
+        assert f"'{mode}': {{'down': '{down}', 'back': '{back}'}}" in " ".join(table.split()), table
 
 
 def test_the_run_lock_is_given_back_in_one_place():

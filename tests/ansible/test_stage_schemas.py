@@ -120,6 +120,10 @@ def test_the_module_argument_spec_follows_the_package_schema(stage):
 
 def test_the_module_documentation_follows_the_package_schema(stage):
     documented = yaml.safe_load(stage.plugin().DOCUMENTATION)["options"]
+    # Options the module acts on itself, on the host, are not the stage's request (HOST_OPTIONS).
+    for name in getattr(stage.plugin(), "HOST_OPTIONS", {}):
+        assert name in documented, f"{stage.module_file} does not document its own option {name}"
+        del documented[name]
     assert sorted(documented) == sorted(stage.schema.names), (
         f"{stage.module_file} DOCUMENTATION options {sorted(documented)} differ from {stage.package} REQUEST "
         f"{sorted(stage.schema.names)} (the shared options come from the stage doc fragment)"
@@ -213,7 +217,11 @@ def test_the_role_passes_every_option_to_the_module(stage):
             if fqcn in task:
                 calls.append((path.relative_to(ROOT), set(task[fqcn])))
     assert calls, f"roles/{stage.role}/tasks never calls {fqcn}"
-    expected = set(stage.schema.names) | set(stage_runner.STAGE_OPTIONS)
+    expected = (
+        set(stage.schema.names)
+        | set(stage_runner.STAGE_OPTIONS)
+        | set(getattr(stage.plugin(), "HOST_OPTIONS", {}))
+    )
     for path, passed in calls:
         assert passed <= expected, (
             f"{path}: the {fqcn} task passes unknown options {sorted(passed - expected)}"

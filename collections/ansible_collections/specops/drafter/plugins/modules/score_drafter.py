@@ -434,10 +434,10 @@ FIGURES = {
 DEVICE_FORM = re.compile(r"^(auto|cpu|cuda(:[0-9]+)?)$")
 
 
-# Not part of the stage's request: the module waits on the host before it starts the stage.
-START_AFTER = dict(type="dict", options=dict(finished_file=dict(type="path", required=True),
-                                             ended_file=dict(type="path"),
-                                             timeout=dict(type="float", default=7200)))
+# The module's own options, not part of the stage's request: it waits on the host before it starts the stage.
+HOST_OPTIONS = dict(start_after=dict(type="dict", options=dict(finished_file=dict(type="path", required=True),
+                                                               ended_file=dict(type="path"),
+                                                               timeout=dict(type="float", default=7200))))
 
 
 def wait_for_extraction(module, after):
@@ -466,7 +466,7 @@ def wait_for_extraction(module, after):
 
 
 def main():
-    module = stage_module(dict(REQUEST_OPTIONS, start_after=START_AFTER),
+    module = stage_module(dict(REQUEST_OPTIONS, **HOST_OPTIONS),
                           required_if=[("server_drafter", "reference", ("reference_drafter",))])
     # Refused here, before the ML environment is started for nothing.
     if not DEVICE_FORM.match(module.params["device"]):
