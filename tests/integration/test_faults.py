@@ -11,6 +11,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -395,24 +396,38 @@ def test_a_server_killed_inside_a_memory_saver_window_is_started_again_and_the_p
         text=True,
         env={**os.environ, "ANSIBLE_CONFIG": str(REPO / "ansible.cfg"), "ANSIBLE_NOCOLOR": "1"},
     )
-    killed = False
     children: list[int] = []
+    killed = threading.Event()
+    start_signal = run_dir / "extract.start"
+
+    def kill_at_go() -> None:
+        # The window is one module call: the release has answered and the memory is free once the waiting
+        # extraction is told go; the server is paused with its memory released then.
+        while play.poll() is None:
+            try:
+                if json.loads(start_signal.read_text()).get("signal") == "go":
+                    children.extend(_tree(pid_before))
+                    os.kill(pid_before, signal.SIGKILL)
+                    killed.set()
+                    return
+            except (OSError, ValueError):
+                pass
+            time.sleep(0.02)
+
+    killer = threading.Thread(target=kill_at_go, daemon=True)
+    killer.start()
     output = ""
     try:
         for line in play.stdout:
             output += line
-            # The release has answered: the server is paused with its memory released.
-            if not killed and "TASK [Stage release-gpus:" in line:
-                children = _tree(pid_before)
-                os.kill(pid_before, signal.SIGKILL)
-                killed = True
         play.wait(timeout=600)
     finally:
         if play.poll() is None:
             play.kill()
             play.wait()
+    killer.join(timeout=60)
     result = SimpleNamespace(output=output)
-    assert killed, output[-4000:]
+    assert killed.is_set(), output[-4000:]
     assert play.returncode == 0, output[-6000:]
     assert "was gone when its GPU memory was to be resumed (its process died" in said(result)
     assert "a new server was started instead" in said(result)

@@ -542,6 +542,11 @@ class ServiceWindow(object):
             # The guard's record of this window as an outage, for a play lost after its work ended: this play
             # was not lost, and records the window itself.
             remove(os.path.join(outages_dir(self.state_dir), "%s.json" % fired["arm_id"]))
+        if fired.get("work_ended") and fired.get("started_pid"):
+            # The server was gone at the work's end (killed inside the window): the guard started it instead.
+            self.result.update(changed=True, started_instead=True, resumed_by="guard, at the end of the window's work",
+                               resume_started_at=fired.get("fired_at"),
+                               msg="the server was gone: the guard started it instead of resuming")
         if fired.get("work_ended") and fired.get("resumed") and fired.get("ready_at"):
             self.result.update(changed=True, resumed_by="guard, at the end of the window's work",
                                resume_started_at=fired.get("fired_at"),
