@@ -68,8 +68,8 @@ class FileWatch(object):
         if self.fd is None:
             time.sleep(min(timeout, FALLBACK_POLL_S))
             return
-        ready, _, _ = select.select([self.fd], [], [], timeout)
-        if ready:
+        readable = select.select([self.fd], [], [], timeout)[0]
+        if readable:
             try:
                 os.read(self.fd, 1 << 16)  # the events themselves do not matter: the caller looks again
             except OSError:

@@ -75,7 +75,7 @@ def window_stages(result: dict) -> dict:
              ("go_at", "work_s"), ("work_finished_at", "heard_to_resume_s"), ("resume_started_at", "resume_to_ready_s"))
     moments = [(name, result.get(key)) for key, name in names] + [("", result.get("ready_at"))]
     known = [(name, float(at)) for name, at in moments if at is not None]
-    stages = dict((name, round(after - at, 3)) for (name, at), (_, after) in zip(known, known[1:]))
+    stages = dict((known[i][0], round(known[i + 1][1] - known[i][1], 3)) for i in range(len(known) - 1))
     if result.get("down_at") is not None and result.get("ready_at") is not None:
         stages["downtime_s"] = round(float(result["ready_at"]) - float(result["down_at"]), 3)
     return stages
