@@ -71,6 +71,8 @@ MODULE_BEFORE_THE_WINDOW = {
     "sglang_service:stopped": "stop-server",
     "sglang_service:released": "release-server",
     "sglang_service:resumed": "resume-server",
+    # The window in one step, failed before its release answered.
+    "sglang_service:window": "release-server",
     "gpu_release": "gpu-holders",
     "job_wait": "prestart-extraction",
     "uri": "router",
