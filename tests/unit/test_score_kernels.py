@@ -325,3 +325,26 @@ def test_the_norm_rope_reference_is_eager_with_the_rotation_rounded_once():
     # Rotations of values near cancellation differ by more than an ulp of the small result: compare
     # against the scale of the inputs (the norm's output, ~1).
     assert 0 < float((found.float() - expected.float()).abs().max()) <= 2 * 2**-7 * 4
+
+
+def test_a_kernel_that_fails_to_build_leaves_the_drafter_on_eager_and_says_so_once(
+    monkeypatch, kernels_apply
+):
+    drafter, *inputs = drafter_and_inputs()
+    expected = drafts(drafter, *inputs)
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("CompilationError: no C compiler found\nmore detail")
+
+    norm_rope = Calls(broken)
+    install(monkeypatch, "norm_rope", norm_rope=norm_rope)
+    install(monkeypatch, "silu_mul", silu_mul=Calls())
+    monkeypatch.setattr(drafter_ops, "ELEMENTWISE", "triton")
+    monkeypatch.setattr(drafter_ops, "TRITON_FAILED", None)
+    with pytest.warns(RuntimeWarning, match="no C compiler found") as warned:
+        found = drafts(drafter, *inputs)
+        again = drafts(drafter, *inputs)
+    assert torch.equal(found, expected) and torch.equal(again, expected)
+    # The first failure turns the kernels off: one call, one warning, and silu_mul never tried.
+    assert norm_rope.count == 1 and len(warned) == 1
+    assert drafter_ops.TRITON_FAILED == "RuntimeError: CompilationError: no C compiler found"

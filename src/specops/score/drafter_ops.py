@@ -10,6 +10,8 @@ still theirs.
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -80,18 +82,40 @@ def fused_linears(
     return fused
 
 
+# Why a Triton kernel failed here (its compilation, most often: no C compiler, an old driver), or None;
+# after a failure every chain runs eager for the rest of the process.
+TRITON_FAILED: str | None = None
+
+
+def _triton_applies(*tensors: torch.Tensor) -> bool:
+    return ELEMENTWISE == "triton" and TRITON_FAILED is None and kernels.applies(*tensors)
+
+
+def _triton_failed(error: Exception) -> None:
+    global TRITON_FAILED
+    TRITON_FAILED = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
+    warnings.warn(
+        f"the drafter's Triton kernels failed ({TRITON_FAILED}); its elementwise chains run in torch",
+        RuntimeWarning,
+        stacklevel=3,
+    )
+
+
 def norm_rope(x: torch.Tensor, norm: RMSNorm, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """RoPE of norm(x) for x [..., heads, head_dim] (the queries' and keys' q_norm/k_norm, then the
     rotation); cos/sin [..., head_dim] per token, broadcasting over x's leading token dimensions."""
-    if ELEMENTWISE == "triton" and kernels.applies(x, norm.weight, cos, sin):
-        from specops.score.kernels.norm_rope import norm_rope as kernel
-
+    if _triton_applies(x, norm.weight, cos, sin):
         heads, d = x.shape[-2:]
         tokens = x.shape[:-2]
-        rows = kernel(
-            x.reshape(-1, heads, d), norm.weight, norm.variance_epsilon, *per_token(cos, sin, tokens)
-        )
-        return rows.view(x.shape)
+        try:
+            from specops.score.kernels.norm_rope import norm_rope as kernel
+
+            rows = kernel(
+                x.reshape(-1, heads, d), norm.weight, norm.variance_epsilon, *per_token(cos, sin, tokens)
+            )
+            return rows.view(x.shape)
+        except Exception as error:  # noqa: BLE001 (any failure to build the kernel: torch's path instead)
+            _triton_failed(error)
     return apply_rope(norm(x), cos.unsqueeze(-2), sin.unsqueeze(-2))
 
 
@@ -111,13 +135,12 @@ def per_token(
 
 def silu_mul(act_fn: nn.Module, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """act_fn(gate) * up, the MLP's product with up; gate is overwritten on the eager path."""
-    if (
-        ELEMENTWISE == "triton"
-        and isinstance(act_fn, (SiLUActivation, nn.SiLU))
-        and kernels.applies(gate, up)
-    ):
-        from specops.score.kernels.silu_mul import silu_mul as kernel
-
+    if isinstance(act_fn, (SiLUActivation, nn.SiLU)) and _triton_applies(gate, up):
         n = gate.shape[-1]
-        return kernel(gate.reshape(-1, n), up.reshape(-1, n)).view(gate.shape)
+        try:
+            from specops.score.kernels.silu_mul import silu_mul as kernel
+
+            return kernel(gate.reshape(-1, n), up.reshape(-1, n)).view(gate.shape)
+        except Exception as error:  # noqa: BLE001 (as in norm_rope)
+            _triton_failed(error)
     return act_fn(gate).mul_(up)
