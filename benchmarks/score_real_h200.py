@@ -179,13 +179,19 @@ def _quantiles(values: torch.Tensor) -> dict[str, float]:
 
 
 def flops_per_completion(
-    shape: dict, results, positions_of: Callable[[int], int], exact: bool = False, real_context: bool = False
+    shape: dict,
+    results,
+    positions_of: Callable[[int], int] | None = None,
+    exact: bool = False,
+    real_context: bool = False,
+    positions: int | None = None,
 ) -> dict[str, float]:
     """Matrix-product FLOPs per completion of the steps the walk took.
 
     positions_of(a): the draft positions the last layer's rest (o_proj, MLP) and the head run at, in a
-    step of accept length a. Attention counts the scores and their mix over the whole padded context
-    (the engine masks the context after a block's start, it does not shorten it). exact: the work no
+    step of accept length a; or positions: how many the engine ran them at in all (counted). Attention
+    counts the scores and their mix over the whole padded context (the engine masks the context after a
+    block's start, it does not shorten it). exact: the work no
     exact engine can skip: attention over the context before each block only, and the first layer's
     q/k/v of the mask rows once (they are the same in every block before RoPE). real_context: the
     engine's attention reads the context before each block only (the `flash` kernel).
@@ -194,9 +200,12 @@ def flops_per_completion(
     bs, layers, T = shape["block"], shape["layers"], shape["length"]
     q, kvp, o, mlp = h * heads * d, 2 * h * kv * d, heads * d * h, 3 * h * shape["intermediate"]
     steps = sum(r.steps for r in results)
-    positions = sum(positions_of(a) for r in results for a in r.accept_lengths)
+    if positions is None:
+        assert positions_of is not None
+        positions = sum(positions_of(a) for r in results for a in r.accept_lengths)
     n = len(results)
-    first_layer_rows = 1 if exact else bs
+    # The engine projects a block's first two rows in the first layer (its mask rows are alike).
+    first_layer_rows = 1 if exact else 2
     keys = sum(s + bs for r in results for s in r.block_starts) if exact or real_context else (T + bs) * steps
     parts = {
         "drafter_layers": 2
@@ -369,6 +378,20 @@ class Record:
             Path(self.out).write_text(json.dumps(self.data, indent=2) + "\n")
 
 
+def count_head_rows(head) -> list[int]:
+    """Count the rows the head's argmax takes from now until `del head.argmax` (no host sync: the
+    shapes are known on the host); returns the one-element counter."""
+    counter = [0]
+    argmax = head.argmax
+
+    def counted(hidden, *args, **kwargs):
+        counter[0] += hidden.numel() // hidden.shape[-1]
+        return argmax(hidden, *args, **kwargs)
+
+    head.argmax = counted
+    return counter
+
+
 def same(a, b) -> bool:
     return all(x.accept_lengths == y.accept_lengths for x, y in zip(a, b, strict=False))
 
@@ -527,15 +550,14 @@ def main() -> None:
             summary["peak_gpu_memory_gib"] = torch.cuda.max_memory_allocated() / 2**30
         return found, summary
 
-    def where_needed(a: int) -> int:  # whole passes up to the one holding the first mismatch
-        return min(-(-a // POSITIONS_PER_PASS) * POSITIONS_PER_PASS, bs - 1)
-
     record.begin("engine")
     runs: dict = {}
+    head_rows = count_head_rows(head)
     results, runs["where_needed"] = engine(POSITIONS_PER_PASS)
+    del head.argmax
     real_context = block_attention.KERNEL == "flash"
     arithmetic = {
-        "engine": flops_per_completion(shape, results, where_needed, real_context=real_context),
+        "engine": flops_per_completion(shape, results, real_context=real_context, positions=head_rows[0]),
         "minimum (up to each first mismatch, real context, mask rows once)": flops_per_completion(
             shape, results, lambda a: min(a, bs - 1), exact=True
         ),

@@ -289,8 +289,9 @@ class SequenceGroup:
             )
         # Draft positions 1..bs-1, one row per block; the rest of the last layer runs per head pass,
         # on the blocks and positions the pass needs.
-        residual = residual[:, :, 1:].reshape(B * m, bs - 1, -1)
-        mixed = mixed[:, :, 1:].reshape(B * m, bs - 1, -1)
+        # Views: each pass gathers just the rows it needs.
+        residual = residual.flatten(0, 1)[:, 1:]
+        mixed = mixed.flatten(0, 1)[:, 1:]
 
         def draft_states(rows: torch.Tensor, first: int, last: int) -> torch.Tensor:
             with timer.span("last layer"):
