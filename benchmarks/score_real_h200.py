@@ -651,6 +651,17 @@ def main() -> None:
             acceptance.DEFAULT_LANES = lanes
         identical["one_lane_vs_lanes"] = same(single, results)
         record.stage("engine, one lane", lanes=lanes)
+    if time_left() and matching.MIN_ROWS_PER_PASS:
+        # Every pass 3 positions wide, however few blocks it holds: what widening small passes saves.
+        record.begin("engine, passes not widened")
+        widen = matching.MIN_ROWS_PER_PASS
+        matching.MIN_ROWS_PER_PASS = 0
+        try:
+            narrow, runs["passes_not_widened"] = engine(POSITIONS_PER_PASS)
+        finally:
+            matching.MIN_ROWS_PER_PASS = widen
+        identical["passes_not_widened_vs_widened"] = same(narrow, results)
+        record.stage("engine, passes not widened", min_rows_per_pass=widen)
     if time_left():
         # Every feature copied and the whole context computed before the first step, as before the
         # context was streamed (specops.score.streamed_context): what the overlap saves.
