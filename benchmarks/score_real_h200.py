@@ -651,11 +651,11 @@ def main() -> None:
             acceptance.DEFAULT_LANES = lanes
         identical["one_lane_vs_lanes"] = same(single, results)
         record.stage("engine, one lane", lanes=lanes)
-    if time_left() and matching.MIN_ROWS_PER_PASS:
+    if time_left() and matching.MIN_ROWS_PER_PASS.get(device):
         # Every pass 3 positions wide, however few blocks it holds: what widening small passes saves.
         record.begin("engine, passes not widened")
         widen = matching.MIN_ROWS_PER_PASS
-        matching.MIN_ROWS_PER_PASS = 0
+        matching.MIN_ROWS_PER_PASS = {}
         try:
             narrow, runs["passes_not_widened"] = engine(POSITIONS_PER_PASS)
         finally:

@@ -13,7 +13,7 @@ from specops.score.target_head import TargetHead
 @pytest.mark.parametrize("min_rows", [0, 64])
 @pytest.mark.parametrize("per_pass", [1, 2, 3, 4, 15])
 def test_leading_matches_equal_the_full_heads(per_pass, min_rows, monkeypatch):
-    monkeypatch.setattr(matching, "MIN_ROWS_PER_PASS", min_rows)
+    monkeypatch.setattr(matching, "MIN_ROWS_PER_PASS", {"cpu": min_rows})
     generator = torch.Generator().manual_seed(0)
     head = TargetHead(torch.randn(64, 16, generator=generator), torch.randn(64, 16, generator=generator))
     hidden = torch.randn(40, 15, 16, generator=generator)
@@ -27,7 +27,7 @@ def test_leading_matches_equal_the_full_heads(per_pass, min_rows, monkeypatch):
 
 
 def test_blocks_past_their_first_mismatch_never_reach_the_head(monkeypatch):
-    monkeypatch.setattr(matching, "MIN_ROWS_PER_PASS", 0)
+    monkeypatch.setattr(matching, "MIN_ROWS_PER_PASS", {})
     head = TargetHead(torch.eye(4), torch.eye(4))
     hidden = torch.eye(4)[torch.tensor([[0, 1, 2, 3], [0, 1, 2, 3]])]  # drafts 0, 1, 2, 3 in both blocks
     targets = torch.tensor([[0, 1, 2, 3], [9, 1, 2, 3]])
@@ -41,7 +41,7 @@ def test_blocks_past_their_first_mismatch_never_reach_the_head(monkeypatch):
 
 
 def test_draft_states_given_as_a_function_are_asked_for_the_matching_blocks_only(monkeypatch):
-    monkeypatch.setattr(matching, "MIN_ROWS_PER_PASS", 0)
+    monkeypatch.setattr(matching, "MIN_ROWS_PER_PASS", {})
     generator = torch.Generator().manual_seed(1)
     head = TargetHead(torch.randn(64, 16, generator=generator), torch.randn(64, 16, generator=generator))
     hidden = torch.randn(30, 7, 16, generator=generator)
@@ -61,7 +61,7 @@ def test_draft_states_given_as_a_function_are_asked_for_the_matching_blocks_only
 
 
 def test_a_pass_over_few_blocks_widens_to_the_rows_that_cost_no_more(monkeypatch):
-    monkeypatch.setattr(matching, "MIN_ROWS_PER_PASS", 4)
+    monkeypatch.setattr(matching, "MIN_ROWS_PER_PASS", {"cpu": 4})
     head = TargetHead(torch.eye(6), torch.eye(6))
     hidden = torch.eye(6)[torch.arange(6).expand(2, 6)]  # drafts 0..5 in both blocks
     targets = torch.tensor([[0, 1, 2, 3, 4, 5], [0, 1, 2, 9, 4, 5]])
@@ -73,3 +73,7 @@ def test_a_pass_over_few_blocks_widens_to_the_rows_that_cost_no_more(monkeypatch
     assert leading_matches(head, hidden, targets, positions_per_pass=1).tolist() == [6, 3]
     # Two blocks: passes of 2 positions; the one left after the mismatch takes the last 2 in one pass.
     assert shapes == [(2, 2), (2, 2), (1, 2)]
+
+
+def test_passes_on_the_cpu_keep_their_width():
+    assert matching.MIN_ROWS_PER_PASS.get("cpu", 0) == 0

@@ -278,7 +278,6 @@ class SequenceGroup:
         reach: no block starts after it (known on the host, so no sync); None: anywhere."""
         drafter, head, timer = self.drafter, self.head, self.timer
         B, m = starts.shape
-        bs = drafter.block_size
         anchors = self.ids.gather(1, starts)
         with timer.span("inputs"):
             self.context.ensure(self.context_len if reach is None else reach)

@@ -24,10 +24,11 @@ from specops.score.target_head import TargetHead
 # Positions per head pass: small enough to stop soon after a block's first mismatch, large enough that
 # each pass's matrix product has many rows.
 DEFAULT_POSITIONS_PER_PASS = 3
-# A pass over fewer blocks widens to about this many rows: below it the head's product is bound by reading
-# the head's weights (2.5 GB at the real vocabulary, ~0.8 ms on an H100), not by its arithmetic, so the
-# extra positions cost almost nothing and may save a later pass. 0: every pass has the same width.
-MIN_ROWS_PER_PASS = 256
+# Per device type, a pass over fewer blocks widens to about this many rows: below it a GPU's head product is
+# bound by reading the head's weights (2.5 GB at the real vocabulary, ~0.8 ms on an H100), not by its
+# arithmetic, so the extra positions cost almost nothing and may save a later pass. A CPU's arithmetic is
+# slower than its reads down to a few rows: its passes keep their width.
+MIN_ROWS_PER_PASS: dict[str, int] = {"cuda": 256}
 
 # hidden_at(blocks, first, last) -> the draft states [len(blocks), last - first, hidden] of those blocks
 # at draft positions first..last-1.
@@ -53,7 +54,8 @@ def leading_matches(
     (`DraftStates`), called once per pass with the blocks still matching. A block leaves the passes
     at its first mismatch; the passes stop when no block is left (one host sync per pass, a few per
     step). positions_per_pass: default DEFAULT_POSITIONS_PER_PASS, read at call time, widened for few
-    blocks (MIN_ROWS_PER_PASS); J computes the head over every position at once. timer: the head's time goes under "head".
+    blocks (MIN_ROWS_PER_PASS); J computes the head over every position at once. timer: the head's
+    time goes under "head".
     """
     blocks, positions = targets.shape
     per_pass = positions_per_pass or DEFAULT_POSITIONS_PER_PASS
@@ -61,9 +63,10 @@ def leading_matches(
     hidden_at = hidden if callable(hidden) else _states_of(hidden)
     runs = torch.zeros(blocks, dtype=torch.long, device=targets.device)
     alive = torch.arange(blocks, device=targets.device)
+    min_rows = MIN_ROWS_PER_PASS.get(targets.device.type, 0)
     first = 0
     while first < positions:
-        width = max(per_pass, MIN_ROWS_PER_PASS // max(1, alive.numel()))
+        width = max(per_pass, min_rows // max(1, alive.numel()))
         last = min(first + width, positions)
         states = hidden_at(alive, first, last)
         with timer.span("head"):
