@@ -48,15 +48,15 @@ SLOT_ALIGNMENT = 16
 # context at positions 0..context_len-1 (T' >= context_len; the rest spare slots).
 Kernel = Callable[..., torch.Tensor]
 
-# The kernel used where it applies, chosen by measurement on the H200 at the real drafter's shape
-# (benchmarks/score_real_h200.json, kernels.attention_kernels: per call at 256 x 1,128 tokens,
-# reference 2.02 ms, sdpa-efficient 0.95 ms, cuDNN 0.71-0.74 ms, but cuDNN's first call at each new
-# batch size costs 74 ms, and the frontier meets a new one every few steps). On the CPU it is `sdpa`
-# (flash). "reference" forces the plain path everywhere. On an H100 (score_real_h100_2026-12-05.json) `flash`
-# took 0.644 ms a call against sdpa-efficient's 0.860, but the chooser then counted its first call in the
-# process (its code loading, 53 ms) as a per-batch-size cost; the chooser no longer does, and the next GPU
-# run decides between them.
-KERNEL = "sdpa-efficient"
+# The kernel used where it applies, chosen by measurement at the real drafter's shape (per layer call at 256
+# x 1,128 tokens): on an H100 (benchmarks/score_real_h100_2026-12-05_night.json) `flash` 0.631 ms,
+# cuDNN 0.692, sdpa 0.703, sdpa-efficient 0.844, reference 5.45, and flash's first call at a new batch
+# size 0.81 ms against cuDNN's 34 ms (it builds a plan for every size, and the frontier's batch shrinks as
+# sequences finish); on the H200 (benchmarks/score_real_h200.json, before `flash` existed) cuDNN
+# 0.71-0.74 ms, sdpa-efficient 0.95, reference 2.02. Where `flash` does not apply (the CPU, a causal or
+# sliding layer, a torch without the kernel) it runs `sdpa-efficient`, which is `sdpa` off CUDA.
+# "reference" forces the plain path everywhere.
+KERNEL = "flash"
 
 # Devices whose context buffers are laid out token-major ([B, T', kv_heads, head_dim] in memory, handed
 # out as a [B, kv_heads, T', head_dim] view): what the variable-length kernel reads. The CPU keeps
