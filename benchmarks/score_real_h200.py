@@ -68,7 +68,6 @@ import torch
 import torch.nn.functional as F
 from score_h200 import build_models, logit_noise, plant_tokens, timed
 
-import specops.score.acceptance as acceptance
 import specops.score.block_attention as block_attention
 import specops.score.drafter_ops as drafter_ops
 import specops.score.kernels as kernels
@@ -640,17 +639,6 @@ def main() -> None:
             },
         )
 
-    if time_left() and acceptance.DEFAULT_LANES > 1:
-        # The frontier as one lane: what walking the group in lanes on streams of their own saves.
-        record.begin("engine, one lane")
-        lanes = acceptance.DEFAULT_LANES
-        acceptance.DEFAULT_LANES = 1
-        try:
-            single, runs["one_lane"] = engine(POSITIONS_PER_PASS)
-        finally:
-            acceptance.DEFAULT_LANES = lanes
-        identical["one_lane_vs_lanes"] = same(single, results)
-        record.stage("engine, one lane", lanes=lanes)
     if time_left() and matching.MIN_ROWS_PER_PASS.get(device):
         # Every pass 3 positions wide, however few blocks it holds: what widening small passes saves.
         record.begin("engine, passes not widened")

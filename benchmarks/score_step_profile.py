@@ -237,18 +237,10 @@ def main() -> None:
     del features
     if device == "cuda":
         torch.cuda.empty_cache()
-    record["untraced"] = {}
-    for lanes in (1, 2):
-        offline_acceptance(drafter, head, sequences, lanes=lanes)  # warm-up: every batch size the run meets
-        results, seconds = timed(
-            lambda n=lanes: offline_acceptance(drafter, head, sequences, lanes=n), device
-        )
-        steps = sum(r.steps for r in results)
-        record["untraced"][f"lanes={lanes}"] = {
-            "seconds": seconds,
-            "steps": steps,
-            "tau": B * (L - 1 - P) / steps,
-        }
+    offline_acceptance(drafter, head, sequences)  # warm-up: every batch size the run meets
+    results, seconds = timed(lambda: offline_acceptance(drafter, head, sequences), device)
+    steps = sum(r.steps for r in results)
+    record["untraced"] = {"seconds": seconds, "steps": steps, "tau": B * (L - 1 - P) / steps}
     save()
 
     from torch.profiler import ProfilerActivity, profile
@@ -256,8 +248,7 @@ def main() -> None:
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
     timer = AnnotatedTimer(device)
     with profile(activities=activities) as prof:
-        # One lane: its idle gaps are what lanes can fill.
-        traced = offline_acceptance(drafter, head, sequences, timer=timer, lanes=1)
+        traced = offline_acceptance(drafter, head, sequences, timer=timer)
         if device == "cuda":
             torch.cuda.synchronize()
     with tempfile.TemporaryDirectory() as scratch:

@@ -6,7 +6,6 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-import specops.score.acceptance as acceptance  # noqa: E402
 import specops.score.streamed_context as streamed_context  # noqa: E402
 from specops.fixtures.train_drafter import greedy_completions  # noqa: E402
 from specops.score.acceptance import (  # noqa: E402
@@ -18,7 +17,6 @@ from specops.score.acceptance import (  # noqa: E402
 )
 from specops.score.drafter import load_drafter  # noqa: E402
 from specops.score.sequential_acceptance import SequentialDrafter, sequential_acceptance  # noqa: E402
-from specops.score.step_timer import StepTimer  # noqa: E402
 from specops.score.target_head import load_target_head  # noqa: E402
 
 MODES = ("frontier", "all-anchors")
@@ -294,33 +292,3 @@ def test_the_context_is_computed_only_as_far_as_asked(fixture_models, greedy_seq
     for (got_k, got_v), (want_k, want_v) in zip(context.buffers, expected, strict=True):
         assert got_k.shape == want_k.shape
         assert torch.allclose(got_k, want_k, atol=1e-6) and torch.allclose(got_v, want_v, atol=1e-6)
-
-
-def test_a_gpu_group_is_dealt_to_lanes_longest_first_and_small_groups_stay_whole():
-    cuda, cpu = torch.device("cuda"), torch.device("cpu")
-    indices = list(range(100))
-    assert acceptance.lane_indices(indices, cuda, "frontier", 2) == [indices[0::2], indices[1::2]]
-    # A lane needs MIN_LANE_SEQUENCES: 100 sequences make three lanes at most.
-    assert len(acceptance.lane_indices(indices, cuda, "frontier", 8)) == 100 // acceptance.MIN_LANE_SEQUENCES
-    assert acceptance.lane_indices(indices[:40], cuda, "frontier", 2) == [indices[:40]]
-    assert acceptance.lane_indices(indices, cpu, "frontier", 2) == [indices]
-    assert acceptance.lane_indices(indices, cuda, "all-anchors", 2) == [indices]
-
-
-def test_lanes_walked_side_by_side_give_the_lengths_of_one_walk(
-    fixture_models, head, greedy_sequences, monkeypatch
-):
-    drafter = load_drafter(fixture_models.drafter)
-    whole = offline_acceptance(drafter, head, greedy_sequences, lanes=1)
-    monkeypatch.setattr(acceptance, "LANE_DEVICES", ("cuda", "cpu"))
-    monkeypatch.setattr(acceptance, "MIN_LANE_SEQUENCES", 1)
-    dealt = []
-    deal = acceptance.lane_indices
-    monkeypatch.setattr(acceptance, "lane_indices", lambda *args: dealt.append(deal(*args)) or dealt[-1])
-    timer = StepTimer("cpu")
-    in_lanes = offline_acceptance(drafter, head, greedy_sequences, lanes=3, timer=timer)
-    assert len(dealt[0]) == 3
-    assert [r.id for r in in_lanes] == [r.id for r in whole]
-    assert [r.accept_lengths for r in in_lanes] == [r.accept_lengths for r in whole]
-    # Every lane's steps were timed.
-    assert timer.counts["steps"] == 3

@@ -34,9 +34,7 @@ Two ways to get the drafts, same walk:
   group at once, drafting only the blocks the walk visits (about (L - P) / tau per sequence).
 - `mode="all-anchors"`: the drafts at every position, many anchors per sequence per forward, then
   the walk on the CPU. tau times more drafting, in far fewer, larger forwards.
-Both batch across sequences in groups sized by a memory budget; on a GPU the frontier walks a group in
-lanes (`DEFAULT_LANES`), each on a CUDA stream and host thread of its own, so that one lane's host
-synchronizations and small head passes overlap another's matrix products. The plain reference beside this
+Both batch across sequences in groups sized by a memory budget. The plain reference beside this
 engine is `specops.score.sequential_acceptance`: one sequence, one block at a time, the context K/V
 cached and grown as tokens are accepted; the tests hold the engine to it.
 """
@@ -44,7 +42,6 @@ cached and grown as tokens are accepted; the tests hold the engine to it.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
@@ -64,15 +61,6 @@ DEFAULT_MODE = "frontier"
 CPU_MEMORY_SHARE = 0.5
 CPU_MEMORY_BUDGET = 2 << 30
 MAX_ANCHORS_PER_FORWARD = 128
-# On a GPU the frontier walks a group's sequences in this many lanes at once, each on its own CUDA stream
-# and host thread: while one lane waits on its host synchronizations (a few a step) or reads the head's
-# weights for a pass of few rows, another's matrix products keep the GPU busy. One lane walks the group
-# as a whole; on the CPU there is nothing to overlap.
-DEFAULT_LANES = 2
-# A lane walks at least this many sequences: smaller lanes make products too small to gain.
-MIN_LANE_SEQUENCES = 32
-# Devices whose groups are walked in lanes.
-LANE_DEVICES = ("cuda",)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -384,48 +372,6 @@ def _all_anchors(
         results[owner].accept_lengths, results[owner].block_starts = accept, starts_
 
 
-def lane_indices(indices: list[int], device: torch.device, mode: str, lanes: int) -> list[list[int]]:
-    """The group's sequences dealt to lanes (longest first, so each lane has as many long ones), or the
-    group as one lane: on the CPU, in all-anchors mode, or where a lane would hold fewer than
-    MIN_LANE_SEQUENCES."""
-    lanes = min(lanes, len(indices) // MIN_LANE_SEQUENCES)
-    if device.type not in LANE_DEVICES or mode != "frontier" or lanes < 2:
-        return [indices]
-    return [indices[lane::lanes] for lane in range(lanes)]
-
-
-def _walk_group(drafter, head, items, indices, results, mode, budget, timer) -> None:
-    group = SequenceGroup(drafter, head, [items[i] for i in indices], timer)
-    with group.timer.span("steps"):
-        if mode == "frontier":
-            _frontier(group, indices, results)
-        else:
-            _all_anchors(group, indices, results, budget)
-
-
-def _walk_lanes(drafter, head, items, lanes: list[list[int]], results, timer) -> None:
-    """Each lane's frontier on its own stream and thread (see DEFAULT_LANES); returns when all are done.
-
-    Every lane writes its own sequences' results; the threads' ops release the GIL while they run."""
-    device = head.device
-    cuda = device.type == "cuda"
-
-    @torch.inference_mode()
-    def walk_lane(indices: list[int]) -> None:
-        if not cuda:
-            _walk_group(drafter, head, items, indices, results, "frontier", 0, timer)
-            return
-        with torch.cuda.device(device), torch.cuda.stream(torch.cuda.Stream(device)):
-            _walk_group(drafter, head, items, indices, results, "frontier", 0, timer)
-            torch.cuda.current_stream(device).synchronize()
-
-    if cuda:  # the lanes' streams start after what the caller queued on its own
-        torch.cuda.current_stream(device).synchronize()
-    with ThreadPoolExecutor(len(lanes), thread_name_prefix="specops-lane") as pool:
-        for future in [pool.submit(walk_lane, indices) for indices in lanes]:
-            future.result()
-
-
 @torch.inference_mode()
 def offline_acceptance(
     drafter: DFlashDrafter,
@@ -435,7 +381,6 @@ def offline_acceptance(
     memory_budget_bytes: int | None = None,
     progress: Callable[[int, int], None] | None = None,
     timer: StepTimer | None = None,
-    lanes: int | None = None,
 ) -> list[SequenceAcceptance]:
     """Acceptance lengths of the drafter along every sequence (the walk in the module docstring).
 
@@ -443,8 +388,7 @@ def offline_acceptance(
     prompt_len. Runs on head.device (the drafter must be there too). memory_budget_bytes bounds what
     a group of sequences and its working set take (default: `default_memory_budget`).
     progress(done, total) is called after each group; timer (a StepTimer) records where the time
-    goes (summed over lanes, which overlap). lanes: how many lanes the frontier walks a group in on a
-    GPU (default DEFAULT_LANES, read at call time; see `lane_indices`). Results come back in input order.
+    goes. Results come back in input order.
     """
     if mode not in MODES:
         raise ValueError(f"mode {mode!r} is not one of {list(MODES)}")
@@ -455,11 +399,13 @@ def offline_acceptance(
     results = {i: SequenceAcceptance(it.id, drafter.block_size) for i, it in enumerate(items)}
     done = 0
     for indices in group_indices(drafter, items, budget):
-        dealt = lane_indices(indices, head.device, mode, DEFAULT_LANES if lanes is None else lanes)
-        if len(dealt) == 1:
-            _walk_group(drafter, head, items, indices, results, mode, budget, timer)
-        else:
-            _walk_lanes(drafter, head, items, dealt, results, timer)
+        group = SequenceGroup(drafter, head, [items[i] for i in indices], timer)
+        with group.timer.span("steps"):
+            if mode == "frontier":
+                _frontier(group, indices, results)
+            else:
+                _all_anchors(group, indices, results, budget)
+        del group
         done += len(indices)
         if progress is not None:
             progress(done, len(items))

@@ -6,7 +6,6 @@ events are read once, at the end. On the CPU the wall clock is exact enough.
 
 from __future__ import annotations
 
-import threading
 import time
 from collections import defaultdict
 from collections.abc import Iterator
@@ -24,26 +23,20 @@ class StepTimer:
         self._events: dict[str, list[tuple[Any, Any]]] = defaultdict(list)
         self._seconds: dict[str, float] = defaultdict(float)
         self.counts: dict[str, int] = defaultdict(int)
-        # Lanes (specops.score.acceptance) time their parts from threads of their own.
-        self._lock = threading.Lock()
 
     @contextmanager
     def span(self, name: str) -> Iterator[None]:
-        with self._lock:
-            self.counts[name] += 1
+        self.counts[name] += 1
         if self.cuda:
-            # Recorded on the calling thread's current stream: a lane's parts are timed on its stream.
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
             yield
             end.record()
-            with self._lock:
-                self._events[name].append((start, end))
+            self._events[name].append((start, end))
         else:
             started = time.perf_counter()
             yield
-            with self._lock:
-                self._seconds[name] += time.perf_counter() - started
+            self._seconds[name] += time.perf_counter() - started
 
     def seconds(self) -> dict[str, float]:
         """Seconds per part (waits for the device once)."""
