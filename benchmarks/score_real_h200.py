@@ -68,6 +68,7 @@ import torch
 import torch.nn.functional as F
 from score_h200 import build_models, logit_noise, plant_tokens, timed
 
+import specops.score.acceptance as acceptance
 import specops.score.block_attention as block_attention
 import specops.score.drafter_ops as drafter_ops
 import specops.score.kernels as kernels
@@ -377,6 +378,20 @@ class Record:
             Path(self.out).write_text(json.dumps(self.data, indent=2) + "\n")
 
 
+def count_forwards() -> list[int]:
+    """Count the engine's batched forwards (one `SequenceGroup.match_runs` each) from now on; returns
+    the one-element counter."""
+    counter = [0]
+    match_runs = acceptance.SequenceGroup.match_runs
+
+    def counted(self, *args, **kwargs):
+        counter[0] += 1
+        return match_runs(self, *args, **kwargs)
+
+    acceptance.SequenceGroup.match_runs = counted
+    return counter
+
+
 def count_head_rows(head) -> list[int]:
     """Count the rows the head's argmax takes from now until `del head.argmax` (no host sync: the
     shapes are known on the host); returns the one-element counter."""
@@ -538,13 +553,21 @@ def main() -> None:
     record.stage("kernels", kernels=choose_kernels(drafter, head, sequences, device, B * POSITIONS_PER_PASS))
     offline_acceptance(drafter, head, cut(P + 3 * bs))
 
+    forwards = count_forwards()
+
     def engine(per_pass: int, timer: StepTimer | None = None):
         matching.DEFAULT_POSITIONS_PER_PASS = per_pass
         if device == "cuda":
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats()
+        forwards[0] = 0
         found, seconds = timed(lambda: offline_acceptance(drafter, head, sequences, timer=timer), device)
-        summary = {"seconds": seconds, "completions_per_s": B / seconds, "steps": sum(r.steps for r in found)}
+        summary = {
+            "seconds": seconds,
+            "completions_per_s": B / seconds,
+            "steps": sum(r.steps for r in found),
+            "batched_forwards": forwards[0],
+        }
         if device == "cuda":
             summary["peak_gpu_memory_gib"] = torch.cuda.max_memory_allocated() / 2**30
         return found, summary
@@ -639,6 +662,17 @@ def main() -> None:
             },
         )
 
+    if time_left() and device in acceptance.SPLIT_DEVICES:
+        # Every completion walked by one walk, the batch shrinking as walks end: what splitting saves.
+        record.begin("engine, walks not split")
+        split_devices = acceptance.SPLIT_DEVICES
+        acceptance.SPLIT_DEVICES = ()
+        try:
+            unsplit, runs["walks_not_split"] = engine(POSITIONS_PER_PASS)
+        finally:
+            acceptance.SPLIT_DEVICES = split_devices
+        identical["walks_not_split_vs_split"] = same(unsplit, results)
+        record.stage("engine, walks not split")
     if time_left() and matching.MIN_ROWS_PER_PASS.get(device):
         # Every pass 3 positions wide, however few blocks it holds: what widening small passes saves.
         record.begin("engine, passes not widened")

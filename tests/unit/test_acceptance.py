@@ -6,6 +6,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+import specops.score.acceptance as acceptance  # noqa: E402
+import specops.score.split_walks as split_walks  # noqa: E402
 import specops.score.streamed_context as streamed_context  # noqa: E402
 from specops.fixtures.train_drafter import greedy_completions  # noqa: E402
 from specops.score.acceptance import (  # noqa: E402
@@ -292,3 +294,73 @@ def test_the_context_is_computed_only_as_far_as_asked(fixture_models, greedy_seq
     for (got_k, got_v), (want_k, want_v) in zip(context.buffers, expected, strict=True):
         assert got_k.shape == want_k.shape
         assert torch.allclose(got_k, want_k, atol=1e-6) and torch.allclose(got_v, want_v, atol=1e-6)
+
+
+# ---- walks started inside a range (specops.score.split_walks) --------------------------------------
+
+
+def test_walks_started_inside_the_ranges_give_the_lengths_of_one_walk_each(
+    trained_drafter, head, greedy_sequences, monkeypatch
+):
+    drafter = load_drafter(trained_drafter)
+    # Varied lengths, so that walks end at different steps and the batch is refilled.
+    cut = (None, 20, 40, None, 10, None)
+    sequences = [
+        SequenceInput(s.id, s.input_ids[:end], s.features[:end], s.prompt_len)
+        for s, end in (
+            (s, s.prompt_len + n if n else None) for s, n in zip(greedy_sequences, cut, strict=False)
+        )
+    ]
+    whole = offline_acceptance(drafter, head, sequences)
+    monkeypatch.setattr(acceptance, "SPLIT_DEVICES", ("cuda", "cpu"))
+    monkeypatch.setattr(split_walks, "MIN_SPLIT_POSITIONS", 4)
+    added = []
+    refill = split_walks.SplitWalks.refill
+
+    def counted(self, keep, starts):
+        index, new_starts = refill(self, keep, starts)
+        added.append(index.shape[0] - keep.shape[0])
+        return index, new_starts
+
+    monkeypatch.setattr(split_walks.SplitWalks, "refill", counted)
+    split = offline_acceptance(drafter, head, sequences)
+    assert sum(added) > 0
+    assert [r.accept_lengths for r in split] == [r.accept_lengths for r in whole]
+    assert [r.block_starts for r in split] == [r.block_starts for r in whole]
+    oracle = [sequential_acceptance(drafter, head, s) for s in sequences]
+    assert [r.accept_lengths for r in split] == [r.accept_lengths for r in oracle]
+
+
+def test_a_walk_that_lands_where_another_stood_stops_and_of_two_landing_together_one_goes_on():
+    walks = split_walks.SplitWalks(torch.tensor([2, 5, 3]), torch.tensor([20, 20, 20]), width=24)
+    # Rows 0 and 1 walk sequence 0, row 2 sequence 1 (as after a refill).
+    walks.sequence = torch.tensor([0, 0, 1])
+    walking = walks.land(torch.tensor([7, 7, 4]), torch.tensor([True, True, True]))
+    assert walking.tolist().count(True) == 2 and bool(walking[2])
+    # Sequence 0 stood at 2 (its first walk's start): a walk of it landing there stops; sequence 1 did
+    # not stand at 9, whatever sequence 0 did.
+    walking = walks.land(torch.tensor([2, 9, 9]), torch.tensor([True, True, True]))
+    assert walking.tolist() == [False, True, True]
+    # Rows that take no step change nothing.
+    assert walks.land(torch.tensor([11, 11, 11]), torch.tensor([False, False, False])).tolist() == [False] * 3
+    assert not bool(walks.stood[0 * 24 + 11])
+
+
+def test_a_refill_splits_the_longest_ranges_and_marks_the_new_starts():
+    starts = torch.tensor([10, 10, 10, 10])
+    walks = split_walks.SplitWalks(starts, torch.tensor([200, 100, 30, 200]), width=216)
+    # Row 3 ended; rows 0-2 go on: one free row, given to the longest range ahead (row 0: 10..199).
+    index, new_starts = walks.refill(torch.tensor([0, 1, 2]), torch.tensor([20, 20, 20, 199]))
+    assert index.tolist() == [0, 1, 2, 0]
+    assert new_starts.tolist() == [20, 20, 20, 20 + (199 - 20) // 2]
+    assert walks.sequence.tolist() == [0, 1, 2, 0]
+    assert walks.limits.tolist() == [109, 99, 29, 199]
+    assert bool(walks.stood[0 * 216 + 109])
+
+
+def test_reading_back_follows_the_steps_from_the_prompt_and_names_a_gap():
+    # Sequence 0: a walk from 3 (3 -> 5 -> 9) and one from 6 (6 -> 9 -> 12); the walk from 3 is read.
+    records = [(0, 6, 3), (0, 3, 2), (0, 9, 3), (0, 5, 4), (0, 9, 3), (0, 12, 0)]
+    assert split_walks.read_back(records, [3], [13]) == [([2, 4, 3, 1][:3], [3, 5, 9])]
+    with pytest.raises(RuntimeError, match="no step recorded at position 5 of sequence 0"):
+        split_walks.read_back([(0, 3, 2)], [3], [13])

@@ -50,6 +50,7 @@ import torch
 
 from specops.score.drafter import DFlashDrafter
 from specops.score.leading_matches import leading_matches
+from specops.score.split_walks import SplitWalks, read_back
 from specops.score.step_timer import NoTimer, StepTimer
 from specops.score.streamed_context import StreamedContext
 from specops.score.target_head import TargetHead
@@ -61,6 +62,10 @@ DEFAULT_MODE = "frontier"
 CPU_MEMORY_SHARE = 0.5
 CPU_MEMORY_BUDGET = 2 << 30
 MAX_ANCHORS_PER_FORWARD = 128
+# Devices where the frontier fills its batch with walks started inside the longest ranges as walks end
+# (`specops.score.split_walks`): a GPU's forward over few blocks costs nearly what a full one does. A
+# CPU's cost follows its rows, so the steps a split adds would only cost.
+SPLIT_DEVICES = ("cuda",)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -314,34 +319,46 @@ def group_indices(drafter: DFlashDrafter, items: list[SequenceInput], budget: in
 
 
 def _frontier(group: SequenceGroup, ids_of: list[int], results: dict[int, SequenceAcceptance]) -> None:
-    """Walk all sequences of the group in lockstep: one block per sequence per forward."""
+    """Walk all sequences of the group in lockstep: one block per walk per forward; on devices in
+    SPLIT_DEVICES, walks started inside the longest ranges fill the batch as walks end
+    (`specops.score.split_walks`)."""
     device = group.lengths.device
-    owner = torch.tensor(ids_of, device=device)
+    prompts, lengths = group.prompts.tolist(), group.lengths.tolist()
     starts = group.prompts.clone()
+    sequence = torch.arange(len(ids_of), device=device)
+    walking = starts < group.lengths - 1
+    splits = SplitWalks(starts, group.lengths, group.ids.shape[1]) if device.type in SPLIT_DEVICES else None
     records: list[torch.Tensor] = []
     while True:
-        active = starts < group.lengths - 1
-        n_active = int(active.sum())
-        if n_active == 0:
+        n_walking = int(walking.sum())
+        if n_walking == 0:
             break
-        # Finished sequences leave the batch once they are an eighth of it: a gather of the context K/V
-        # costs a fraction of one step, while every finished row in the batch costs a full block.
-        if n_active <= starts.shape[0] * 7 // 8:
-            keep = active.nonzero().squeeze(1)
-            group.select(keep)
-            owner, starts, active = owner[keep], starts[keep], active[keep]
+        # Ended walks leave the batch once they are an eighth of it: a gather of the context K/V costs a
+        # fraction of one step, while every ended row in the batch costs a full block.
+        if n_walking <= starts.shape[0] * 7 // 8:
+            keep = walking.nonzero().squeeze(1)
+            if splits is None:
+                index, starts, sequence = keep, starts[keep], sequence[keep]
+            else:
+                index, starts = splits.refill(keep, starts)
+                sequence = splits.sequence
+            group.select(index)
+            walking = torch.ones_like(starts, dtype=torch.bool)
         remaining = group.lengths - 1 - starts
-        # A step moves a block forward by a block at most: no start is past this bound.
+        # A step moves a block forward by a block at most: no start is past this bound (a walk started
+        # inside a range exists only after a `select`, which computes the whole context).
         reach = group.longest_prompt + len(records) * group.drafter.block_size
         runs = group.match_runs(starts[:, None], reach)[:, 0]
         k = torch.minimum(runs, remaining)
-        a = torch.where(active, torch.minimum(k + 1, remaining), torch.zeros_like(k))
-        records.append(torch.stack([owner, starts, a]))
+        a = torch.where(walking, torch.minimum(k + 1, remaining), torch.zeros_like(k))
+        records.append(torch.stack([sequence, starts, a]))
         starts = starts + a
-    for owner_, s, a in torch.cat(records, dim=1).T.tolist() if records else []:
-        if a > 0:
-            results[owner_].accept_lengths.append(a)
-            results[owner_].block_starts.append(s)
+        walking = walking & (starts < group.lengths - 1)
+        if splits is not None:
+            walking = splits.land(starts, walking)
+    taken = [tuple(r) for r in torch.cat(records, dim=1).T.tolist()] if records else []
+    for b, (accept, block_starts) in enumerate(read_back(taken, prompts, lengths)):
+        results[ids_of[b]].accept_lengths, results[ids_of[b]].block_starts = accept, block_starts
 
 
 def _all_anchors(
