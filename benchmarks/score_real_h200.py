@@ -379,14 +379,16 @@ class Record:
 
 
 def count_forwards() -> list[int]:
-    """Count the engine's batched forwards (one `SequenceGroup.match_runs` each) from now on; returns
-    the one-element counter."""
-    counter = [0]
+    """Count the engine's batched forwards (one `SequenceGroup.match_runs` each) and the blocks they
+    drafted (the walks' steps, the steps a walk takes past a split, and rows of ended walks still in the
+    batch) from now on; returns the counter [forwards, blocks]."""
+    counter = [0, 0]
     match_runs = acceptance.SequenceGroup.match_runs
 
-    def counted(self, *args, **kwargs):
+    def counted(self, starts, *args, **kwargs):
         counter[0] += 1
-        return match_runs(self, *args, **kwargs)
+        counter[1] += starts.numel()
+        return match_runs(self, starts, *args, **kwargs)
 
     acceptance.SequenceGroup.match_runs = counted
     return counter
@@ -560,13 +562,14 @@ def main() -> None:
         if device == "cuda":
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats()
-        forwards[0] = 0
+        forwards[:] = [0, 0]
         found, seconds = timed(lambda: offline_acceptance(drafter, head, sequences, timer=timer), device)
         summary = {
             "seconds": seconds,
             "completions_per_s": B / seconds,
             "steps": sum(r.steps for r in found),
             "batched_forwards": forwards[0],
+            "blocks_drafted": forwards[1],
         }
         if device == "cuda":
             summary["peak_gpu_memory_gib"] = torch.cuda.max_memory_allocated() / 2**30
@@ -598,6 +601,17 @@ def main() -> None:
         identical={"planted_accept_lengths": [r.accept_lengths for r in results] == planted.accept_lengths},
     )
     identical = record.data["identical"]
+    if time_left() and device in acceptance.SPLIT_DEVICES:
+        # Every completion walked by one walk, the batch shrinking as walks end: what splitting saves.
+        record.begin("engine, walks not split")
+        split_devices = acceptance.SPLIT_DEVICES
+        acceptance.SPLIT_DEVICES = ()
+        try:
+            unsplit, runs["walks_not_split"] = engine(POSITIONS_PER_PASS)
+        finally:
+            acceptance.SPLIT_DEVICES = split_devices
+        identical["walks_not_split_vs_split"] = same(unsplit, results)
+        record.stage("engine, walks not split")
     if args.triton_references:
         from score_triton_check import references_as_kernels
 
@@ -662,17 +676,6 @@ def main() -> None:
             },
         )
 
-    if time_left() and device in acceptance.SPLIT_DEVICES:
-        # Every completion walked by one walk, the batch shrinking as walks end: what splitting saves.
-        record.begin("engine, walks not split")
-        split_devices = acceptance.SPLIT_DEVICES
-        acceptance.SPLIT_DEVICES = ()
-        try:
-            unsplit, runs["walks_not_split"] = engine(POSITIONS_PER_PASS)
-        finally:
-            acceptance.SPLIT_DEVICES = split_devices
-        identical["walks_not_split_vs_split"] = same(unsplit, results)
-        record.stage("engine, walks not split")
     if time_left() and matching.MIN_ROWS_PER_PASS.get(device):
         # Every pass 3 positions wide, however few blocks it holds: what widening small passes saves.
         record.begin("engine, passes not widened")
