@@ -601,17 +601,20 @@ def main() -> None:
         identical={"planted_accept_lengths": [r.accept_lengths for r in results] == planted.accept_lengths},
     )
     identical = record.data["identical"]
-    if time_left() and device in acceptance.SPLIT_DEVICES:
-        # Every completion walked by one walk, the batch shrinking as walks end: what splitting saves.
-        record.begin("engine, walks not split")
+    if time_left():
+        # Walks started inside the longest ranges as walks end, or one walk a completion, whichever the
+        # engine does not do by default: what splitting saves.
         split_devices = acceptance.SPLIT_DEVICES
-        acceptance.SPLIT_DEVICES = ()
+        default_split = device in split_devices
+        name = "walks_not_split" if default_split else "walks_split"
+        record.begin(f"engine, {name}")
+        acceptance.SPLIT_DEVICES = () if default_split else (*split_devices, device)
         try:
-            unsplit, runs["walks_not_split"] = engine(POSITIONS_PER_PASS)
+            other, runs[name] = engine(POSITIONS_PER_PASS)
         finally:
             acceptance.SPLIT_DEVICES = split_devices
-        identical["walks_not_split_vs_split"] = same(unsplit, results)
-        record.stage("engine, walks not split")
+        identical[f"{name}_vs_default"] = same(other, results)
+        record.stage(f"engine, {name}")
     if args.triton_references:
         from score_triton_check import references_as_kernels
 

@@ -63,9 +63,12 @@ CPU_MEMORY_SHARE = 0.5
 CPU_MEMORY_BUDGET = 2 << 30
 MAX_ANCHORS_PER_FORWARD = 128
 # Devices where the frontier fills its batch with walks started inside the longest ranges as walks end
-# (`specops.score.split_walks`): a GPU's forward over few blocks costs nearly what a full one does. A
-# CPU's cost follows its rows, so the steps a split adds would only cost.
-SPLIT_DEVICES = ("cuda",)
+# (`specops.score.split_walks`). Built for GPUs, where a forward over a few blocks costs nearly what a
+# full one does (benchmarks/score_step_profile_h100_2026-12-06.json: 174 forwards for 75.5 steps a
+# completion, the GPU idle a quarter of the run), but not yet measured there against walks that are not
+# split: none until `benchmarks/score_real_h200.py` ("engine, walks split") shows the gain. A CPU's cost
+# follows its rows, so the steps a split adds would only cost there.
+SPLIT_DEVICES: tuple[str, ...] = ()
 
 
 # ----------------------------------------------------------------------------------------------

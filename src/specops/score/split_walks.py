@@ -12,7 +12,8 @@ that start in the middle of the longest ranges still ahead of a walk: a walk tha
 walk of its completion stood stops there (that walk's steps from there are its own), and each
 completion's walk is read back from the steps all its walks took, from its prompt's end. The lengths
 are those of one walk; what it costs is the steps a walk takes past a split before it lands on the new
-walk's path (about tau of them).
+walk's path (about tau of them). The frontier splits walks on the devices in
+`acceptance.SPLIT_DEVICES`: none until the gain is measured on a GPU.
 """
 
 from __future__ import annotations
