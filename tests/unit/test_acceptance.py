@@ -361,6 +361,6 @@ def test_a_refill_splits_the_longest_ranges_and_marks_the_new_starts():
 def test_reading_back_follows_the_steps_from_the_prompt_and_names_a_gap():
     # Sequence 0: a walk from 3 (3 -> 5 -> 9) and one from 6 (6 -> 9 -> 12); the walk from 3 is read.
     records = [(0, 6, 3), (0, 3, 2), (0, 9, 3), (0, 5, 4), (0, 9, 3), (0, 12, 0)]
-    assert split_walks.read_back(records, [3], [13]) == [([2, 4, 3, 1][:3], [3, 5, 9])]
+    assert acceptance.walks_from_steps(records, [3], [13], 16) == [([2, 4, 3], [3, 5, 9])]
     with pytest.raises(RuntimeError, match="no step recorded at position 5 of sequence 0"):
-        split_walks.read_back([(0, 3, 2)], [3], [13])
+        acceptance.walks_from_steps([(0, 3, 2)], [3], [13], 16)

@@ -50,7 +50,7 @@ import torch
 
 from specops.score.drafter import DFlashDrafter
 from specops.score.leading_matches import leading_matches
-from specops.score.split_walks import SplitWalks, read_back
+from specops.score.split_walks import SplitWalks
 from specops.score.step_timer import NoTimer, StepTimer
 from specops.score.streamed_context import StreamedContext
 from specops.score.target_head import TargetHead
@@ -181,6 +181,25 @@ def walk(
         starts.append(s)
         s += a
     return lengths, starts
+
+
+def walks_from_steps(
+    records: Iterable[tuple[int, int, int]], prompts: list[int], lengths: list[int], block_size: int
+) -> list[tuple[list[int], list[int]]]:
+    """Each sequence's walk (`walk`) from the steps its walks took: (sequence, start, accept length)
+    records in any order, a position's step recorded once or more (always the same), 0 for a row that
+    took none. Returns (accept_lengths, block_starts) per sequence."""
+    steps: dict[int, dict[int, int]] = {b: {} for b in range(len(prompts))}
+    for sequence, start, accepted in records:
+        if accepted > 0:
+            steps[sequence].setdefault(start, accepted)
+
+    def match_run(b: int, s: int) -> int:
+        if s not in steps[b]:
+            raise RuntimeError(f"no step recorded at position {s} of sequence {b}: the walks left a gap")
+        return steps[b][s] - 1  # the step's accepted drafts (walk adds the bonus token back)
+
+    return [walk(prompts[b], lengths[b], block_size, partial(match_run, b)) for b in range(len(prompts))]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -359,8 +378,9 @@ def _frontier(group: SequenceGroup, ids_of: list[int], results: dict[int, Sequen
         walking = walking & (starts < group.lengths - 1)
         if splits is not None:
             walking = splits.land(starts, walking)
-    taken = [tuple(r) for r in torch.cat(records, dim=1).T.tolist()] if records else []
-    for b, (accept, block_starts) in enumerate(read_back(taken, prompts, lengths)):
+    taken = torch.cat(records, dim=1).T.tolist() if records else []
+    walks = walks_from_steps(taken, prompts, lengths, group.drafter.block_size)
+    for b, (accept, block_starts) in enumerate(walks):
         results[ids_of[b]].accept_lengths, results[ids_of[b]].block_starts = accept, block_starts
 
 

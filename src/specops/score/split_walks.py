@@ -10,15 +10,14 @@ The step from a position depends on that position alone (the block there, the co
 target's tokens after it), whoever takes it. So when walks end, the batch is filled again with new walks
 that start in the middle of the longest ranges still ahead of a walk: a walk that lands where another
 walk of its completion stood stops there (that walk's steps from there are its own), and each
-completion's walk is read back from the steps all its walks took, from its prompt's end. The lengths
+completion's walk is read back from the steps all its walks took, from its prompt's end
+(`acceptance.walks_from_steps`). The lengths
 are those of one walk; what it costs is the steps a walk takes past a split before it lands on the new
 walk's path (about tau of them). The frontier splits walks on the devices in
 `acceptance.SPLIT_DEVICES`: none until the gain is measured on a GPU.
 """
 
 from __future__ import annotations
-
-from collections import defaultdict
 
 import torch
 
@@ -83,27 +82,3 @@ class SplitWalks:
         walking = walking & (self.claimed[slots] == rows)
         self.stood[self._slots(starts, walking)] = True
         return walking
-
-
-def read_back(
-    records: list[tuple[int, int, int]], prompts: list[int], lengths: list[int]
-) -> list[tuple[list[int], list[int]]]:
-    """Each sequence's walk from its prompt's end, from the steps its walks took: (sequence, start,
-    accept length) records, any order, a position's step recorded once or more (always the same).
-    Returns (accept_lengths, block_starts) per sequence."""
-    steps: dict[int, dict[int, int]] = defaultdict(dict)
-    for sequence, start, accepted in records:
-        if accepted > 0:
-            steps[sequence].setdefault(start, accepted)
-    walks = []
-    for b, (prompt, length) in enumerate(zip(prompts, lengths, strict=True)):
-        accept, starts = [], []
-        s = prompt
-        while s < length - 1:
-            if s not in steps[b]:
-                raise RuntimeError(f"no step recorded at position {s} of sequence {b}: the walks left a gap")
-            accept.append(steps[b][s])
-            starts.append(s)
-            s += steps[b][s]
-        walks.append((accept, starts))
-    return walks
