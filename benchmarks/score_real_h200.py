@@ -30,10 +30,13 @@ decide (the number of steps, the positions the head needs) is what the planting 
 Timed on all completions, each stage written to the record as it ends:
   - the engine (specops.score.acceptance, frontier mode): the head, and the drafter's last layer after its
     attention, computed only at the draft positions the walk needs;
+  - the engine with split walks if it does not split them by default, or without if it does
+    (specops.score.split_walks), forwards and blocks drafted counted for every run;
   - the sequential oracle on a subset;
   - the engine again with a StepTimer: inputs (features to the device, context K/V), drafter layers
     (every block position, up to the last layer's attention), the last layer's rest and the head at
     the needed positions, and the walk's own steps (the rest);
+  - the same with head passes not widened where few blocks are left (leading_matches.MIN_ROWS_PER_PASS);
   - the same with the head and the last layer over all 15 draft positions of every block, and in
     passes of 2 positions instead of 3;
   - the same with the Triton kernels of specops.score.kernels (on CUDA with triton): the head's argmax in
@@ -191,10 +194,10 @@ def flops_per_completion(
     positions_of(a): the draft positions the last layer's rest (o_proj, MLP) and the head run at, in a
     step of accept length a; or positions: how many the engine ran them at in all (counted). Attention
     counts the scores and their mix over the whole padded context (the engine masks the context after a
-    block's start, it does not shorten it). exact: the work no
-    exact engine can skip: attention over the context before each block only, and the first layer's
-    q/k/v of the mask rows once (they are the same in every block before RoPE). real_context: the
-    engine's attention reads the context before each block only (the `flash` kernel).
+    block's start, it does not shorten it). exact: the work no exact engine can skip: attention over the
+    context before each block only, and the first layer's q/k/v of the mask rows once (they are the
+    same in every block before RoPE). real_context: the engine's attention reads the context before each
+    block only (the `flash` kernel).
     """
     h, heads, kv, d = shape["hidden"], shape["heads"], shape["kv_heads"], shape["head_dim"]
     bs, layers, T = shape["block"], shape["layers"], shape["length"]
