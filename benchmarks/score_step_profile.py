@@ -36,6 +36,7 @@ import torch
 from score_h200 import build_models, logit_noise, plant_tokens, timed
 from score_real_h200 import N_FEATURES, REAL, SMOKE, decisive_head, matmul_rate
 
+import specops.score.acceptance as acceptance
 import specops.score.block_attention as block_attention
 from specops.score.acceptance import SequenceGroup, SequenceInput, offline_acceptance
 from specops.score.step_timer import StepTimer
@@ -196,6 +197,11 @@ def main() -> None:
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on CPU in fp32")
     parser.add_argument("--tokens", type=int, default=448, help="output tokens per completion traced")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--walks-split",
+        action="store_true",
+        help="split walks on this device whatever acceptance.SPLIT_DEVICES says",
+    )
     parser.add_argument("--out", help="JSON file to write (default $OUT/score_step_profile.json)")
     args = parser.parse_args()
     shape = dict(SMOKE if args.smoke else REAL)
@@ -203,6 +209,8 @@ def main() -> None:
     dtype = getattr(torch, shape["dtype"])
     B, P = shape["sequences"], shape["prompt"]
     L = min(shape["length"], P + 1 + args.tokens)
+    if args.walks_split:
+        acceptance.SPLIT_DEVICES = (*acceptance.SPLIT_DEVICES, device)
     out = args.out or (
         os.path.join(os.environ["OUT"], "score_step_profile.json") if os.environ.get("OUT") else None
     )
@@ -213,6 +221,7 @@ def main() -> None:
         "torch": torch.__version__,
         "shape": {**shape, "length": L},
         "attention_kernel": block_attention.KERNEL,
+        "walks_split": device in acceptance.SPLIT_DEVICES,
     }
 
     def save() -> None:
