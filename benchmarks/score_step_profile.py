@@ -12,8 +12,8 @@ The models, features and planted tokens are those of score_real_h200.py (tau ~6)
     against the run's wall time, the idle gaps, and the host's time waiting in synchronizations;
   - the device time inside each of the engine's named parts (StepTimer's spans);
   - each of the drafter's products and the head's at the frontier's row counts, in FLOP/s;
-  - the drafter's trunk at the full batch, eager and replayed from a CUDA graph (what kernel launches
-    cost it).
+  - the drafter's trunk at the full batch, eager (its kernels traced) and replayed from a CUDA graph
+    (what kernel launches cost it).
 """
 
 from __future__ import annotations
@@ -125,6 +125,21 @@ def trace_summary(trace_file: str) -> dict:
     }
 
 
+def traced(work, device: str) -> dict:
+    """trace_summary of one call of work under torch.profiler (the kernels of a few forwards)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
+    with profile(activities=activities) as prof:
+        work()
+        if device == "cuda":
+            torch.cuda.synchronize()
+    with tempfile.TemporaryDirectory() as scratch:
+        trace = os.path.join(scratch, "trace.json")
+        prof.export_chrome_trace(trace)
+        return trace_summary(trace)
+
+
 def product_rates(shape: dict, drafter, head, device: str, rows: tuple[int, ...]) -> dict:
     """FLOP/s of each of the drafter's products and the head's at the given row counts."""
     layer = drafter.decoder_layers[0]
@@ -171,6 +186,7 @@ def trunk_eager_and_graphed(drafter, head, sequences, device: str, start: int) -
         trunk()
     _, eager = timed(lambda: [trunk() for _ in range(10)], device)
     found = {"batch": B, "start": start, "eager_ms": eager / 10 * 1e3}
+    found["traced_10"] = traced(lambda: [trunk() for _ in range(10)], device)
     if device != "cuda":
         return found
     try:
@@ -252,21 +268,14 @@ def main() -> None:
     record["untraced"] = {"seconds": seconds, "steps": steps, "tau": B * (L - 1 - P) / steps}
     save()
 
-    from torch.profiler import ProfilerActivity, profile
-
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
     timer = AnnotatedTimer(device)
-    with profile(activities=activities) as prof:
-        traced = offline_acceptance(drafter, head, sequences, timer=timer)
-        if device == "cuda":
-            torch.cuda.synchronize()
-    with tempfile.TemporaryDirectory() as scratch:
-        trace = os.path.join(scratch, "trace.json")
-        prof.export_chrome_trace(trace)
-        record["trace"] = trace_summary(trace)
+    walked: list = []
+    record["trace"] = traced(
+        lambda: walked.extend(offline_acceptance(drafter, head, sequences, timer=timer)), device
+    )
     record["trace"]["timer_parts_s"] = timer.seconds()
     record["trace"]["batched_forwards"] = timer.counts.get("drafter", 0)
-    record["trace"]["same_as_untraced"] = [r.accept_lengths for r in traced] == [
+    record["trace"]["same_as_untraced"] = [r.accept_lengths for r in walked] == [
         r.accept_lengths for r in results
     ]
     save()
