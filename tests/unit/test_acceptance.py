@@ -364,3 +364,55 @@ def test_reading_back_follows_the_steps_from_the_prompt_and_names_a_gap():
     assert acceptance.walks_from_steps(records, [3], [13], 16) == [([2, 4, 3], [3, 5, 9])]
     with pytest.raises(RuntimeError, match="no step recorded at position 5 of sequence 0"):
         acceptance.walks_from_steps([(0, 3, 2)], [3], [13], 16)
+
+
+class _RunsByPosition:
+    """A group whose drafts' leading matches are a function of (completion, position) alone, as a real
+    drafter's are: what the frontier's batching does, without models. Counts the batched forwards."""
+
+    def __init__(self, runs_at, prompts: list[int], lengths: list[int], block_size: int = 16):
+        self.runs_at = runs_at
+        self.prompts, self.lengths = torch.tensor(prompts), torch.tensor(lengths)
+        self.ids = torch.zeros(len(prompts), max(lengths), dtype=torch.long)
+        self.longest_prompt = max(prompts)
+        self.drafter = type("Drafter", (), {"block_size": block_size})()
+        self.rows = torch.arange(len(prompts))
+        self.forwards = 0
+
+    def select(self, index):
+        self.rows, self.lengths = self.rows[index], self.lengths[index]
+        self.prompts, self.ids = self.prompts[index], self.ids[index]
+
+    def match_runs(self, starts, reach=None):
+        self.forwards += 1
+        rows, starts = self.rows.tolist(), starts[:, 0].tolist()
+        found = [self.runs_at(row, start) for row, start in zip(rows, starts, strict=True)]
+        return torch.tensor(found)[:, None]
+
+
+def test_split_walks_keep_the_batch_full_when_completions_differ_in_tau(monkeypatch):
+    # Half the completions accept 1 token a step, half 10: one walk each takes as many forwards as the
+    # slow walks' steps, while split walks share those steps out over the rows the fast walks left.
+    n, prompt, length = 16, 8, 408
+    lengths = [length] * n
+
+    def runs_at(sequence, position):
+        return 0 if sequence % 2 else 9 if position % 3 else 4
+
+    results = {}
+    forwards = {}
+    for split in (False, True):
+        monkeypatch.setattr(acceptance, "SPLIT_DEVICES", ("cpu",) if split else ())
+        group = _RunsByPosition(runs_at, [prompt] * n, lengths)
+        found = {i: SequenceAcceptance(str(i), 16) for i in range(n)}
+        acceptance._frontier(group, list(range(n)), found)
+        results[split], forwards[split] = [r.accept_lengths for r in found.values()], group.forwards
+    assert results[True] == results[False]
+    expected = [walk(prompt, length, 16, lambda s, b=b: runs_at(b, s))[0] for b in range(n)]
+    assert results[True] == expected
+    slow_steps = length - 1 - prompt
+    assert forwards[False] == slow_steps
+    # Every step of every walk over the whole batch, with room for the steps each split wastes.
+    full_batches = sum(len(steps) for steps in expected) / n
+    assert forwards[True] < 1.1 * full_batches
+    assert forwards[True] < slow_steps / 1.7
