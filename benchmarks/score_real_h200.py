@@ -38,7 +38,7 @@ Timed on all completions, each stage written to the record as it ends:
     the needed positions, and the walk's own steps (the rest);
   - the same with head passes not widened where few blocks are left (leading_matches.MIN_ROWS_PER_PASS);
   - the same with the head and the last layer over all 15 draft positions of every block, and in
-    passes of 2 positions instead of 3;
+    passes of 2 or 4 positions instead of 3;
   - the same with the Triton kernels of specops.score.kernels (on CUDA with triton): the head's argmax in
     its product's epilogue, SiLU-and-mul and the q/k norms with RoPE, each alone and all together;
     before them, the Triton head's tokens against the torch head's on the drafter's outputs (must be
@@ -759,6 +759,17 @@ def main() -> None:
             "engine, 2 positions per pass",
             flops_per_completion_two_per_pass=flops_per_completion(
                 shape, results, lambda a: min(-(-a // 2) * 2, bs - 1), real_context=real_context
+            ),
+        )
+    if time_left():
+        # Larger passes: fewer passes (and host syncs) a step, more positions past each first mismatch.
+        record.begin("engine, 4 positions per pass")
+        coarse, runs["four_per_pass"] = engine(4)
+        identical["four_per_pass_vs_three"] = same(coarse, results)
+        record.stage(
+            "engine, 4 positions per pass",
+            flops_per_completion_four_per_pass=flops_per_completion(
+                shape, results, lambda a: min(-(-a // 4) * 4, bs - 1), real_context=real_context
             ),
         )
     matching.DEFAULT_POSITIONS_PER_PASS = POSITIONS_PER_PASS
