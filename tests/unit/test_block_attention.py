@@ -242,6 +242,22 @@ def test_fused_projections_and_mask_rows_once_give_the_plain_forward():
     assert torch.allclose(again.float(), plain, atol=1e-5)
 
 
+@torch.inference_mode()
+def test_the_mask_rows_are_projected_in_one_product_not_one_per_block():
+    # A strided slice of the blocks reaches torch's matmul as a batch of 2-row products, each reading the
+    # whole weight: at the real shape slower than the projection of every row.
+    drafter = build(*RULES["sliding (causal, windowed)"]).fuse_projections()
+    head = TargetHead(torch.randn(64, HIDDEN), torch.randn(64, HIDDEN))
+    blocks = drafter.block_embeddings(head.embed, torch.tensor([[3], [5], [7], [9], [11]]))
+    attn = drafter.decoder_layers[0].self_attn
+    with torch.profiler.profile() as profiled:
+        once = attn.projections(blocks, rows_alike=True)
+    ops = {event.key for event in profiled.key_averages()}
+    assert "aten::mm" in ops or "aten::addmm" in ops
+    assert "aten::bmm" not in ops and "aten::baddbmm" not in ops
+    assert torch.equal(once, attn.projections(blocks))
+
+
 def test_a_fused_drafter_still_trains():
     # load_drafter fuses, and the reference drafter fixture is trained from a loaded one.
     drafter = build(*RULES["full"]).fuse_projections()
