@@ -39,8 +39,9 @@ Timed on all completions, each stage written to the record as it ends:
   - the same with head passes not widened where few blocks are left (leading_matches.MIN_ROWS_PER_PASS);
   - the same with the head and the last layer over all 15 draft positions of every block, and in
     passes of 2 or 4 positions instead of 3;
-  - the same with the Triton kernels of specops.score.kernels (on CUDA with triton): the head's argmax in
-    its product's epilogue, SiLU-and-mul and the q/k norms with RoPE, each alone and all together;
+  - the same with the Triton kernels of specops.score.kernels (on CUDA with triton) switched otherwise
+    than by default (the elementwise kernels on, the head's off): the head's argmax in its product's
+    epilogue, SiLU-and-mul and the q/k norms with RoPE, each alone, together and neither;
     before them, the Triton head's tokens against the torch head's on the drafter's outputs (must be
     equal) and on random rows (a mismatch only at a near-tie: --head-tie-tolerance);
   - a kernel profile of the engine on every completion cut to its first --profile-tokens tokens.
@@ -713,14 +714,18 @@ def main() -> None:
         block_attention.KERNEL, target_head.DEFAULT_VOCAB_CHUNK = chosen
         identical["reference_kernels_vs_chosen"] = same(plain, results)
         record.stage("engine, reference kernels")
-    # The Triton kernels one switch at a time and together, on the same inputs; their first calls
+    # The Triton kernels' switches other than the defaults, on the same inputs; their first calls
     # compile (timed apart). Any failure is recorded and fails the run.
+    defaults = (target_head.ARGMAX_KERNEL, drafter_ops.ELEMENTWISE)
     triton_variants = {
         "triton_head": ("triton", "eager"),
         "triton_elementwise": ("torch", "triton"),
         "triton_head_and_elementwise": ("triton", "triton"),
+        "no_triton": ("torch", "eager"),
     }
     for name, (head_kernel, elementwise) in triton_variants.items():
+        if (head_kernel, elementwise) == defaults:
+            continue
         if not (triton_ready and time_left()):
             runs.setdefault(
                 name, {"skipped": "no CUDA device or no triton" if not triton_ready else "deadline"}
@@ -738,12 +743,12 @@ def main() -> None:
             )
             variant, runs[name] = engine(POSITIONS_PER_PASS)
             runs[name]["first_calls_with_compilation_s"] = compile_seconds
-            identical[f"{name}_vs_torch"] = same(variant, results)
+            identical[f"{name}_vs_default"] = same(variant, results)
         except Exception as error:  # noqa: BLE001 (recorded, and the run fails)
             runs[name] = {"error": f"{type(error).__name__}: {str(error)[:300]}"}
-            identical[f"{name}_vs_torch"] = False
+            identical[f"{name}_vs_default"] = False
         finally:
-            target_head.ARGMAX_KERNEL, drafter_ops.ELEMENTWISE = "torch", "eager"
+            target_head.ARGMAX_KERNEL, drafter_ops.ELEMENTWISE = defaults
         record.stage(f"engine, {name}")
     if time_left():
         record.begin("engine, head over all positions")
