@@ -36,7 +36,8 @@ Timed on all completions, each stage written to the record as it ends:
   - the engine again with a StepTimer: inputs (features to the device, context K/V), drafter layers
     (every block position, up to the last layer's attention), the last layer's rest and the head at
     the needed positions, and the walk's own steps (the rest);
-  - the same with head passes not widened where few blocks are left (leading_matches.MIN_ROWS_PER_PASS);
+  - the same with head passes not widened where few blocks are left (leading_matches.MIN_ROWS_PER_PASS),
+    and with the first layer's mask rows projected from a strided slice (one 2-row product per block);
   - the same with the head and the last layer over all 15 draft positions of every block, and in
     passes of 2 or 4 positions instead of 3;
   - the same with the Triton kernels of specops.score.kernels (on CUDA with triton) switched otherwise
@@ -60,6 +61,7 @@ import os
 import sys
 import time
 from collections.abc import Callable
+from contextlib import contextmanager
 from pathlib import Path
 
 try:
@@ -80,6 +82,7 @@ import specops.score.leading_matches as matching
 import specops.score.streamed_context as streamed_context
 import specops.score.target_head as target_head
 from specops.score.acceptance import SequenceInput, offline_acceptance, overall_tau
+from specops.score.drafter import DFlashAttention
 from specops.score.sequential_acceptance import sequential_acceptance
 from specops.score.step_timer import StepTimer
 
@@ -337,6 +340,26 @@ def triton_head_tokens(head, rows, multiplier, softcap, tolerance: float, device
         mismatches=len(wrong), largest_torch_logit_gap_at_a_mismatch=gap, within_tolerance=gap <= tolerance
     )
     return found
+
+
+@contextmanager
+def strided_mask_rows():
+    """DFlashAttention.projections with its mask rows' slice handed to the product as it is (strided)."""
+    projections = DFlashAttention.projections
+
+    def strided(self, x, rows_alike=False):
+        bs = x.shape[-2]
+        if not (rows_alike and bs > 2 and self.fused_qkv() is not None):
+            return projections(self, x, rows_alike)
+        two = F.linear(x[..., :2, :], *self.fused_qkv())
+        rest = two[..., 1:, :].expand(*two.shape[:-2], bs - 1, two.shape[-1])
+        return torch.cat([two[..., :1, :], rest], dim=-2)
+
+    DFlashAttention.projections = strided
+    try:
+        yield
+    finally:
+        DFlashAttention.projections = projections
 
 
 def warm_triton(head, hidden: int, device: str) -> None:
@@ -704,6 +727,14 @@ def main() -> None:
         streamed_context.CHUNK_POSITIONS = chunk
         identical["context_before_the_walk_vs_streamed"] = same(upfront, results)
         record.stage("engine, context computed before the walk")
+    if time_left():
+        # The first layer's mask rows projected from a strided slice of the blocks, as before 169bdcb:
+        # torch's matmul then runs one 2-row product per block.
+        record.begin("engine, mask rows from a strided slice")
+        with strided_mask_rows():
+            strided, runs["mask_rows_strided"] = engine(POSITIONS_PER_PASS)
+        identical["mask_rows_strided_vs_contiguous"] = same(strided, results)
+        record.stage("engine, mask rows from a strided slice")
     if time_left():
         # The plain attention and one head product over the whole vocabulary: the engine before the
         # fused kernels (with its fused projections and norms), on the same inputs.
