@@ -32,6 +32,7 @@ Timed on all completions, each stage written to the record as it ends:
     attention, computed only at the draft positions the walk needs;
   - the engine with split walks if it does not split them by default, or without if it does
     (specops.score.split_walks), forwards and blocks drafted counted for every run;
+  - with --alternate-passes N, N rounds of the engine in head passes of 2, 3 and 4 positions in turn;
   - the sequential oracle on a subset;
   - the engine again with a StepTimer: inputs (features to the device, context K/V), drafter layers
     (every block position, up to the last layer's attention), the last layer's rest and the head at
@@ -477,6 +478,12 @@ def main() -> None:
         help="profile the engine on every completion cut to its prompt and this many tokens (0: no profile)",
     )
     parser.add_argument(
+        "--alternate-passes",
+        type=int,
+        default=0,
+        help="after the first engine run, this many rounds of head passes of 2, 3 and 4 positions in turn",
+    )
+    parser.add_argument(
         "--deadline", type=float, default=0, help="skip the optional stages after this many s"
     )
     parser.add_argument(
@@ -628,6 +635,26 @@ def main() -> None:
         identical={"planted_accept_lengths": [r.accept_lengths for r in results] == planted.accept_lengths},
     )
     identical = record.data["identical"]
+    if args.alternate_passes:
+        # Head passes of 2, 3 and 4 positions in turn, several rounds: the width measured against the
+        # run-to-run spread, with no other variant between them.
+        record.begin("engine, pass widths alternated")
+        widths = (2, POSITIONS_PER_PASS, 4)
+        alternated: dict[int, list[float]] = {w: [] for w in widths}
+        for _ in range(args.alternate_passes):
+            for width in widths:
+                found, summary = engine(width)
+                alternated[width].append(summary["seconds"])
+                identical[f"alternated_{width}_per_pass"] = identical.get(
+                    f"alternated_{width}_per_pass", True
+                ) and same(found, results)
+        record.stage(
+            "engine, pass widths alternated",
+            pass_widths_alternated={
+                str(w): {"seconds": times, "median_s": sorted(times)[len(times) // 2]}
+                for w, times in alternated.items()
+            },
+        )
     if time_left():
         # Walks started inside the longest ranges as walks end, or one walk a completion, whichever the
         # engine does not do by default: what splitting saves.
