@@ -18,7 +18,7 @@ plus what every scoring process pays before its first pass, whatever the number 
 start (interpreter, torch, the device's context, the report and its plots after) and reading the
 target's embedding and head and every drafter's weights onto the device (load_seconds)
 
-(the engine's exact count depends on tau and the block; benchmarks/score_real_h200.json measures 11.4
+(the engine's exact count depends on tau and the block; benchmarks/score_real_h200.json measures 11.3
 TFLOP per completion of 1,000 tokens at the real shape, where this formula gives 6.4: the throughput
 below is stated in this formula's FLOPs, so the two agree there). On a GPU the throughput is the
 documented GPU_FLOPS; on the CPU it is measured on this host with the bounded thread count (a float32
@@ -44,9 +44,10 @@ from specops.stage import StageError, serve
 
 STAGE = "placement"
 PLACEMENTS = ("auto", "window", "host", "cpu")
-# One H200 scores 26.3 completions/s of 1,000 tokens at the real shape (benchmarks/score_real_h200.json,
-# 2026-12-04), 6.4 TFLOP each by the formula above: about 1.7e14 of its FLOPs per second. Other GPUs
-# are slower; the figure is a planning figure, and the guard's margin covers a miss.
+# One H200 scored 26.3 completions/s of 1,000 tokens at the real shape on 2026-12-04 and 47.4/s on
+# 2026-12-06 (benchmarks/score_real_h200.json), 6.4 TFLOP each by the formula above: about 1.7e14 and
+# 3.0e14 of its FLOPs per second. Other GPUs are slower; the figure is a planning figure kept at the
+# lower rate, and the guard's margin covers a miss.
 GPU_FLOPS = 1.5e14
 # A pass is not all matrix products (the walk, the softmax, the bookkeeping): the measured product rate
 # is halved, a planning discount (not a measurement) that errs towards a longer estimate.

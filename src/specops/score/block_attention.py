@@ -52,7 +52,7 @@ Kernel = Callable[..., torch.Tensor]
 # x 1,128 tokens): on an H100 (benchmarks/score_real_h100_2026-12-05_night.json) `flash` 0.631 ms,
 # cuDNN 0.692, sdpa 0.703, sdpa-efficient 0.844, reference 5.45, and flash's first call at a new batch
 # size 0.81 ms against cuDNN's 34 ms (it builds a plan for every size, and the frontier's batch shrinks as
-# sequences finish); on the H200 (benchmarks/score_real_h200.json, before `flash` existed) cuDNN
+# sequences finish); on the H200 (benchmarks/score_real_h200_2026-12-04.json, before `flash` existed) cuDNN
 # 0.71-0.74 ms, sdpa-efficient 0.95, reference 2.02. Where `flash` does not apply (the CPU, a causal or
 # sliding layer, a torch without the kernel) it runs `sdpa-efficient`, which is `sdpa` off CUDA.
 # "reference" forces the plain path everywhere.

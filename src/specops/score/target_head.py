@@ -22,7 +22,7 @@ DEFAULT_LOGITS_BUDGET = 1 << 30
 # never writes float32 logits over the whole vocabulary. None: the whole vocabulary in one product,
 # which measured fastest on the H200 (3.2-4.3 ms against 2.7 ms for 768 rows with chunks of 65,536 to
 # 8,192 tokens: the smaller products run further from the matrix rate than the logits' traffic costs;
-# benchmarks/score_real_h200.json, kernels.head_vocab_chunks).
+# benchmarks/score_real_h200_2026-12-04.json, kernels.head_vocab_chunks).
 DEFAULT_VOCAB_CHUNK: int | None = None
 # "torch": float32 logits from one product (or vocabulary chunks, above), then their argmax. "triton": the
 # product with its argmax in one kernel that writes each tile's row maxima and first indices instead of
