@@ -64,10 +64,10 @@ CPU_MEMORY_BUDGET = 2 << 30
 MAX_ANCHORS_PER_FORWARD = 128
 # Devices where the frontier fills its batch with walks started inside the longest ranges as walks end
 # (`specops.score.split_walks`). Built for GPUs, where a forward over a few blocks costs nearly what a
-# full one does (benchmarks/score_step_profile_h100_2026-12-06.json: 174 forwards for 75.5 steps a
-# completion, the GPU idle a quarter of the run), but not yet measured there against walks that are not
-# split: none until `benchmarks/score_real_h200.py` ("engine, walks split") shows the gain. A CPU's cost
-# follows its rows, so the steps a split adds would only cost there.
+# full one does. Measured on the H200 at the real shape (benchmarks/score_real_h200.json and
+# score_real_h200_2026-12-06.json, "engine, walks_split"): 176 forwards against 185 and no time saved
+# (45.9 against 47.4 completions/s; 40.6 against 40.9), since one group of 256 completions leaves little
+# tail there; so none. A CPU's cost follows its rows, so the steps a split adds would only cost there.
 SPLIT_DEVICES: tuple[str, ...] = ()
 
 

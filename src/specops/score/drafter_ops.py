@@ -22,11 +22,11 @@ from specops.score import kernels
 
 # "eager": torch's kernels, a few passes over memory per chain; "triton": `norm_rope` and `silu_mul` as
 # one Triton kernel each where `kernels.applies` (CUDA, half precision, triton importable), eager
-# elsewhere (the CPU always). At the real shape the kernels scored 5.4% faster on the H200 and 2.6% on
-# the H100, accept lengths identical, for about 1.4 s of compilation per process the first time a host
+# elsewhere (the CPU always). At the real shape they took 3.7-5.4% less time than eager on the H200 and
+# 2.6% less on the H100, accept lengths identical, for about 1.4 s of compilation the first time a host
 # runs them (Triton caches them on disk); torch.compile of the same chains measured no gain
-# (benchmarks/README.md). benchmarks/score_real_h200.py measures them against eager ("engine, eager
-# elementwise").
+# (benchmarks/README.md). benchmarks/score_real_h200.py measures them against eager ("engine,
+# no_triton").
 ELEMENTWISE = "triton"
 
 
