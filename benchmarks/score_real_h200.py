@@ -813,27 +813,24 @@ def main() -> None:
         full_head, runs["all_positions"] = engine(bs - 1)
         identical["all_positions_vs_where_needed"] = same(full_head, results)
         record.stage("engine, head over all positions")
-    if time_left():
-        # Smaller passes: fewer positions past each first mismatch, one more pass (and host sync) a step.
-        record.begin("engine, 2 positions per pass")
-        fine, runs["two_per_pass"] = engine(2)
-        identical["two_per_pass_vs_three"] = same(fine, results)
+    # Smaller passes stop sooner after each first mismatch but take one more pass (and host sync) a step;
+    # larger ones the other way round.
+    for width, word in ((2, "two"), (4, "four")):
+        if not time_left():
+            break
+        record.begin(f"engine, {width} positions per pass")
+        other, runs[f"{word}_per_pass"] = engine(width)
+        identical[f"{word}_per_pass_vs_three"] = same(other, results)
         record.stage(
-            "engine, 2 positions per pass",
-            flops_per_completion_two_per_pass=flops_per_completion(
-                shape, results, lambda a: min(-(-a // 2) * 2, bs - 1), real_context=real_context
-            ),
-        )
-    if time_left():
-        # Larger passes: fewer passes (and host syncs) a step, more positions past each first mismatch.
-        record.begin("engine, 4 positions per pass")
-        coarse, runs["four_per_pass"] = engine(4)
-        identical["four_per_pass_vs_three"] = same(coarse, results)
-        record.stage(
-            "engine, 4 positions per pass",
-            flops_per_completion_four_per_pass=flops_per_completion(
-                shape, results, lambda a: min(-(-a // 4) * 4, bs - 1), real_context=real_context
-            ),
+            f"engine, {width} positions per pass",
+            **{
+                f"flops_per_completion_{word}_per_pass": flops_per_completion(
+                    shape,
+                    results,
+                    lambda a, w=width: min(-(-a // w) * w, bs - 1),
+                    real_context=real_context,
+                )
+            },
         )
     matching.DEFAULT_POSITIONS_PER_PASS = POSITIONS_PER_PASS
 
