@@ -29,7 +29,9 @@ decide (the number of steps, the positions the head needs) is what the planting 
 
 Timed on all completions, each stage written to the record as it ends:
   - the engine (specops.score.acceptance, frontier mode): the head, and the drafter's last layer after its
-    attention, computed only at the draft positions the walk needs;
+    attention, computed only at the draft positions the walk needs; the process's first run at the full
+    shape apart (it meets every batch size and kernel variant for the first time), then REPEATS runs,
+    whose median is the engine's figure;
   - the engine with split walks if it does not split them by default, or without if it does
     (specops.score.split_walks), forwards and blocks drafted counted for every run;
   - with --alternate-passes N, N rounds of the engine in head passes of 2, 3 and 4 positions in turn;
@@ -37,13 +39,16 @@ Timed on all completions, each stage written to the record as it ends:
   - the engine again with a StepTimer: inputs (features to the device, context K/V), drafter layers
     (every block position, up to the last layer's attention), the last layer's rest and the head at
     the needed positions, and the walk's own steps (the rest);
+  - the same with each of the engine's switches in SWITCHED otherwise than by default (the block's own
+    keys written into the context instead of merged by the Triton kernel, the trunk eager instead of
+    replayed from a CUDA graph);
   - the same with head passes not widened where few blocks are left (leading_matches.MIN_ROWS_PER_PASS),
     and with the first layer's mask rows projected from a strided slice (one 2-row product per block);
   - the same with the head and the last layer over all 15 draft positions of every block, and in
     passes of 2 or 4 positions instead of 3;
   - the same with the Triton kernels of specops.score.kernels (on CUDA with triton) switched otherwise
-    than by default (the elementwise kernels on, the head's off): the head's argmax in its product's
-    epilogue, SiLU-and-mul and the q/k norms with RoPE, each alone, together and neither;
+    than by default (the elementwise kernels and the block merge on, the head's off): the head's argmax
+    in its product's epilogue on, and every kernel off;
     before them, the Triton head's tokens against the torch head's on the drafter's outputs (must be
     equal) and on random rows (a mismatch only at a near-tie: --head-tie-tolerance);
   - a kernel profile of the engine on every completion cut to its first --profile-tokens tokens.
@@ -82,6 +87,7 @@ import specops.score.kernels as kernels
 import specops.score.leading_matches as matching
 import specops.score.streamed_context as streamed_context
 import specops.score.target_head as target_head
+import specops.score.trunk_graph as trunk_graph
 from specops.score.acceptance import SequenceInput, offline_acceptance, overall_tau
 from specops.score.drafter import DFlashAttention
 from specops.score.sequential_acceptance import sequential_acceptance
@@ -119,6 +125,15 @@ SMOKE = dict(
     dtype="float32",
 )
 POSITIONS_PER_PASS = 3
+# The name choose_kernels gives `flash` with the block's keys written into the context.
+FLASH_IN_CONTEXT = "flash, block keys in context"
+# Runs of the engine at the defaults after the process's first; their median is the engine's figure.
+REPEATS = 3
+# The engine's switches measured against their defaults: name -> (module, attribute, value).
+SWITCHED = {
+    "block_keys_in_context": (block_attention, "BLOCK_KEYS", "in_context"),
+    "trunk_eager": (trunk_graph, "GRAPH_DEVICES", ()),
+}
 # Attention calls the engine makes at each batch size: 5 layers x about 7 forwards (the frontier drops
 # finished sequences an eighth of the batch at a time). An attention kernel is chosen by
 # CALLS_PER_BATCH_SIZE x its time per call + what its first call at a new batch size costs.
@@ -253,17 +268,23 @@ def choose_kernels(drafter, head, sequences, device: str, rows_per_pass: int) ->
     q, k_blk, v_blk = layer.self_attn.qkv(x, cos, sin)
     attention = {}
     outputs = {}
-    for i, (name, kernel) in enumerate(block_attention.KERNELS.items()):
+    # `flash` with the block's own keys merged by the Triton kernel (the default where it applies) and
+    # written into the context (block_attention.BLOCK_KEYS).
+    candidates = {**block_attention.KERNELS, FLASH_IN_CONTEXT: block_attention.flash}
+    for i, (name, kernel) in enumerate(candidates.items()):
 
-        def call(rows=B, kernel=kernel, keys=context[0]):
+        def call(rows=B, kernel=kernel, keys=context[0], name=name):
             k, v = keys
             args = (q[:rows], k_blk[:rows], v_blk[:rows], starts[:rows], k[:rows], v[:rows], T)
+            if name == FLASH_IN_CONTEXT:
+                with switched(block_attention, "BLOCK_KEYS", "in_context"):
+                    return kernel(layer.self_attn, *args)
             return kernel(layer.self_attn, *args)
 
         # A batch size this kernel has not met yet: what a new size costs (cuDNN builds a plan), after
         # one call at another size, which loads the kernel's code once per process.
         try:
-            call(max(1, B - 2 * len(block_attention.KERNELS) - i))
+            call(max(1, B - 2 * len(candidates) - i))
             _, first = timed(lambda call=call, i=i: call(B - 1 - i), device)
         except (RuntimeError, TypeError) as error:  # a backend this torch or device lacks
             attention[name] = {"error": str(error).splitlines()[0][:300]}
@@ -279,7 +300,10 @@ def choose_kernels(drafter, head, sequences, device: str, rows_per_pass: int) ->
     fastest_attention = min(
         (n for n in attention if "score_ms" in attention[n]), key=lambda n: attention[n]["score_ms"]
     )
-    block_attention.KERNEL = fastest_attention
+    if fastest_attention == FLASH_IN_CONTEXT:
+        block_attention.KERNEL, block_attention.BLOCK_KEYS = "flash", "in_context"
+    else:
+        block_attention.KERNEL = fastest_attention
 
     hidden = torch.randn(rows_per_pass, drafter.hidden_size, device=device, generator=generator)
     hidden = hidden.to(head.dtype)
@@ -341,6 +365,17 @@ def triton_head_tokens(head, rows, multiplier, softcap, tolerance: float, device
         mismatches=len(wrong), largest_torch_logit_gap_at_a_mismatch=gap, within_tolerance=gap <= tolerance
     )
     return found
+
+
+@contextmanager
+def switched(module, name: str, value):
+    """module.name = value for the block, the default back after."""
+    saved = getattr(module, name)
+    setattr(module, name, value)
+    try:
+        yield
+    finally:
+        setattr(module, name, saved)
 
 
 @contextmanager
@@ -611,9 +646,16 @@ def main() -> None:
 
     record.begin("engine")
     runs: dict = {}
+    # The process's first run at the full shape meets every batch size, context chunk and kernel
+    # specialization for the first time (cuBLAS's heuristics, Triton's variants, the allocator's growth):
+    # recorded apart; the engine's figure is the median of the REPEATS runs after it.
+    first, runs["first_in_process"] = engine(POSITIONS_PER_PASS)
     head_rows = count_head_rows(head)
-    results, runs["where_needed"] = engine(POSITIONS_PER_PASS)
+    repeated = [engine(POSITIONS_PER_PASS) for _ in range(REPEATS)]
     del head.argmax
+    results, runs["where_needed"] = sorted(repeated, key=lambda run: run[1]["seconds"])[REPEATS // 2]
+    runs["where_needed"]["seconds_each"] = [summary["seconds"] for _, summary in repeated]
+    head_rows[0] //= REPEATS
     real_context = block_attention.KERNEL == "flash"
     arithmetic = {
         "engine": flops_per_completion(shape, results, real_context=real_context, positions=head_rows[0]),
@@ -632,7 +674,17 @@ def main() -> None:
         ceiling_completions_per_s=ceiling,
         fraction_of_ceiling=measured / ceiling["engine"] if rate else None,
         fraction_of_each_ceiling={k: measured / c if c else None for k, c in ceiling.items()},
-        identical={"planted_accept_lengths": [r.accept_lengths for r in results] == planted.accept_lengths},
+        # What fell back to a slower path in this process (None: nothing), so a figure is read with it.
+        fallbacks={
+            "flash_unavailable": block_attention.FLASH_UNAVAILABLE,
+            "block_merge_failed": block_attention.MERGE_FAILED,
+            "triton_elementwise_failed": drafter_ops.TRITON_FAILED,
+            "trunk_graph_failed": trunk_graph.GRAPH_FAILED,
+        },
+        identical={
+            "planted_accept_lengths": [r.accept_lengths for r in results] == planted.accept_lengths,
+            "first_in_process_vs_repeated": all(same(r, results) for r in (first, *(r for r, _ in repeated))),
+        },
     )
     identical = record.data["identical"]
     if args.alternate_passes:
@@ -733,6 +785,15 @@ def main() -> None:
             },
         )
 
+    # Switches of the engine other than their defaults, each alone, on the same inputs: what each saves.
+    for name, (module, switch, value) in SWITCHED.items():
+        if getattr(module, switch) == value or not time_left():
+            continue
+        record.begin(f"engine, {name}")
+        with switched(module, switch, value):
+            other, runs[name] = engine(POSITIONS_PER_PASS)
+        identical[f"{name}_vs_default"] = same(other, results)
+        record.stage(f"engine, {name}")
     if time_left() and matching.MIN_ROWS_PER_PASS.get(device):
         # Every pass 3 positions wide, however few blocks it holds: what widening small passes saves.
         record.begin("engine, passes not widened")
@@ -774,15 +835,14 @@ def main() -> None:
         record.stage("engine, reference kernels")
     # The Triton kernels' switches other than the defaults, on the same inputs; their first calls
     # compile (timed apart). Any failure is recorded and fails the run.
-    defaults = (target_head.ARGMAX_KERNEL, drafter_ops.ELEMENTWISE)
+    switches = ((target_head, "ARGMAX_KERNEL"), (drafter_ops, "ELEMENTWISE"), (block_attention, "BLOCK_KEYS"))
+    defaults = tuple(getattr(module, name) for module, name in switches)
     triton_variants = {
-        "triton_head": ("triton", "eager"),
-        "triton_elementwise": ("torch", "triton"),
-        "triton_head_and_elementwise": ("triton", "triton"),
-        "no_triton": ("torch", "eager"),
+        "triton_head": ("triton", defaults[1], defaults[2]),
+        "no_triton": ("torch", "eager", "in_context"),
     }
-    for name, (head_kernel, elementwise) in triton_variants.items():
-        if (head_kernel, elementwise) == defaults:
+    for name, values in triton_variants.items():
+        if values == defaults:
             continue
         if not (triton_ready and time_left()):
             runs.setdefault(
@@ -790,7 +850,8 @@ def main() -> None:
             )
             continue
         record.begin(f"engine, {name}")
-        target_head.ARGMAX_KERNEL, drafter_ops.ELEMENTWISE = head_kernel, elementwise
+        for (module, switch), value in zip(switches, values, strict=True):
+            setattr(module, switch, value)
         try:
             _, compile_seconds = timed(
                 lambda: (
@@ -806,7 +867,8 @@ def main() -> None:
             runs[name] = {"error": f"{type(error).__name__}: {str(error)[:300]}"}
             identical[f"{name}_vs_default"] = False
         finally:
-            target_head.ARGMAX_KERNEL, drafter_ops.ELEMENTWISE = defaults
+            for (module, switch), value in zip(switches, defaults, strict=True):
+                setattr(module, switch, value)
         record.stage(f"engine, {name}")
     if time_left():
         record.begin("engine, head over all positions")

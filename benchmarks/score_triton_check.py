@@ -64,6 +64,7 @@ def references_as_kernels() -> None:
     sys.modules["specops.score.kernels.head_argmax"] = SimpleNamespace(head_argmax=reference.head_argmax)  # type: ignore[assignment]
     sys.modules["specops.score.kernels.silu_mul"] = SimpleNamespace(silu_mul=reference.silu_mul)  # type: ignore[assignment]
     sys.modules["specops.score.kernels.norm_rope"] = SimpleNamespace(norm_rope=reference.norm_rope)  # type: ignore[assignment]
+    sys.modules["specops.score.kernels.attend_block"] = SimpleNamespace(attend_block=reference.attend_block)  # type: ignore[assignment]
 
 
 def timed_ms(fn, device: str, repeat: int = 10) -> float:
@@ -247,9 +248,11 @@ def norm_rope_case(
     dtype,
     device,
     timing,
+    groups: int = 0,
 ) -> dict:
     """x: heads x d columns [first, first + heads * d) of a wider product (a strided view, as q and k are);
-    cos/sin per token of cos_tokens (x's last token dimensions)."""
+    cos/sin per token of cos_tokens (x's last token dimensions). groups: also written folded, as the
+    queries of heads // groups kv heads are (must equal the contiguous output)."""
     generator = torch.Generator(device=device).manual_seed(heads * d)
     first, width = columns
     product = torch.randn(*tokens, width, device=device, generator=generator).to(dtype)
@@ -262,6 +265,13 @@ def norm_rope_case(
     with torch.inference_mode():
         found = elementwise("triton", lambda: drafter_ops.norm_rope(x, norm, cos, sin))
         eager = elementwise("eager", lambda: drafter_ops.norm_rope(x, norm, cos, sin))
+        folded = None
+        if groups and len(tokens) == 2:
+            # The queries written straight into the attention's folded order (block_attention.query_buffer).
+            buffer = torch.empty(tokens[0], groups, tokens[1], heads // groups, d, device=device, dtype=dtype)
+            out = buffer.permute(0, 2, 3, 1, 4)
+            elementwise("triton", lambda: drafter_ops.norm_rope(x, norm, cos, sin, out=out))
+            folded = out.reshape(x.shape)
         rows = drafter_ops.per_token(cos, sin, tuple(tokens))
         expected = reference.norm_rope(x.reshape(-1, heads, d), norm.weight, 1e-6, *rows).view(x.shape)
     case = {
@@ -273,6 +283,8 @@ def norm_rope_case(
         "ulps_vs_eager": ulps(found, eager),
         "elements_unlike_eager": float((found != eager).float().mean()),
     }
+    if folded is not None:
+        case["folded_equals_contiguous"] = bool(torch.equal(folded, found))
     if timing:
         with torch.inference_mode():
             for kind in ("eager", "triton"):
@@ -280,6 +292,51 @@ def norm_rope_case(
                     lambda kind=kind: elementwise(kind, lambda: drafter_ops.norm_rope(x, norm, cos, sin)),
                     device,
                 )
+    case["ok"] = case["ulps_vs_reference"] <= 2 and case.get("folded_equals_contiguous", True)
+    return case
+
+
+def attend_block_case(
+    name: str, B: int, groups: int, bs: int, heads: int, d: int, context: int, dtype, device, timing
+) -> dict:
+    """The block merge (kernels.attend_block) against its reference, and against one float32 softmax over
+    the context and the block together (reported: the context's output reaches the kernel rounded)."""
+    from specops.score.kernels.attend_block import attend_block
+
+    generator = torch.Generator(device=device).manual_seed(B * bs + d)
+
+    def randn(*shape):
+        return torch.randn(*shape, device=device, generator=generator).to(dtype)
+
+    rows, scale = groups * bs, d**-0.5
+    q, k_ctx, v_ctx = randn(B, rows, heads, d), randn(B, context, heads, d), randn(B, context, heads, d)
+    k_blk, v_blk = randn(B, bs, heads, d), randn(B, bs, heads, d)
+    scores = torch.einsum("brhd,bthd->bhrt", q.float(), k_ctx.float()) * scale
+    o_ctx = torch.einsum("bhrt,bthd->brhd", scores.softmax(-1), v_ctx.float()).to(dtype)
+    # FlashAttention's layout for a variable-length call: [heads, sequences x rows].
+    lse = scores.logsumexp(-1).permute(1, 0, 2).reshape(heads, B * rows)
+    lse_view = lse.view(heads, B, rows).permute(1, 2, 0)
+
+    def merged(kernel):
+        out = torch.empty(B, bs, heads, groups, d, device=device, dtype=dtype)
+        kernel(q, k_blk, v_blk, o_ctx, lse_view, scale, out.permute(0, 3, 1, 2, 4))
+        return out.permute(0, 3, 1, 2, 4).reshape(B, rows, heads, d)
+
+    found, expected = merged(attend_block), merged(reference.attend_block)
+    keys, values = torch.cat([k_ctx, k_blk], 1).float(), torch.cat([v_ctx, v_blk], 1).float()
+    whole = torch.einsum("brhd,bthd->bhrt", q.float(), keys) * scale
+    exact = torch.einsum("bhrt,bthd->brhd", whole.softmax(-1), values)
+    case = {
+        "name": name,
+        "queries": list(q.shape),
+        "block": bs,
+        "context": context,
+        "dtype": str(dtype).removeprefix("torch."),
+        "ulps_vs_reference": ulps(found, expected),
+        "ulps_vs_one_softmax": ulps(found, exact.to(dtype)),
+    }
+    if timing:
+        case["kernel_ms"] = timed_ms(lambda: merged(attend_block), device)
     case["ok"] = case["ulps_vs_reference"] <= 2
     return case
 
@@ -293,6 +350,18 @@ def elementwise_checks(shape: dict, dtype, device: str, timing: bool) -> dict:
         # The blocks' queries and keys: 256 blocks of 16, columns of the fused q/k/v product.
         norm_rope_case("block queries", (256, 16), heads, d, (0, qkv), (256, 16), dtype, device, timing),
         norm_rope_case(
+            "block queries, folded",
+            (256, 16),
+            heads,
+            d,
+            (0, qkv),
+            (256, 16),
+            dtype,
+            device,
+            False,
+            heads // kv_heads,
+        ),
+        norm_rope_case(
             "block keys", (256, 16), kv_heads, d, (heads * d, qkv), (256, 16), dtype, device, False
         ),
         # The context's keys: one cos row per position, shared by the sequences.
@@ -303,7 +372,15 @@ def elementwise_checks(shape: dict, dtype, device: str, timing: bool) -> dict:
         norm_rope_case("odd rows, head_dim 64", (5,), 3, 64, (0, 3 * 64), (5,), dtype, device, False),
         norm_rope_case("head_dim 96", (2, 7), 5, 96, (96, 7 * 96), (7,), dtype, device, False),
     ]
-    return {"silu_mul": silu, "norm_rope": rope, "ok": all(c["ok"] for c in silu + rope)}
+    groups = heads // kv_heads
+    merge = [
+        attend_block_case("real", 256, groups, 16, kv_heads, d, 600, dtype, device, timing),
+        # Rows, keys and head_dim that are not powers of two; a context of one position.
+        attend_block_case("odd", 3, 3, 5, 2, 96, 7, dtype, device, False),
+        attend_block_case("one context position", 2, 2, 16, 2, 64, 1, dtype, device, False),
+    ]
+    checks = silu + rope + merge
+    return {"silu_mul": silu, "norm_rope": rope, "attend_block": merge, "ok": all(c["ok"] for c in checks)}
 
 
 def main() -> None:

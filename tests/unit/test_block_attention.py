@@ -10,6 +10,9 @@
 
 from __future__ import annotations
 
+import sys
+from types import SimpleNamespace
+
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -18,6 +21,7 @@ from transformers import Qwen3Config  # noqa: E402
 import specops.score.acceptance as acceptance  # noqa: E402
 import specops.score.block_attention as block_attention  # noqa: E402
 from specops.score.drafter import DFlashDrafter  # noqa: E402
+from specops.score.kernels import reference  # noqa: E402
 from specops.score.target_head import TargetHead  # noqa: E402
 
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM, BLOCK, WINDOW = 32, 4, 2, 8, 4, 3
@@ -119,17 +123,44 @@ def test_an_unknown_kernel_is_named(monkeypatch):
 
 def varlen_on_the_cpu(calls: list, query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, scale, seqused_k):
     """FlashAttention's variable-length forward stated plainly: each sequence's queries against its first
-    seqused_k keys, no mask. Records the key counts it was given."""
+    seqused_k keys, no mask; with each row's log-sum-exp [heads, total_q] (+inf and zeros for a row with no
+    key, as the kernel marks it). Records the key counts it was given."""
     calls.append(seqused_k.tolist())
-    out = torch.empty_like(query)
+    out = torch.zeros_like(query)
+    lse = torch.full((query.shape[1], query.shape[0]), float("inf"))
     for i in range(len(cu_seq_q) - 1):
-        q = query[cu_seq_q[i] : cu_seq_q[i + 1]].transpose(0, 1)  # [heads, rows, d]
-        first = int(cu_seq_k[i])
-        k = key[first : first + int(seqused_k[i])].transpose(0, 1)
-        v = value[first : first + int(seqused_k[i])].transpose(0, 1)
-        probs = (q @ k.transpose(-1, -2) * scale).softmax(dim=-1)
-        out[cu_seq_q[i] : cu_seq_q[i + 1]] = (probs @ v).transpose(0, 1)
-    return out
+        rows = slice(int(cu_seq_q[i]), int(cu_seq_q[i + 1]))
+        first, used = int(cu_seq_k[i]), int(seqused_k[i])
+        if used == 0:
+            continue
+        q = query[rows].transpose(0, 1)  # [heads, rows, d]
+        k = key[first : first + used].transpose(0, 1)
+        v = value[first : first + used].transpose(0, 1)
+        scores = q @ k.transpose(-1, -2) * scale
+        out[rows] = (scores.softmax(dim=-1) @ v).transpose(0, 1)
+        lse[:, rows] = scores.logsumexp(dim=-1)
+    return out, lse
+
+
+def on_token_major_cpu(monkeypatch) -> list:
+    """The CPU laid out token-major as CUDA devices are, float32 standing for bf16, and the variable-length
+    kernel's call stated plainly: what is tested is everything around the call. Returns its calls."""
+    monkeypatch.setattr(block_attention, "TOKEN_MAJOR_DEVICES", ("cpu",))
+    monkeypatch.setattr(block_attention, "FLASH_DTYPES", (torch.float32,))
+    monkeypatch.setattr(block_attention, "FLASH_UNAVAILABLE", None)
+    monkeypatch.setattr(block_attention, "MERGE_FAILED", None)
+    calls: list = []
+    monkeypatch.setattr(block_attention, "varlen_attention", lambda *a: varlen_on_the_cpu(calls, *a))
+    return calls
+
+
+def merge_on_the_cpu(monkeypatch, kernel=reference.attend_block) -> None:
+    """BLOCK_KEYS "merged" applying on the CPU, with kernel (the torch statement) as the Triton kernel."""
+    monkeypatch.setattr(block_attention, "BLOCK_KEYS", "merged")
+    # Only the merge is told it applies (the drafter's other Triton kernels stay off on the CPU).
+    monkeypatch.setattr(block_attention, "_merge_applies", lambda q: block_attention.MERGE_FAILED is None)
+    module = SimpleNamespace(attend_block=kernel)
+    monkeypatch.setitem(sys.modules, "specops.score.kernels.attend_block", module)
 
 
 @pytest.mark.parametrize("rule", RULES)
@@ -137,12 +168,8 @@ def varlen_on_the_cpu(calls: list, query, key, value, cu_seq_q, cu_seq_k, max_q,
 def test_the_variable_length_kernel_reads_the_context_before_each_block_and_puts_the_buffers_back(
     rule, monkeypatch
 ):
-    # The CPU lays the buffers out token-major here, as CUDA devices do, float32 stands for bf16, and the
-    # kernel's call is stated plainly (varlen_on_the_cpu): what is tested is everything around the call.
-    monkeypatch.setattr(block_attention, "TOKEN_MAJOR_DEVICES", ("cpu",))
-    monkeypatch.setattr(block_attention, "FLASH_DTYPES", (torch.float32,))
-    calls: list = []
-    monkeypatch.setattr(block_attention, "varlen_attention", lambda *a: varlen_on_the_cpu(calls, *a))
+    calls = on_token_major_cpu(monkeypatch)
+    monkeypatch.setattr(block_attention, "BLOCK_KEYS", "in_context")
     drafter = build(*RULES[rule])
     features, blocks, starts = inputs()
     length = features.shape[1]
@@ -191,11 +218,79 @@ def test_the_variable_length_kernel_reads_the_context_before_each_block_and_puts
     assert block_attention.FLASH_UNAVAILABLE is None
 
 
+@pytest.mark.parametrize("rule", RULES)
+@torch.inference_mode()
+def test_the_merged_block_reads_the_context_before_each_start_and_writes_no_buffer(rule, monkeypatch):
+    calls = on_token_major_cpu(monkeypatch)
+    merge_on_the_cpu(monkeypatch)
+    drafter = build(*RULES[rule])
+    features, blocks, starts = inputs()
+    length = features.shape[1]
+    context = drafter.context_kv(features, block_slots=True)
+    before = [(k.clone(), v.clone()) for k, v in context]
+    attn = drafter.decoder_layers[0].self_attn
+    cos, sin = drafter.rope(starts[..., None] + torch.arange(BLOCK), blocks)
+    q, k_blk, v_blk = attn.qkv(blocks, cos, sin)
+    # The queries come out already folded as the kernel reads them: each kv head's groups x block rows.
+    assert q[:, 0].permute(0, 3, 1, 2, 4).is_contiguous()
+    expected = block_attention.reference(attn, q, k_blk, v_blk, starts, *context[0])
+    got = block_attention.flash(attn, q, k_blk, v_blk, starts, *context[0], length)
+    assert torch.allclose(got, expected, atol=1e-5)
+    full = rule == "full"
+    assert calls == ([starts[:, 0].tolist()] if full else [])
+    monkeypatch.setattr(block_attention, "KERNEL", "flash")
+    plain = drafter(blocks, starts, drafter.context_kv(features))
+    assert torch.allclose(drafter.finish(*drafter.trunk(blocks, starts, context, length)), plain, atol=1e-5)
+    # Nothing was written into the context's buffers, not even into the spare slots, where no kernel fell
+    # back to the masked one.
+    untouched = [
+        torch.equal(k, k0) and torch.equal(v, v0) for (k, v), (k0, v0) in zip(context, before, strict=True)
+    ]
+    plain_layers = [not a.self_attn.is_causal and a.self_attn.sliding_window is None for a in drafter.layers]
+    assert untouched == plain_layers
+    assert block_attention.MERGE_FAILED is None and block_attention.FLASH_UNAVAILABLE is None
+
+
+@torch.inference_mode()
+def test_a_merge_kernel_that_fails_to_build_leaves_the_block_keys_in_the_context_and_says_so(monkeypatch):
+    calls = on_token_major_cpu(monkeypatch)
+
+    def broken(*args):
+        raise ImportError("no C compiler to build the Triton kernel")
+
+    merge_on_the_cpu(monkeypatch, broken)
+    drafter = build(*RULES["full"])
+    features, blocks, starts = inputs()
+    context = drafter.context_kv(features, block_slots=True)
+    monkeypatch.setattr(block_attention, "KERNEL", "flash")
+    with pytest.warns(RuntimeWarning, match="no C compiler"):
+        got = drafter.finish(*drafter.trunk(blocks, starts, context, features.shape[1]))
+    assert torch.allclose(got, drafter(blocks, starts, drafter.context_kv(features)), atol=1e-5)
+    assert "no C compiler" in block_attention.MERGE_FAILED
+    # The failed call read the context before the start; then every call writes its block in.
+    with_block = (starts[:, 0] + BLOCK).tolist()
+    assert calls == [starts[:, 0].tolist(), with_block] + [with_block] * (len(drafter.layers) - 1)
+
+
+def test_the_log_sum_exp_is_read_in_either_layout_flash_attention_returns():
+    sequences, rows, heads = 3, 4, 2
+    lse = torch.arange(sequences * rows * heads, dtype=torch.float32)
+    unpadded = lse.view(heads, sequences * rows)  # FlashAttention >= 2.4: [heads, total_q]
+    padded = torch.zeros(sequences, heads, rows + 3)  # earlier: [sequences, heads, max_q]
+    padded[..., :rows] = unpadded.view(heads, sequences, rows).transpose(0, 1)
+    expected = unpadded.view(heads, sequences, rows).permute(1, 2, 0)
+    assert torch.equal(block_attention.lse_rows(unpadded, sequences, rows, heads), expected)
+    assert torch.equal(block_attention.lse_rows(padded, sequences, rows, heads), expected)
+    with pytest.raises(RuntimeError, match="unknown layout"):
+        block_attention.lse_rows(torch.zeros(5), sequences, rows, heads)
+
+
 @torch.inference_mode()
 def test_a_torch_without_the_variable_length_kernel_falls_back_to_the_masked_kernel_and_says_so(monkeypatch):
     monkeypatch.setattr(block_attention, "TOKEN_MAJOR_DEVICES", ("cpu",))
     monkeypatch.setattr(block_attention, "FLASH_DTYPES", (torch.float32,))
     monkeypatch.setattr(block_attention, "FLASH_UNAVAILABLE", None)
+    monkeypatch.setattr(block_attention, "BLOCK_KEYS", "in_context")
 
     def missing(*args):
         raise TypeError("_flash_attention_forward() got an unexpected keyword argument 'seqused_k'")

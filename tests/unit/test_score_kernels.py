@@ -19,6 +19,7 @@ torch = pytest.importorskip("torch")
 from torch import nn  # noqa: E402
 from transformers import Qwen3Config  # noqa: E402
 
+import specops.score.block_attention as block_attention  # noqa: E402
 import specops.score.drafter_ops as drafter_ops  # noqa: E402
 import specops.score.kernels as kernels  # noqa: E402
 import specops.score.target_head as target_head  # noqa: E402
@@ -258,6 +259,30 @@ def test_the_drafter_runs_both_elementwise_kernels_where_they_apply_and_matches_
     torch.testing.assert_close(found, expected, atol=1e-5, rtol=1e-5)
     # Per layer: q and k of the blocks, k of the context; the MLP of every layer.
     assert norm_rope.count == 3 * 2 and silu_mul.count == 2
+
+
+@pytest.mark.parametrize("kernel_applies", [True, False], ids=["norm_rope kernel", "eager"])
+@torch.inference_mode()
+def test_the_queries_are_written_folded_where_flash_reads_them(monkeypatch, kernel_applies):
+    drafter, _, blocks, starts = drafter_and_inputs()
+    attn = drafter.decoder_layers[0].self_attn
+    cos, sin = drafter.rope(starts[..., None] + torch.arange(4), blocks)
+    expected = attn.qkv(blocks, cos, sin)
+    assert not expected[0][:, :1].permute(0, 1, 4, 2, 3, 5).is_contiguous()
+    norm_rope = Calls(reference.norm_rope)
+    install(monkeypatch, "norm_rope", norm_rope=norm_rope)
+    monkeypatch.setattr(drafter_ops, "TRITON_FAILED", None)
+    monkeypatch.setattr(kernels, "applies", lambda *tensors: kernel_applies)
+    monkeypatch.setattr(block_attention, "TOKEN_MAJOR_DEVICES", ("cpu",))
+    found = attn.qkv(blocks, cos, sin)
+    # [B, m, groups, bs, kv_heads, head_dim] in memory: a kv head's groups x block queries are one run.
+    assert found[0].permute(0, 1, 4, 2, 3, 5).is_contiguous()
+    for got, want in zip(found, expected, strict=True):
+        torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
+    # The kernel wrote the queries in place (one call with out) and the keys as before.
+    assert norm_rope.count == (2 if kernel_applies else 0)
+    monkeypatch.setattr(block_attention, "KERNEL", "sdpa")
+    assert attn.qkv(blocks, cos, sin)[0].is_contiguous()
 
 
 def test_the_drafter_keeps_eager_where_the_kernels_do_not_apply(monkeypatch):

@@ -54,6 +54,7 @@ from specops.score.split_walks import SplitWalks
 from specops.score.step_timer import NoTimer, StepTimer
 from specops.score.streamed_context import StreamedContext
 from specops.score.target_head import TargetHead
+from specops.score.trunk_graph import TrunkGraph
 
 MODES = ("frontier", "all-anchors")
 DEFAULT_MODE = "frontier"
@@ -282,6 +283,14 @@ class SequenceGroup:
             self.context = StreamedContext(drafter, [it.features for it in items], longest, device)
             self.context_len = longest
         self.offsets = torch.arange(1, bs, device=device)
+        self.trunk = TrunkGraph(self._trunk)
+
+    def _trunk(self, anchors: torch.Tensor, starts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """`DFlashDrafter.trunk` for the blocks at starts [B, m] of anchor tokens anchors [B, m]."""
+        embeds = self.drafter.block_embeddings(self.head.embed, anchors.clamp_min(0))
+        return self.drafter.trunk(
+            embeds, starts, self.context.buffers, self.context_len, mask_rows_alike=True
+        )
 
     def select(self, index: torch.Tensor) -> None:
         self.lengths, self.prompts, self.ids = self.lengths[index], self.prompts[index], self.ids[index]
@@ -297,10 +306,7 @@ class SequenceGroup:
         with timer.span("inputs"):
             self.context.ensure(self.context_len if reach is None else reach)
         with timer.span("drafter"):
-            embeds = drafter.block_embeddings(head.embed, anchors.clamp_min(0))
-            residual, mixed = drafter.trunk(
-                embeds, starts, self.context.buffers, self.context_len, mask_rows_alike=True
-            )
+            residual, mixed = self.trunk(anchors, starts, self.context.buffers)
         # Draft positions 1..bs-1, one row per block; the rest of the last layer runs per head pass,
         # on the blocks and positions the pass needs.
         # Views: each pass gathers just the rows it needs.

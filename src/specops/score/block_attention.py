@@ -14,19 +14,26 @@ Two kernels compute the same thing, chosen through one function (`block_attentio
   builds a plan for every new batch size, and the frontier's batch shrinks as sequences finish), flash
   on the CPU. `sdpa-efficient` and `sdpa-cudnn` hold a CUDA device to one backend (elsewhere they are
   `sdpa`). Every key of the padded buffer is read, the hidden ones too.
-- `flash`: FlashAttention's variable-length kernel (torch's own build) over the real context only:
-  the block's keys and values are written right after its start (what was there is kept aside and
-  put back after the call), and each sequence's key count is `start + block` (`seqused_k`), so keys
-  after the block are never read and no mask exists. It needs the buffers token-major (each
-  position's heads side by side, `context_slots`, which CUDA devices get) and a layer that sees its
-  whole block and the context before it (no causal rule, no window); elsewhere `sdpa-efficient` runs.
+- `flash`: FlashAttention's variable-length kernel (torch's own build) over the real context only, so
+  keys after the block are never read and no mask exists. Where the block's own keys go is
+  `BLOCK_KEYS`: "merged" attends the queries to the context before the start alone (`seqused_k` =
+  start) and to the block's keys in a Triton kernel that merges the two softmaxes by the log-sum-exp
+  FlashAttention returns (`specops.score.kernels.attend_block`), writing o_proj's layout; nothing is
+  written into the buffers. "in_context" (and wherever the Triton kernel does not apply) writes the
+  block's keys and values right after its start, keeps aside what was there and puts it back after the
+  call, with `start + block` keys per sequence. It needs the buffers token-major (each position's heads
+  side by side, `context_slots`, which CUDA devices get) and a layer that sees its whole block and the
+  context before it (no causal rule, no window); elsewhere `sdpa-efficient` runs.
 
 The query heads of one key/value head are folded into the query length (g x bs queries against one
-key/value head), so no kernel needs grouped-query support and each key is read once per group.
+key/value head), so no kernel needs grouped-query support and each key is read once per group. Where
+`flash` is the kernel, the queries are written in that folded order in the first place
+(`query_buffer`), so the kernel reads them without a copy.
 """
 
 from __future__ import annotations
 
+import functools
 import warnings
 from collections.abc import Callable
 from typing import TYPE_CHECKING
@@ -34,6 +41,8 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from specops.score import kernels
 
 if TYPE_CHECKING:
     from specops.score.drafter import DFlashAttention
@@ -57,6 +66,10 @@ Kernel = Callable[..., torch.Tensor]
 # sliding layer, a torch without the kernel) it runs `sdpa-efficient`, which is `sdpa` off CUDA.
 # "reference" forces the plain path everywhere.
 KERNEL = "flash"
+
+# Where `flash` attends the block's own keys (module docstring): "merged" where the Triton kernel applies
+# (CUDA, half precision, triton importable), "in_context" elsewhere and when set so.
+BLOCK_KEYS = "merged"
 
 # Devices whose context buffers are laid out token-major ([B, T', kv_heads, head_dim] in memory, handed
 # out as a [B, kv_heads, T', head_dim] view): what the variable-length kernel reads. The CPU keeps
@@ -184,7 +197,8 @@ def sdpa(attn: DFlashAttention, q, k_blk, v_blk, starts, ctx_k, ctx_v, context_l
 def varlen_attention(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, scale, seqused_k):
     """FlashAttention's variable-length forward (torch's build, CUDA only): query [total_q, heads, d],
     key/value [total_k, heads, d]; sequence i's queries are rows cu_seq_q[i]..cu_seq_q[i+1] and its keys
-    the first seqused_k[i] rows from cu_seq_k[i]. Returns [total_q, heads, d]."""
+    the first seqused_k[i] rows from cu_seq_k[i]. Returns (out [total_q, heads, d], each row's log-sum-exp
+    in float32, [heads, total_q] or [sequences, heads, max_q] as the build lays it out: `lse_rows`)."""
     out = torch.ops.aten._flash_attention_forward(
         query,
         key,
@@ -199,7 +213,63 @@ def varlen_attention(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, scale,
         scale=scale,
         seqused_k=seqused_k,
     )
-    return out[0]
+    return out[0], out[1]
+
+
+def lse_rows(lse: torch.Tensor, sequences: int, rows: int, heads: int) -> torch.Tensor:
+    """The log-sum-exp of `varlen_attention` as a [sequences, rows, heads] view, from either layout."""
+    if lse.shape == (heads, sequences * rows):
+        return lse.view(heads, sequences, rows).permute(1, 2, 0)
+    if lse.dim() == 3 and lse.shape[:2] == (sequences, heads) and lse.shape[2] >= rows:
+        return lse[:, :, :rows].transpose(1, 2)
+    raise RuntimeError(f"FlashAttention returned a log-sum-exp of shape {tuple(lse.shape)}: unknown layout")
+
+
+def query_buffer(lead: tuple[int, ...], heads: int, groups: int, head_dim: int, like: torch.Tensor):
+    """Where the queries [*lead, kv_heads, groups, head_dim] (lead = B, m, bs) go when `flash` will read
+    them: a view of memory laid out [B, m, groups, bs, kv_heads, head_dim], each kv head's groups x block
+    queries one run of rows (the fold in the module docstring); None where the kernel is another or the
+    buffers are not token-major (the kernel then permutes as it needs)."""
+    if KERNEL != "flash" or like.device.type not in TOKEN_MAJOR_DEVICES or len(lead) != 3:
+        return None
+    B, m, bs = lead
+    folded = torch.empty(B * m, groups, bs, heads, head_dim, dtype=like.dtype, device=like.device)
+    return folded.permute(0, 2, 3, 1, 4).view(B, m, bs, heads, groups, head_dim)
+
+
+# Why the Triton kernel that attends the block's own keys failed here, or None (then "in_context" runs).
+MERGE_FAILED: str | None = None
+
+
+def _merge_applies(q: torch.Tensor) -> bool:
+    return BLOCK_KEYS == "merged" and MERGE_FAILED is None and kernels.applies(q)
+
+
+def _merge_failed(error: Exception) -> None:
+    global MERGE_FAILED
+    MERGE_FAILED = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
+    warnings.warn(
+        f"the Triton kernel for the block's own keys failed ({MERGE_FAILED}); the block's keys are "
+        "written into the context buffers instead",
+        RuntimeWarning,
+        stacklevel=3,
+    )
+
+
+def sequence_offsets(sequences: int, rows: int, slots: int, device: torch.device):
+    """cu_seq_q, cu_seq_k for `sequences` runs of `rows` queries and `slots` keys: the same in every layer,
+    so kept (except while a CUDA graph is being captured: what it computes exists only in its replays)."""
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        return _offsets(sequences, rows, slots, device)
+    return _kept_offsets(sequences, rows, slots, device)
+
+
+def _offsets(sequences: int, rows: int, slots: int, device: torch.device):
+    index = torch.arange(sequences + 1, device=device, dtype=torch.int32)
+    return index * rows, index * slots
+
+
+_kept_offsets = functools.lru_cache(maxsize=64)(_offsets)
 
 
 # What FlashAttention computes in.
@@ -235,18 +305,30 @@ def flash(attn: DFlashAttention, q, k_blk, v_blk, starts, ctx_k, ctx_v, context_
     slots = ctx_k.shape[-2]
     keys = ctx_k.transpose(1, 2).view(B * slots, h, d)
     values = ctx_v.transpose(1, 2).view(B * slots, h, d)
+    # A kv head's groups x block queries are one sequence of g * bs rows (module docstring); a view where
+    # the queries were written folded (`query_buffer`).
+    queries = q[:, 0].permute(0, 3, 1, 2, 4).reshape(B * g * bs, h, d)
+    cu_seq_q, cu_seq_k = sequence_offsets(B, g * bs, slots, q.device)
+    if _merge_applies(q):
+        try:
+            used, scale = starts[:, 0].to(torch.int32), attn.scaling
+            out, lse = varlen_attention(queries, keys, values, cu_seq_q, cu_seq_k, g * bs, slots, scale, used)
+        except (RuntimeError, TypeError) as error:
+            _flash_unavailable(error)
+            return KERNELS["sdpa-efficient"](attn, q, k_blk, v_blk, starts, ctx_k, ctx_v, context_len)
+        try:
+            return _merge_block(attn, queries, k_blk, v_blk, out, lse)
+        except Exception as error:  # noqa: BLE001 (any failure to build the kernel: the in-context path)
+            _merge_failed(error)
     first = torch.arange(B, device=q.device) * slots
     rows = ((first + starts[:, 0])[:, None] + torch.arange(bs, device=q.device)).view(-1)
     kept_k, kept_v = keys[rows], values[rows]
     keys[rows] = k_blk[:, 0].transpose(1, 2).reshape(B * bs, h, d)
     values[rows] = v_blk[:, 0].transpose(1, 2).reshape(B * bs, h, d)
     try:
-        # A kv head's groups x block queries are one sequence of g * bs rows (module docstring).
-        queries = q[:, 0].permute(0, 3, 1, 2, 4).reshape(B * g * bs, h, d)
-        cu_seq_q = torch.arange(B + 1, device=q.device, dtype=torch.int32) * (g * bs)
-        cu_seq_k = torch.arange(B + 1, device=q.device, dtype=torch.int32) * slots
         used = (starts[:, 0] + bs).to(torch.int32)
-        out = varlen_attention(queries, keys, values, cu_seq_q, cu_seq_k, g * bs, slots, attn.scaling, used)
+        scale = attn.scaling
+        out, _ = varlen_attention(queries, keys, values, cu_seq_q, cu_seq_k, g * bs, slots, scale, used)
     except (RuntimeError, TypeError) as error:
         # A torch built without FlashAttention or without seqused_k: the mask-based kernel, said once.
         _flash_unavailable(error)
@@ -254,6 +336,26 @@ def flash(attn: DFlashAttention, q, k_blk, v_blk, starts, ctx_k, ctx_v, context_
     finally:
         keys[rows], values[rows] = kept_k, kept_v
     return out.view(B, g, bs, h, d).permute(0, 2, 3, 1, 4).reshape(B, 1, bs, h * g * d)
+
+
+def _merge_block(attn: DFlashAttention, queries, k_blk, v_blk, out, lse) -> torch.Tensor:
+    """BLOCK_KEYS "merged": the block's own keys attended and merged with the context's output `out` and
+    log-sum-exp `lse` (from `varlen_attention` over the context before each start), in o_proj's layout."""
+    B, _, h, bs, d = k_blk.shape
+    rows = queries.shape[0] // B
+    from specops.score.kernels.attend_block import attend_block
+
+    merged = torch.empty(B, 1, bs, h, rows // bs, d, dtype=queries.dtype, device=queries.device)
+    attend_block(
+        queries.view(B, rows, h, d),
+        k_blk[:, 0].transpose(1, 2),
+        v_blk[:, 0].transpose(1, 2),
+        out.view(B, rows, h, d),
+        lse_rows(lse, B, rows, h),
+        attn.scaling,
+        merged[:, 0].permute(0, 3, 1, 2, 4),
+    )
+    return merged.view(B, 1, bs, -1)
 
 
 def _on_backend(backend: SDPBackend) -> Kernel:

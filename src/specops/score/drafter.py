@@ -28,7 +28,7 @@ from torch import nn
 from transformers import Qwen3Config
 from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RotaryEmbedding
 
-from specops.score.block_attention import block_attention, context_slots
+from specops.score.block_attention import block_attention, context_slots, query_buffer
 from specops.score.dflash_config import DrafterError, dflash_value, target_layer_ids
 from specops.score.drafter_ops import RMSNorm, fuse_linears, fused_linears, norm_rope, silu_mul
 
@@ -139,8 +139,11 @@ class DFlashAttention(nn.Module):
         own keys and values [..., kv_heads, bs, head_dim] of x [..., bs, hidden]."""
         h, g, d = self.num_kv_heads, self.groups, self.head_dim
         q, k, v = self.projections(x, rows_alike).split([h * g * d, h * d, h * d], dim=-1)
-        # Query heads are grouped as kv_head * groups + g (transformers' repeat_kv order).
-        q = norm_rope(q.view(*x.shape[:-1], h * g, d), self.q_norm, cos, sin).view(*x.shape[:-1], h, g, d)
+        # Query heads are grouped as kv_head * groups + g (transformers' repeat_kv order); laid out in
+        # memory as the attention kernel reads them where it says how (`query_buffer`).
+        lead = tuple(x.shape[:-1])
+        folded = query_buffer(lead, h, g, d, x)
+        q = norm_rope(q.view(*lead, h * g, d), self.q_norm, cos, sin, out=folded).view(*lead, h, g, d)
         shape = (*x.shape[:-1], h, d)
         k = norm_rope(k.view(shape), self.k_norm, cos, sin).transpose(-2, -3)
         return q, k, v.view(shape).transpose(-2, -3)

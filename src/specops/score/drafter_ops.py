@@ -11,6 +11,7 @@ still theirs.
 from __future__ import annotations
 
 import warnings
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -104,22 +105,42 @@ def _triton_failed(error: Exception) -> None:
     )
 
 
-def norm_rope(x: torch.Tensor, norm: RMSNorm, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def norm_rope(
+    x: torch.Tensor, norm: RMSNorm, cos: torch.Tensor, sin: torch.Tensor, out: torch.Tensor | None = None
+) -> torch.Tensor:
     """RoPE of norm(x) for x [..., heads, head_dim] (the queries' and keys' q_norm/k_norm, then the
-    rotation); cos/sin [..., head_dim] per token, broadcasting over x's leading token dimensions."""
+    rotation); cos/sin [..., head_dim] per token, broadcasting over x's leading token dimensions.
+
+    out: where to write it, a view [..., heads_outer, heads_inner, head_dim] of any layout (the folded
+    queries, `block_attention.query_buffer`), returned then; the Triton kernel writes it directly."""
     if _triton_applies(x, norm.weight, cos, sin):
         heads, d = x.shape[-2:]
         tokens = x.shape[:-2]
         try:
             from specops.score.kernels.norm_rope import norm_rope as kernel
 
-            rows = kernel(
-                x.reshape(-1, heads, d), norm.weight, norm.variance_epsilon, *per_token(cos, sin, tokens)
-            )
-            return rows.view(x.shape)
+            args = (x.reshape(-1, heads, d), norm.weight, norm.variance_epsilon, *per_token(cos, sin, tokens))
+            target = _kernel_view(out, tokens)
+            if target is not None:
+                kernel(*args, out=target)
+                return cast(torch.Tensor, out)
+            rows = kernel(*args)
+            return rows.view(x.shape) if out is None else out.copy_(rows.view(out.shape))
         except Exception as error:  # noqa: BLE001 (any failure to build the kernel: torch's path instead)
             _triton_failed(error)
-    return apply_rope(norm(x), cos.unsqueeze(-2), sin.unsqueeze(-2))
+    rotated = apply_rope(norm(x), cos.unsqueeze(-2), sin.unsqueeze(-2))
+    return rotated if out is None else out.copy_(rotated.view(out.shape))
+
+
+def _kernel_view(out: torch.Tensor | None, tokens: tuple[int, ...]) -> torch.Tensor | None:
+    """out [*tokens, heads_outer, heads_inner, d] as the kernel's [tokens_outer, tokens_inner, heads_outer,
+    heads_inner, d] view (the last token dimension inner), or None where out is None or will not view so."""
+    if out is None or not tokens:
+        return None
+    try:
+        return out.view(-1, tokens[-1], *out.shape[-3:])
+    except RuntimeError:
+        return None
 
 
 def per_token(

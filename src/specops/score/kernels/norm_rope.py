@@ -4,7 +4,9 @@ Each program takes a few (token, head) rows of head_dim values: the mean of squa
 the norm's weight, rounded once to the input's dtype (torch's rms_norm, as `drafter_ops.RMSNorm`), then
 the rotation with that token's cos and sin in float32, rounded once. Eager torch reads and writes the
 heads five times for the same. The input may be a strided view (the fused q/k/v product's columns);
-the output is contiguous. Imports triton: import it only where `specops.score.kernels.applies` says yes.
+the output is contiguous, or written into a given view in another layout (the queries folded for the
+attention kernel, `specops.score.block_attention.query_buffer`), which saves the attention a copy.
+Imports triton: import it only where `specops.score.kernels.applies` says yes.
 """
 
 from __future__ import annotations
@@ -27,6 +29,12 @@ def _norm_rope_kernel(
     heads,
     x_token_stride,
     x_head_stride,
+    token_inner,
+    out_token_outer_stride,
+    out_token_inner_stride,
+    head_inner,
+    out_head_outer_stride,
+    out_head_inner_stride,
     cos_rows,
     cos_stride,
     sin_stride,
@@ -57,21 +65,42 @@ def _norm_rope_kernel(
     cos_hi = tl.load(cos_row + HALF, mask=inside, other=0.0).to(tl.float32)
     sin_lo = tl.load(sin_row, mask=inside, other=0.0).to(tl.float32)
     sin_hi = tl.load(sin_row + HALF, mask=inside, other=0.0).to(tl.float32)
-    out_row = (out_ptr + rows.to(tl.int64) * (2 * HALF))[:, None] + cols[None, :]
+    out_at = (
+        (token // token_inner) * out_token_outer_stride
+        + (token % token_inner) * out_token_inner_stride
+        + (head // head_inner) * out_head_outer_stride
+        + (head % head_inner) * out_head_inner_stride
+    )
+    out_row = (out_ptr + out_at)[:, None] + cols[None, :]
     tl.store(out_row, (lo * cos_lo - hi * sin_lo).to(dtype), mask=inside)
     tl.store(out_row + HALF, (hi * cos_hi + lo * sin_hi).to(dtype), mask=inside)
 
 
 def norm_rope(
-    x: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """RoPE of RMSNorm(x) for x [tokens, heads, head_dim] (head_dim even, last stride 1 or copied);
-    cos/sin [rows, head_dim], token t reading row t % rows -> [tokens, heads, head_dim] contiguous."""
+    cos/sin [rows, head_dim], token t reading row t % rows -> [tokens, heads, head_dim] contiguous, or
+    written into out: a view [tokens_outer, tokens_inner, heads_outer, heads_inner, head_dim] (any strides,
+    the last 1) whose element [to, ti, ho, hi] takes token to * tokens_inner + ti, head ho * heads_inner +
+    hi; out is returned then."""
     tokens, heads, d = x.shape
     if x.stride(-1) != 1:
         x = x.contiguous()
     cos, sin = (t if t.stride(-1) == 1 else t.contiguous() for t in (cos, sin))
-    out = torch.empty(tokens, heads, d, dtype=x.dtype, device=x.device)
+    if out is None:
+        out = torch.empty(tokens, heads, d, dtype=x.dtype, device=x.device)
+        layout = (1, heads * d, 0, 1, d, 0)
+    else:
+        _, t_in, _, h_in, _ = out.shape
+        if out.shape[0] * t_in != tokens or out.shape[2] * h_in != heads or out.stride(-1) != 1:
+            raise ValueError(f"norm_rope: out {tuple(out.shape)} does not hold x {tuple(x.shape)}")
+        layout = (t_in, out.stride(0), out.stride(1), h_in, out.stride(2), out.stride(3))
     n_rows = tokens * heads
     if n_rows:
         half = d // 2
@@ -85,6 +114,7 @@ def norm_rope(
             heads,
             x.stride(0),
             x.stride(1),
+            *layout,
             cos.shape[0],
             cos.stride(0),
             sin.stride(0),

@@ -55,18 +55,55 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 
 
 def norm_rope(
-    x: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """RoPE of RMSNorm(x) for x [tokens, heads, head_dim]; cos/sin [rows, head_dim], token t reading row
     t % rows. The norm as torch's rms_norm (float32, times the weight, rounded once), the rotation in
-    float32 and rounded once (eager `apply_rope` rounds x * cos before adding the other half's term)."""
+    float32 and rounded once (eager `apply_rope` rounds x * cos before adding the other half's term).
+    out: a [tokens_outer, tokens_inner, heads_outer, heads_inner, head_dim] view to write into."""
     tokens, d = x.shape[0], x.shape[-1]
     normed = F.rms_norm(x.float(), (d,), weight.float(), eps).to(x.dtype).float()
     per_token = torch.arange(tokens, device=x.device) % cos.shape[0]
     c, s = cos[per_token].float()[:, None, :], sin[per_token].float()[:, None, :]
     half = d // 2
     lo, hi = normed[..., :half], normed[..., half:]
-    out = torch.cat(
+    rotated = torch.cat(
         [lo * c[..., :half] - hi * s[..., :half], hi * c[..., half:] + lo * s[..., half:]], dim=-1
-    )
-    return out.to(x.dtype)
+    ).to(x.dtype)
+    if out is None:
+        return rotated
+    return out.copy_(rotated.view(out.shape))
+
+
+def attend_block(
+    queries: torch.Tensor,
+    k_blk: torch.Tensor,
+    v_blk: torch.Tensor,
+    o_ctx: torch.Tensor,
+    lse_ctx: torch.Tensor,
+    scale: float,
+    out: torch.Tensor,
+) -> torch.Tensor:
+    """Each sequence's queries [B, R, heads, d] against its block's own keys and values [B, bs, heads, d],
+    merged with their attention to the context: o_ctx [B, R, heads, d] normalised by its log-sum-exp
+    lse_ctx [B, R, heads] (float32; +inf, FlashAttention's mark of a row that saw no key, counts as no
+    context). Scores and the merge in float32, the block's probabilities rounded to the values' dtype
+    before their product (as FlashAttention does), the result rounded once into out, a
+    [B, R_outer, R_inner, heads, d] view taking row r at (r // R_inner, r % R_inner)."""
+    q = queries.float().transpose(1, 2)  # [B, heads, R, d]
+    scores = q @ k_blk.float().permute(0, 2, 3, 1) * scale  # [B, heads, R, bs]
+    lse = lse_ctx.float().transpose(1, 2)  # [B, heads, R]
+    lse = torch.where(lse == float("inf"), torch.full_like(lse, float("-inf")), lse)
+    top = torch.maximum(scores.amax(dim=-1), lse)
+    probs = torch.exp(scores - top[..., None])
+    context_weight = torch.exp(lse - top)
+    mixed = probs.to(v_blk.dtype).float() @ v_blk.float().transpose(1, 2)  # [B, heads, R, d]
+    merged = (o_ctx.float().transpose(1, 2) * context_weight[..., None] + mixed) / (
+        probs.sum(dim=-1) + context_weight
+    )[..., None]
+    return out.copy_(merged.transpose(1, 2).reshape(out.shape).to(out.dtype))
