@@ -35,6 +35,8 @@ Timed on all completions, each stage written to the record as it ends:
   - the engine with split walks if it does not split them by default, or without if it does
     (specops.score.split_walks), forwards and blocks drafted counted for every run;
   - with --alternate-passes N, N rounds of the engine in head passes of 2, 3 and 4 positions in turn;
+  - with --alternate-switches N, N rounds of the engine at its defaults and with each switch of SWITCHED
+    in turn (a run's time drifts over a process: a switch is read against the defaults of its rounds);
   - the sequential oracle on a subset;
   - the engine again with a StepTimer: inputs (features to the device, context K/V), drafter layers
     (every block position, up to the last layer's attention), the last layer's rest and the head at
@@ -519,6 +521,12 @@ def main() -> None:
         help="after the first engine run, this many rounds of head passes of 2, 3 and 4 positions in turn",
     )
     parser.add_argument(
+        "--alternate-switches",
+        type=int,
+        default=0,
+        help="after the first engine runs, this many rounds of the defaults and each SWITCHED switch in turn",
+    )
+    parser.add_argument(
         "--deadline", type=float, default=0, help="skip the optional stages after this many s"
     )
     parser.add_argument(
@@ -705,6 +713,30 @@ def main() -> None:
             pass_widths_alternated={
                 str(w): {"seconds": times, "median_s": sorted(times)[len(times) // 2]}
                 for w, times in alternated.items()
+            },
+        )
+    if args.alternate_switches:
+        # The defaults and each switch of SWITCHED in turn, several rounds: a run's time drifts over a
+        # process (later runs have measured a few percent faster), so a switch is read against the
+        # defaults of the same rounds.
+        record.begin("engine, switches alternated")
+        alternated_runs: dict[str, list[float]] = {"defaults": []}
+        for _ in range(args.alternate_switches):
+            alternated_runs["defaults"].append(engine(POSITIONS_PER_PASS)[1]["seconds"])
+            for name, (module, switch, value) in SWITCHED.items():
+                if getattr(module, switch) == value:
+                    continue
+                with switched(module, switch, value):
+                    found, summary = engine(POSITIONS_PER_PASS)
+                alternated_runs.setdefault(name, []).append(summary["seconds"])
+                identical[f"alternated_{name}_vs_default"] = identical.get(
+                    f"alternated_{name}_vs_default", True
+                ) and same(found, results)
+        record.stage(
+            "engine, switches alternated",
+            switches_alternated={
+                name: {"seconds": times, "median_s": sorted(times)[len(times) // 2]}
+                for name, times in alternated_runs.items()
             },
         )
     if time_left():

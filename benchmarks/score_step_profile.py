@@ -96,6 +96,7 @@ def trace_summary(trace_file: str) -> dict:
         by_name[e["name"][:100]][0] += 1
         by_name[e["name"][:100]][1] += e["dur"]
     runtime = [e for e in events if e.get("cat") == "cuda_runtime"]
+    causes = gap_causes(events, kernels, runtime)
     syncs = [e for e in runtime if re.search(r"Synchronize|MemcpyAsync|Memcpy", e["name"])]
     launches = [e for e in runtime if "LaunchKernel" in e["name"] or "cuLaunch" in e["name"]]
     parts: dict[str, float] = defaultdict(float)
@@ -114,6 +115,7 @@ def trace_summary(trace_file: str) -> dict:
             "over_20us_count": sum(g > 20 for g in gaps),
             "over_20us_ms": sum(g for g in gaps if g > 20) / 1e3,
             "over_200us_ms": sum(g for g in gaps if g > 200) / 1e3,
+            "causes_over_20us": causes,
         },
         "device_ms_by_kind": {k: v / 1e3 for k, v in sorted(by_kind.items(), key=lambda kv: -kv[1])},
         "host_in_syncs_and_copies_ms": sum(e["dur"] for e in syncs) / 1e3,
@@ -123,6 +125,50 @@ def trace_summary(trace_file: str) -> dict:
         "device_ms_in_parts": {k: v / 1e3 for k, v in parts.items()},
         "top_kernels": [{"name": n, "calls": c, "ms": t / 1e3} for n, (c, t) in top],
     }
+
+
+def gap_causes(events: list, kernels: list, runtime: list, threshold_us: float = 20, top: int = 20) -> list:
+    """The GPU's idle gaps over threshold_us, by what ended them: the engine's part (StepTimer span) and the
+    torch op that launched the next kernel, and whether the host had just waited for the device (a
+    synchronization or copy returned inside the gap: the host then launched from nothing)."""
+    import bisect
+
+    op_of = {
+        e["args"]["External id"]: e["name"]
+        for e in events
+        if e.get("cat") == "cpu_op" and "External id" in e.get("args", {})
+    }
+    launch_of = {e["args"]["correlation"]: e for e in runtime if "correlation" in e.get("args", {})}
+    parts = sorted(
+        (e["ts"], e["ts"] + e["dur"], e["name"][5:])
+        for e in events
+        if e.get("cat") == "user_annotation" and e["name"].startswith("part:")
+    )
+    waits = sorted(
+        e["ts"] + e["dur"] for e in runtime if re.search(r"Synchronize|Memcpy", e["name"]) and e["dur"] > 5
+    )
+    found: dict[tuple, list[float]] = defaultdict(lambda: [0, 0.0])
+    ordered = sorted(kernels, key=lambda e: e["ts"])
+    end = ordered[0]["ts"] + ordered[0]["dur"]
+    for kernel in ordered[1:]:
+        gap = kernel["ts"] - end
+        end = max(end, kernel["ts"] + kernel["dur"])
+        if gap <= threshold_us:
+            continue
+        args = kernel.get("args", {})
+        launch = launch_of.get(args.get("correlation"))
+        launched = launch["ts"] if launch else kernel["ts"]
+        # The innermost part open at the launch (parts nest: 'drafter' inside 'steps').
+        part = next((name for first, last, name in reversed(parts) if first <= launched <= last), "-")
+        waited = bisect.bisect_left(waits, kernel["ts"] - gap) < bisect.bisect_right(waits, launched)
+        key = (part, op_of.get(args.get("External id"), kernel["name"][:40]), waited)
+        found[key][0] += 1
+        found[key][1] += gap
+    ranked = sorted(found.items(), key=lambda item: -item[1][1])[:top]
+    return [
+        {"part": part, "op": op, "after_a_wait": waited, "count": count, "ms": total / 1e3}
+        for (part, op, waited), (count, total) in ranked
+    ]
 
 
 def traced(work, device: str) -> dict:

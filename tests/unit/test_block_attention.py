@@ -414,3 +414,24 @@ def test_the_cpu_group_budget_is_a_share_of_the_hosts_available_memory(tmp_path,
     assert acceptance.default_memory_budget(torch.device("cpu")) == acceptance.CPU_MEMORY_BUDGET
     monkeypatch.setattr(acceptance, "available_host_memory", lambda: None)
     assert acceptance.default_memory_budget(torch.device("cpu")) == acceptance.CPU_MEMORY_BUDGET
+
+
+def test_a_group_without_written_scores_may_take_most_of_the_budget(monkeypatch):
+    drafter = build(*RULES["full"])
+    items = [
+        acceptance.SequenceInput(f"c{i}", torch.zeros(21, dtype=torch.long), torch.zeros(21, 2, HIDDEN), 3)
+        for i in range(8)
+    ]
+    resident = acceptance._sequence_bytes(drafter, 21)
+    per_sequence = resident + acceptance._block_bytes(drafter, 21, scores=False)
+    # Room for all eight in FUSED_SHARE of the budget, for fewer than eight in half of it.
+    budget = int(8 * per_sequence / acceptance.FUSED_SHARE) + 1
+    assert acceptance._block_bytes(drafter, 21) > acceptance._block_bytes(drafter, 21, scores=False)
+    assert len(acceptance.group_indices(drafter, items, budget, scores=False)) == 1
+    assert len(acceptance.group_indices(drafter, items, budget)) > 1
+    # Only a GPU's frontier with a fused kernel writes no scores.
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert not acceptance.writes_scores(cuda, "frontier")
+    assert acceptance.writes_scores(cuda, "all-anchors") and acceptance.writes_scores(cpu, "frontier")
+    monkeypatch.setattr(block_attention, "KERNEL", "reference")
+    assert acceptance.writes_scores(cuda, "frontier")

@@ -48,6 +48,7 @@ from typing import Any
 
 import torch
 
+from specops.score import block_attention
 from specops.score.drafter import DFlashDrafter
 from specops.score.leading_matches import leading_matches
 from specops.score.split_walks import SplitWalks
@@ -63,6 +64,11 @@ DEFAULT_MODE = "frontier"
 CPU_MEMORY_SHARE = 0.5
 CPU_MEMORY_BUDGET = 2 << 30
 MAX_ANCHORS_PER_FORWARD = 128
+# Where the attention writes no scores, a group's resident memory may take this share of the budget (the
+# rest: one forward's activations, the head's logits, the allocator's slack). At the real shape a group of
+# 256 completions peaked at 33 GiB on the H200 with the models (benchmarks/score_real_h200.json), while
+# halving the budget split it in two on an 80 GB H100 (367 forwards against 185).
+FUSED_SHARE = 0.8
 # Devices where the frontier fills its batch with walks started inside the longest ranges as walks end
 # (`specops.score.split_walks`). Built for GPUs, where a forward over a few blocks costs nearly what a
 # full one does. Measured on the H200 at the real shape (benchmarks/score_real_h200.json and
@@ -225,13 +231,24 @@ def _sequence_bytes(drafter: DFlashDrafter, length: int) -> int:
     return length * per_token * _elem(drafter.fc.weight.dtype)
 
 
-def _block_bytes(drafter: DFlashDrafter, context_len: int) -> int:
-    """Working memory of drafting one block: fp32 attention scores and their copies, activations."""
+def _block_bytes(drafter: DFlashDrafter, context_len: int, scores: bool = True) -> int:
+    """Working memory of drafting one block: activations, and fp32 attention scores and their copies
+    where the attention writes them out (scores)."""
     cfg = drafter.config
     bs = drafter.block_size
-    scores = cfg.num_attention_heads * bs * (context_len + bs) * (12 + _elem(drafter.fc.weight.dtype))
     activations = bs * (3 * cfg.intermediate_size + 8 * cfg.hidden_size) * _elem(drafter.fc.weight.dtype)
-    return scores + activations
+    if not scores:
+        return activations
+    return activations + cfg.num_attention_heads * bs * (context_len + bs) * (
+        12 + _elem(drafter.fc.weight.dtype)
+    )
+
+
+def writes_scores(device: torch.device, mode: str) -> bool:
+    """Whether the attention of this mode on this device writes its scores out: the reference kernel does
+    (several blocks a sequence, the all-anchors mode; or chosen), and the CPU's fused kernel may; a GPU's
+    fused kernels (the frontier's one block a sequence) never do."""
+    return mode != "frontier" or device.type != "cuda" or block_attention.KERNEL == "reference"
 
 
 def available_host_memory(meminfo: str = "/proc/meminfo") -> int | None:
@@ -276,9 +293,11 @@ class SequenceGroup:
         longest = int(self.lengths.max())
         with self.timer.span("inputs"):
             # -1 past the end never equals a draft, so a block reaching past the completion stops matching.
-            self.ids = torch.full((len(items), longest + bs), -1, dtype=torch.long, device=device)
+            # Padded on the host and copied once: one small copy a completion would cost a launch each.
+            ids = torch.full((len(items), longest + bs), -1, dtype=torch.long)
             for b, it in enumerate(items):
-                self.ids[b, : it.input_ids.shape[0]] = it.input_ids.to(device, non_blocking=True)
+                ids[b, : it.input_ids.shape[0]] = it.input_ids
+            self.ids = ids.to(device)
             # Spare slots after the context take each step's block keys (the fused attention's input).
             self.context = StreamedContext(drafter, [it.features for it in items], longest, device)
             self.context_len = longest
@@ -329,15 +348,21 @@ class SequenceGroup:
         return runs.view(B, m)
 
 
-def group_indices(drafter: DFlashDrafter, items: list[SequenceInput], budget: int) -> list[list[int]]:
-    """Indices of sequences per group, longest first, each group's resident memory within budget / 2."""
+def group_indices(
+    drafter: DFlashDrafter, items: list[SequenceInput], budget: int, scores: bool = True
+) -> list[list[int]]:
+    """Indices of sequences per group, longest first, each group's resident memory and working set within
+    budget / 2 where the attention writes scores out (their transient copies take the rest), within
+    FUSED_SHARE of it where it does not (`writes_scores`)."""
+    limit = budget // 2 if scores else int(budget * FUSED_SHARE)
     order = sorted(range(len(items)), key=lambda i: -items[i].input_ids.shape[0])
     groups: list[list[int]] = []
     current: list[int] = []
     for i in order:
         longest = items[current[0]].input_ids.shape[0] if current else items[i].input_ids.shape[0]
-        need = (len(current) + 1) * (_sequence_bytes(drafter, longest) + _block_bytes(drafter, longest))
-        if current and need > budget // 2:
+        per_sequence = _sequence_bytes(drafter, longest) + _block_bytes(drafter, longest, scores)
+        need = (len(current) + 1) * per_sequence
+        if current and need > limit:
             groups.append(current)
             current = []
         current.append(i)
@@ -444,7 +469,7 @@ def offline_acceptance(
     budget = memory_budget_bytes or default_memory_budget(head.device)
     results = {i: SequenceAcceptance(it.id, drafter.block_size) for i, it in enumerate(items)}
     done = 0
-    for indices in group_indices(drafter, items, budget):
+    for indices in group_indices(drafter, items, budget, writes_scores(head.device, mode)):
         group = SequenceGroup(drafter, head, [items[i] for i in indices], timer)
         with group.timer.span("steps"):
             if mode == "frontier":
