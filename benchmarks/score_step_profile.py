@@ -254,6 +254,47 @@ def trunk_eager_and_graphed(drafter, head, sequences, device: str, start: int) -
 
 
 @torch.inference_mode()
+def inputs_probe(drafter, sequences, device: str) -> dict:
+    """What the engine's inputs cost: the features' copy to the device (from pinned memory, one chunk of
+    streamed_context.CHUNK_POSITIONS positions and all of it), one chunk's context K/V, and the group's
+    setup (StreamedContext: buffers, chunks, every copy queued) until its copies are done."""
+    from specops.score.streamed_context import CHUNK_POSITIONS, StreamedContext
+
+    features = [s.features for s in sequences]
+    positions = min(CHUNK_POSITIONS, features[0].shape[0])
+    shape = (len(features), positions, *features[0].shape[1:])
+    chunk = torch.empty(shape, dtype=features[0].dtype, device=device)
+
+    def copy() -> None:
+        for b, f in enumerate(features):
+            chunk[b].copy_(f[:positions], non_blocking=True)
+
+    copy()
+    _, seconds = timed(copy, device)
+    found = {"chunk_positions": positions, "chunk_gb": chunk.numel() * chunk.element_size() / 1e9}
+    found["copy_gb_per_s"] = found["chunk_gb"] / seconds
+    drafter.context_kv(chunk)
+    _, seconds = timed(lambda: drafter.context_kv(chunk), device)
+    found["context_kv_ms_per_chunk"] = seconds * 1e3
+    length = max(f.shape[0] for f in features)
+
+    def setup() -> None:
+        context = StreamedContext(drafter, features, length, torch.device(device))
+        for part in context.chunks:
+            if part.copied is not None:
+                part.copied.synchronize()
+
+    setup()
+    started = time.perf_counter()
+    setup()
+    found["setup_and_all_copies_s"] = time.perf_counter() - started
+    found["all_features_gb"] = sum(f.numel() * f.element_size() for f in features) / 1e9
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    return found
+
+
+@torch.inference_mode()
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on CPU in fp32")
@@ -326,6 +367,8 @@ def main() -> None:
     ]
     save()
 
+    record["inputs"] = inputs_probe(drafter, sequences, device)
+    save()
     rows = (B * shape["block"], B * shape["block"] // 2, B * 3)
     record["products"] = product_rates(shape, drafter, head, device, rows)
     save()

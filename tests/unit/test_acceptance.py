@@ -278,7 +278,9 @@ def test_the_context_computed_a_few_positions_at_a_time_gives_the_same_lengths(
 def test_the_context_is_computed_only_as_far_as_asked(fixture_models, greedy_sequences, monkeypatch):
     drafter = load_drafter(fixture_models.drafter)
     monkeypatch.setattr(streamed_context, "CHUNK_POSITIONS", 5)
-    features = [s.features for s in greedy_sequences[:3]]
+    # Lengths that end inside a chunk: positions past a sequence's end must read as zeros.
+    features = [s.features[:end] for s, end in zip(greedy_sequences[:3], (None, -7, -3), strict=True)]
+    assert len({f.shape[0] for f in features}) == 3
     length = max(f.shape[0] for f in features)
     context = streamed_context.StreamedContext(drafter, features, length, torch.device("cpu"))
     assert context.ready == 0 and all(not k.any() and not v.any() for k, v in context.buffers)

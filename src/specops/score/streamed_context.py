@@ -54,10 +54,14 @@ class StreamedContext:
         self.chunks: list[_Chunk] = []
         for first in range(0, length, CHUNK_POSITIONS):
             last = min(first + CHUNK_POSITIONS, length)
-            # Zeros past a sequence's end: its context there is zero, which every kernel may read.
-            chunk = torch.zeros(
+            # Zeros past a sequence's end (its context there is zero, which every kernel may read); the rest
+            # is copied over, so only those rows are filled.
+            chunk = torch.empty(
                 len(features), last - first, *features[0].shape[1:], dtype=dtype, device=device
             )
+            for b, sequence in enumerate(features):
+                if sequence.shape[0] < last:
+                    chunk[b, max(0, sequence.shape[0] - first) :].zero_()
             copied = None
             if side is not None:
                 # The chunk is allocated and zeroed on the walk's stream: its copy starts after that.

@@ -113,6 +113,10 @@ class TargetHead:
         chunk = vocab if fused else min(self.vocab_chunk or DEFAULT_VOCAB_CHUNK or vocab, vocab)
         # The fused kernel's partials are far smaller than logits; the same row chunks keep it simple.
         rows = max(1, self.logits_budget_bytes // (chunk * 4))
+        if flat.shape[0] <= rows and not fused and chunk == vocab:
+            # One product over the whole vocabulary: its argmax is the answer (no running best to keep).
+            logits = self._finish(_fp32_linear(flat, self.lm_head_weight), multiplier, softcap)
+            return logits.argmax(dim=-1).view(hidden.shape[:-1])
         out = torch.empty(flat.shape[0], dtype=torch.long, device=flat.device)
         for i in range(0, flat.shape[0], rows):
             if fused:
