@@ -368,6 +368,28 @@ def test_reading_back_follows_the_steps_from_the_prompt_and_names_a_gap():
         acceptance.walks_from_steps([(0, 3, 2)], [3], [13], 16)
 
 
+def test_one_walk_a_sequence_is_read_back_in_forward_order_as_the_python_walk_reads_it():
+    # Three sequences walked in lockstep, rows in varying order (batches compacted), ended rows taking 0.
+    generator = torch.Generator().manual_seed(3)
+    prompts, lengths, forwards = [3, 5, 4], [40, 33, 47], []
+    position = dict(enumerate(prompts))
+    while any(position[b] < lengths[b] - 1 for b in position):
+        rows = torch.randperm(3, generator=generator).tolist()
+        record = []
+        for b in rows:
+            remaining = lengths[b] - 1 - position[b]
+            a = min(int(torch.randint(1, 9, (1,), generator=generator)), remaining) if remaining > 0 else 0
+            record.append((b, position[b], a))
+            position[b] += a
+        forwards.append(torch.tensor(record).T)
+    walks = acceptance.walks_in_order(forwards, 3)
+    taken = torch.cat(forwards, dim=1).T.tolist()
+    assert walks == acceptance.walks_from_steps(taken, prompts, lengths, 16)
+    expected = [n - 1 - p for n, p in zip(lengths, prompts, strict=True)]
+    assert [sum(accepted) for accepted, _ in walks] == expected
+    assert acceptance.walks_in_order([], 2) == [([], []), ([], [])]
+
+
 class _RunsByPosition:
     """A group whose drafts' leading matches are a function of (completion, position) alone, as a real
     drafter's are: what the frontier's batching does, without models. Counts the batched forwards."""

@@ -91,22 +91,22 @@ def test_the_second_call_at_a_shape_captures_and_later_ones_replay_with_their_in
     assert found[1] is found[2] is found[3]
 
 
-def test_a_new_shape_or_new_buffers_drop_the_graph(graphs_on_the_cpu):
+def test_a_new_shape_or_new_buffers_drop_the_graph_and_the_trunk_stays_eager(graphs_on_the_cpu):
     trunk = Trunk()
     graphed = trunk_graph.TrunkGraph(trunk)
     buffers = [object()]
     for seed in range(3):
         graphed(*batch(seed), buffers)
     assert trunk.eager == 1
-    anchors, starts = batch(5, size=3)
-    assert torch.equal(graphed(anchors, starts, buffers)[0], anchors * 2)
-    assert graphed.graph is None and trunk.eager == 2
-    graphed(*batch(6, size=3), buffers)
-    assert graphed.graph is not None
-    # Equal but new buffers (the walk's ended sequences left): eager again, then a new capture.
-    anchors, starts = batch(7, size=3)
+    # The walk's ended sequences left: a smaller batch, eager from now on (its shapes last a few forwards).
+    for seed in range(5, 8):
+        anchors, starts = batch(seed, size=3)
+        assert torch.equal(graphed(anchors, starts, buffers)[0], anchors * 2)
+    assert graphed.graph is None and trunk.eager == 4
+    # Equal shapes but new buffers: no graph either.
+    anchors, starts = batch(9, size=3)
     assert torch.equal(graphed(anchors, starts, [object()])[1], starts + 1)
-    assert graphed.graph is None and trunk.eager == 3
+    assert graphed.graph is None and trunk.eager == 5
 
 
 def test_a_capture_that_fails_leaves_the_trunk_eager_and_says_so(graphs_on_the_cpu):

@@ -6,7 +6,8 @@ kernels one by one (block embeddings, RoPE angles, norms), and between kernels l
 the whole trunk at once. It is captured on the group's second forward at a batch shape (the first runs
 eager and builds every kernel and lazy state the capture must not meet), replayed with the anchors and
 starts copied into its own inputs, and dropped when the batch changes shape or the context buffers are
-replaced (the walk's ended sequences leave), after which the trunk runs eager. Its outputs are the
+replaced (the walk's ended sequences leave), after which the trunk runs eager: the shapes after that
+last a few forwards each, too few to repay a capture. Its outputs are the
 graph's own memory, overwritten by the next replay: the walk reads them before its next forward.
 """
 
@@ -44,6 +45,7 @@ class TrunkGraph:
     def __init__(self, trunk: Trunk):
         self.trunk = trunk
         self.key: tuple | None = None
+        self.captures_left = 1
         self.graph: torch.cuda.CUDAGraph | None = None
         self.inputs: tuple[torch.Tensor, torch.Tensor] | None = None
         self.outputs: Outputs | None = None
@@ -58,9 +60,13 @@ class TrunkGraph:
         # The buffers themselves are held, not their id: a freed list's id can come back.
         key = (tuple(anchors.shape), tuple(starts.shape), buffers)
         if self.key is None or key[:2] != self.key[:2] or key[2] is not self.key[2]:
-            # A new shape or new buffers: drop the graph, run eager once, capture at the next call.
+            # The first shape: eager once, captured at the next call. A later one: eager from now on.
+            if self.key is not None:
+                self.captures_left = 0
             self.release()
             self.key = key
+            return self.trunk(anchors, starts)
+        if self.graph is None and not self.captures_left:
             return self.trunk(anchors, starts)
         if self.graph is None:
             captured = self._capture(anchors, starts)
@@ -91,8 +97,9 @@ class TrunkGraph:
             return None
         current.wait_stream(side)
         self.graph, self.inputs, self.outputs = graph, inputs, outputs
+        self.captures_left -= 1
         return graph
 
     def release(self) -> None:
         """Drop the graph and its memory (outputs still held by the caller stay valid)."""
-        self.key = self.graph = self.inputs = self.outputs = None
+        self.graph = self.inputs = self.outputs = None
