@@ -70,6 +70,7 @@ import sys
 import time
 from collections.abc import Callable
 from contextlib import contextmanager
+from functools import partial
 from pathlib import Path
 
 try:
@@ -652,6 +653,21 @@ def main() -> None:
             summary["peak_gpu_memory_gib"] = torch.cuda.max_memory_allocated() / 2**30
         return found, summary
 
+    def switched_engine(module, switch: str, value):
+        with switched(module, switch, value):
+            return engine(POSITIONS_PER_PASS)
+
+    def alternate(rounds: int, variants: dict, label: str) -> dict:
+        """rounds of every variant's run in turn: seconds and median per variant, accept lengths checked."""
+        times: dict[str, list[float]] = {name: [] for name in variants}
+        for _ in range(rounds):
+            for name, run in variants.items():
+                found, summary = run()
+                times[name].append(summary["seconds"])
+                key = f"alternated_{label}_{name}_vs_default"
+                identical[key] = identical.get(key, True) and same(found, results)
+        return {name: {"seconds": t, "median_s": sorted(t)[len(t) // 2]} for name, t in times.items()}
+
     record.begin("engine")
     runs: dict = {}
     # The process's first run at the full shape meets every batch size, context chunk and kernel
@@ -699,45 +715,23 @@ def main() -> None:
         # Head passes of 2, 3 and 4 positions in turn, several rounds: the width measured against the
         # run-to-run spread, with no other variant between them.
         record.begin("engine, pass widths alternated")
-        widths = (2, POSITIONS_PER_PASS, 4)
-        alternated: dict[int, list[float]] = {w: [] for w in widths}
-        for _ in range(args.alternate_passes):
-            for width in widths:
-                found, summary = engine(width)
-                alternated[width].append(summary["seconds"])
-                identical[f"alternated_{width}_per_pass"] = identical.get(
-                    f"alternated_{width}_per_pass", True
-                ) and same(found, results)
+        widths = {str(w): partial(engine, w) for w in (2, POSITIONS_PER_PASS, 4)}
         record.stage(
             "engine, pass widths alternated",
-            pass_widths_alternated={
-                str(w): {"seconds": times, "median_s": sorted(times)[len(times) // 2]}
-                for w, times in alternated.items()
-            },
+            pass_widths_alternated=alternate(args.alternate_passes, widths, "passes"),
         )
     if args.alternate_switches:
         # The defaults and each switch of SWITCHED in turn, several rounds: a run's time drifts over a
         # process (later runs have measured a few percent faster), so a switch is read against the
         # defaults of the same rounds.
         record.begin("engine, switches alternated")
-        alternated_runs: dict[str, list[float]] = {"defaults": []}
-        for _ in range(args.alternate_switches):
-            alternated_runs["defaults"].append(engine(POSITIONS_PER_PASS)[1]["seconds"])
-            for name, (module, switch, value) in SWITCHED.items():
-                if getattr(module, switch) == value:
-                    continue
-                with switched(module, switch, value):
-                    found, summary = engine(POSITIONS_PER_PASS)
-                alternated_runs.setdefault(name, []).append(summary["seconds"])
-                identical[f"alternated_{name}_vs_default"] = identical.get(
-                    f"alternated_{name}_vs_default", True
-                ) and same(found, results)
+        variants = {"defaults": partial(engine, POSITIONS_PER_PASS)}
+        for name, (module, switch, value) in SWITCHED.items():
+            if getattr(module, switch) != value:
+                variants[name] = partial(switched_engine, module, switch, value)
         record.stage(
             "engine, switches alternated",
-            switches_alternated={
-                name: {"seconds": times, "median_s": sorted(times)[len(times) // 2]}
-                for name, times in alternated_runs.items()
-            },
+            switches_alternated=alternate(args.alternate_switches, variants, "switches"),
         )
     if time_left():
         # Walks started inside the longest ranges as walks end, or one walk a completion, whichever the

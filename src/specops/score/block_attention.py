@@ -247,7 +247,7 @@ def _merge_applies(q: torch.Tensor) -> bool:
 
 def _merge_failed(error: Exception) -> None:
     global MERGE_FAILED
-    MERGE_FAILED = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
+    MERGE_FAILED = kernels.failure(error)
     warnings.warn(
         f"the Triton kernel for the block's own keys failed ({MERGE_FAILED}); the block's keys are "
         "written into the context buffers instead",

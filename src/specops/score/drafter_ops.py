@@ -97,7 +97,7 @@ def _triton_applies(*tensors: torch.Tensor) -> bool:
 
 def _triton_failed(error: Exception) -> None:
     global TRITON_FAILED
-    TRITON_FAILED = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
+    TRITON_FAILED = kernels.failure(error)
     warnings.warn(
         f"the drafter's Triton kernels failed ({TRITON_FAILED}); its elementwise chains run in torch",
         RuntimeWarning,

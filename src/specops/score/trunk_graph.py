@@ -18,6 +18,8 @@ from collections.abc import Callable
 
 import torch
 
+from specops.score import kernels
+
 # Device types whose groups replay the trunk from a graph. Measured beside eager in
 # benchmarks/score_real_h200.py ("engine, trunk_eager").
 GRAPH_DEVICES: tuple[str, ...] = ("cuda",)
@@ -31,7 +33,7 @@ Trunk = Callable[[torch.Tensor, torch.Tensor], Outputs]
 
 def _graph_failed(error: Exception) -> None:
     global GRAPH_FAILED
-    GRAPH_FAILED = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
+    GRAPH_FAILED = kernels.failure(error)
     warnings.warn(
         f"the drafter's trunk could not be captured as a CUDA graph ({GRAPH_FAILED}); it runs eager",
         RuntimeWarning,

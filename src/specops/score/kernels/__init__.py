@@ -42,3 +42,9 @@ def applies(*tensors: torch.Tensor) -> bool:
     if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
         return False
     return triton_available()
+
+
+def failure(error: Exception) -> str:
+    """What a kernel's failure to build or run says, in one line: its type and its message's first line."""
+    text = str(error)
+    return f"{type(error).__name__}: {text.splitlines()[0] if text else ''}"
