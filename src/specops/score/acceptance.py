@@ -219,13 +219,12 @@ def walks_in_order(records: list[torch.Tensor], sequences: int) -> list[tuple[li
     taken = torch.cat(records, dim=1)
     taken = taken[:, taken[2] > 0]
     order = torch.sort(taken[0], stable=True).indices
-    sequence, starts, accepted = taken[:, order].tolist()
+    _, starts, accepted = taken[:, order].tolist()
     counts = torch.bincount(taken[0], minlength=sequences).tolist()
     walks, first = [], 0
     for count in counts:
         walks.append((accepted[first : first + count], starts[first : first + count]))
         first += count
-    del sequence
     return walks
 
 
@@ -318,7 +317,7 @@ class SequenceGroup:
             for b, it in enumerate(items):
                 ids[b, : it.input_ids.shape[0]] = it.input_ids
             self.ids = ids.to(device)
-            # Spare slots after the context take each step's block keys (the fused attention's input).
+            # Spare slots after the context, where a kernel writes a step's block keys (block_attention).
             self.context = StreamedContext(drafter, [it.features for it in items], longest, device)
             self.context_len = longest
         self.offsets = torch.arange(1, bs, device=device)
