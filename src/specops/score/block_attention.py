@@ -247,12 +247,10 @@ def _merge_applies(q: torch.Tensor) -> bool:
 
 def _merge_failed(error: Exception) -> None:
     global MERGE_FAILED
-    MERGE_FAILED = kernels.failure(error)
-    warnings.warn(
-        f"the Triton kernel for the block's own keys failed ({MERGE_FAILED}); the block's keys are "
-        "written into the context buffers instead",
-        RuntimeWarning,
-        stacklevel=3,
+    MERGE_FAILED = kernels.failure(
+        error,
+        "the Triton kernel for the block's own keys failed ({}); the block's keys are written into the "
+        "context buffers instead",
     )
 
 

@@ -10,7 +10,6 @@ still theirs.
 
 from __future__ import annotations
 
-import warnings
 from typing import cast
 
 import torch
@@ -97,11 +96,8 @@ def _triton_applies(*tensors: torch.Tensor) -> bool:
 
 def _triton_failed(error: Exception) -> None:
     global TRITON_FAILED
-    TRITON_FAILED = kernels.failure(error)
-    warnings.warn(
-        f"the drafter's Triton kernels failed ({TRITON_FAILED}); its elementwise chains run in torch",
-        RuntimeWarning,
-        stacklevel=3,
+    TRITON_FAILED = kernels.failure(
+        error, "the drafter's Triton kernels failed ({}); its elementwise chains run in torch"
     )
 
 

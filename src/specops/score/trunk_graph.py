@@ -13,7 +13,6 @@ graph's own memory, overwritten by the next replay: the walk reads them before i
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Callable
 
 import torch
@@ -33,11 +32,8 @@ Trunk = Callable[[torch.Tensor, torch.Tensor], Outputs]
 
 def _graph_failed(error: Exception) -> None:
     global GRAPH_FAILED
-    GRAPH_FAILED = kernels.failure(error)
-    warnings.warn(
-        f"the drafter's trunk could not be captured as a CUDA graph ({GRAPH_FAILED}); it runs eager",
-        RuntimeWarning,
-        stacklevel=3,
+    GRAPH_FAILED = kernels.failure(
+        error, "the drafter's trunk could not be captured as a CUDA graph ({}); it runs eager"
     )
 
 

@@ -16,6 +16,7 @@ torch without triton (CI, the CPU) imports the engine and runs its torch paths.
 from __future__ import annotations
 
 import functools
+import warnings
 
 import torch
 
@@ -44,7 +45,11 @@ def applies(*tensors: torch.Tensor) -> bool:
     return triton_available()
 
 
-def failure(error: Exception) -> str:
-    """What a kernel's failure to build or run says, in one line: its type and its message's first line."""
+def failure(error: Exception, consequence: str) -> str:
+    """A fast path's failure to build or run, in one line (its type and its message's first line), warned
+    once with what runs instead (consequence, "{}" standing for the line); returns the line, which the
+    caller keeps so that the fast path is not tried again."""
     text = str(error)
-    return f"{type(error).__name__}: {text.splitlines()[0] if text else ''}"
+    line = f"{type(error).__name__}: {text.splitlines()[0] if text else ''}"
+    warnings.warn(consequence.format(line), RuntimeWarning, stacklevel=4)
+    return line
