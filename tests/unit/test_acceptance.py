@@ -159,16 +159,20 @@ def plant_runs(drafter, head, sequence, runs):
     return SequenceInput(sequence.id, ids, sequence.features, sequence.prompt_len)
 
 
+@pytest.mark.parametrize("scheduled", [False, True])
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("per_pass", [1, 3, 7])
 def test_the_last_layer_and_head_where_needed_give_the_oracles_lengths_for_runs_of_every_length(
-    fixture_models, head, greedy_sequences, monkeypatch, mode, per_pass
+    fixture_models, head, greedy_sequences, monkeypatch, mode, per_pass, scheduled
 ):
     # Runs end in every head pass, and some blocks match all the way: every pass of the drafter's
-    # last layer and of the head is reached, on fewer blocks each time.
+    # last layer and of the head is reached, on fewer blocks each time. Scheduled: each step's passes
+    # sized from the step before (pass_schedule), the blocks chosen on the device.
     import specops.score.leading_matches as matching
+    from specops.score import pass_schedule
 
     monkeypatch.setattr(matching, "DEFAULT_POSITIONS_PER_PASS", per_pass)
+    monkeypatch.setattr(pass_schedule, "SCHEDULED_DEVICES", ("cpu",) if scheduled else ())
     drafter = load_drafter(fixture_models.drafter)
     runs = list(range(drafter.block_size))
     completions = enumerate(greedy_sequences[:3])

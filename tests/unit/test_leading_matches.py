@@ -50,14 +50,15 @@ def test_draft_states_given_as_a_function_are_asked_for_the_matching_blocks_only
     targets = torch.where(torch.arange(7) < runs[:, None], drafts, (drafts + 1) % 64)
     asked = []
 
-    def states(rows, first, last):
-        asked.append((rows.tolist(), first, last))
-        return hidden[rows, first:last]
+    def states(rows, positions):
+        asked.append((rows.tolist(), positions.tolist()))
+        return hidden[rows[:, None], positions]
 
     assert torch.equal(leading_matches(head, states, targets, positions_per_pass=3), runs.clamp_max(7))
-    assert [(first, last) for _, first, last in asked] == [(0, 3), (3, 6), (6, 7)][: len(asked)]
-    for rows, first, _ in asked:
-        assert rows == [b for b in range(30) if runs[b] >= first]
+    spans = [[0, 1, 2], [3, 4, 5], [6]][: len(asked)]
+    for (rows, positions), span in zip(asked, spans, strict=True):
+        assert rows == [b for b in range(30) if runs[b] >= span[0]]
+        assert positions == [span] * len(rows)
 
 
 def test_a_pass_over_few_blocks_widens_to_the_rows_that_cost_no_more(monkeypatch):
@@ -77,3 +78,74 @@ def test_a_pass_over_few_blocks_widens_to_the_rows_that_cost_no_more(monkeypatch
 
 def test_passes_on_the_cpu_keep_their_width():
     assert matching.MIN_ROWS_PER_PASS.get("cpu", 0) == 0
+
+
+def _planted(blocks: int, positions: int, seed: int):
+    generator = torch.Generator().manual_seed(seed)
+    head = TargetHead(torch.randn(64, 16, generator=generator), torch.randn(64, 16, generator=generator))
+    hidden = torch.randn(blocks, positions, 16, generator=generator)
+    drafts = head.argmax(hidden)
+    runs = torch.randint(0, positions + 1, (blocks,), generator=generator)
+    targets = torch.where(torch.arange(positions) < runs[:, None], drafts, (drafts + 1) % 64)
+    return head, hidden, targets, runs
+
+
+def _at_least(runs: torch.Tensor, positions: int) -> list[int]:
+    return [int((runs >= p).sum()) for p in range(positions + 1)]
+
+
+@pytest.mark.parametrize("min_rows", [0, 40])
+@pytest.mark.parametrize("per_pass", [1, 3, 4])
+@pytest.mark.parametrize("room", ["exact", "none", "all", "random"])
+def test_scheduled_passes_give_the_waited_passes_counts_whatever_room_they_make(
+    room, per_pass, min_rows, monkeypatch
+):
+    monkeypatch.setattr(matching, "MIN_ROWS_PER_PASS", {"cpu": min_rows})
+    head, hidden, targets, runs = _planted(40, 15, seed=per_pass + min_rows)
+    expected = {
+        "exact": _at_least(runs, 15),
+        "none": [1] * 16,
+        "all": [40] * 16,
+        "random": torch.randint(1, 41, (16,), generator=torch.Generator().manual_seed(3)).tolist(),
+    }[room]
+    waited = leading_matches(head, hidden, targets, positions_per_pass=per_pass)
+    scheduled = leading_matches(head, hidden, targets, positions_per_pass=per_pass, expected=expected)
+    assert torch.equal(waited, runs)
+    assert torch.equal(scheduled, runs)
+
+
+def test_a_schedule_with_room_for_every_matching_block_leaves_nothing_to_wait_for(monkeypatch):
+    monkeypatch.setattr(matching, "MIN_ROWS_PER_PASS", {})
+    head, hidden, targets, runs = _planted(40, 15, seed=5)
+    asked = []
+
+    def states(rows, positions):
+        asked.append(positions[:, 0].tolist())
+        return hidden[rows[:, None], positions]
+
+    expected = _at_least(runs, 15)
+    assert torch.equal(leading_matches(head, states, targets, expected=expected), runs)
+    # Five scheduled passes of 3 positions, each block at the pass's own position: none left behind.
+    assert [len(p) for p in asked] == [expected[first] for first in (0, 3, 6, 9, 12)]
+    for first, starts in zip((0, 3, 6, 9, 12), asked, strict=True):
+        matching_then = [b for b in range(40) if runs[b] >= first]
+        assert set(starts[: len(matching_then)]) == {first}
+
+
+def test_blocks_a_schedule_had_no_room_for_are_taken_later_at_their_own_position(monkeypatch):
+    monkeypatch.setattr(matching, "MIN_ROWS_PER_PASS", {})
+    head, hidden, targets, _ = _planted(6, 6, seed=0)
+    targets = head.argmax(hidden)  # every block matches all 6 positions
+    asked = []
+
+    def states(rows, positions):
+        asked.append((rows.tolist(), positions.tolist()))
+        return hidden[rows[:, None], positions]
+
+    runs = leading_matches(head, states, targets, positions_per_pass=3, expected=[6, 6, 6, 2, 2, 2, 2])
+    assert runs.tolist() == [6] * 6
+    assert asked[0] == (list(range(6)), [[0, 1, 2]] * 6)
+    # Room for 2 at the second pass: blocks 0 and 1 finish; 2-5 wait for one pass from position 3.
+    assert asked[1] == ([0, 1], [[3, 4, 5]] * 2)
+    assert asked[2] == ([2, 3, 4, 5], [[3, 4, 5]] * 4)
+    assert len(asked) == 3

@@ -48,9 +48,10 @@ from typing import Any
 
 import torch
 
-from specops.score import block_attention
+from specops.score import block_attention, pass_schedule
 from specops.score.drafter import DFlashDrafter
 from specops.score.leading_matches import leading_matches
+from specops.score.pass_schedule import PassSchedule
 from specops.score.split_walks import SplitWalks
 from specops.score.step_timer import NoTimer, StepTimer
 from specops.score.streamed_context import StreamedContext
@@ -322,6 +323,8 @@ class SequenceGroup:
             self.context_len = longest
         self.offsets = torch.arange(1, bs, device=device)
         self.trunk = TrunkGraph(self._trunk)
+        scheduled = device.type in pass_schedule.SCHEDULED_DEVICES
+        self.schedule = PassSchedule(bs - 1, device) if scheduled else None
 
     def _trunk(self, anchors: torch.Tensor, starts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """`DFlashDrafter.trunk` for the blocks at starts [B, m] of anchor tokens anchors [B, m]."""
@@ -351,9 +354,10 @@ class SequenceGroup:
         residual = residual.flatten(0, 1)[:, 1:]
         mixed = mixed.flatten(0, 1)[:, 1:]
 
-        def draft_states(rows: torch.Tensor, first: int, last: int) -> torch.Tensor:
+        def draft_states(rows: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
             with timer.span("last layer"):
-                return drafter.finish(residual[rows, first:last], mixed[rows, first:last])
+                rows = rows[:, None]
+                return drafter.finish(residual[rows, positions], mixed[rows, positions])
 
         targets = self.ids.gather(1, (starts[..., None] + self.offsets).view(B, -1))
         runs = leading_matches(
@@ -363,7 +367,10 @@ class SequenceGroup:
             drafter.output_multiplier,
             drafter.logit_softcap,
             timer=timer,
+            expected=None if self.schedule is None else self.schedule.expected(B * m),
         )
+        if self.schedule is not None:
+            self.schedule.record(runs)
         return runs.view(B, m)
 
 

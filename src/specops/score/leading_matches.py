@@ -10,11 +10,22 @@ gets the same argmax as before (`TargetHead.argmax` row by row), so the counts d
 The drafter's own last steps (its last layer's o_proj and MLP, the final norm) also act on each
 position alone, so the draft states can be handed over as a function that computes them for just the
 blocks and positions a pass needs (`DFlashDrafter.trunk` / `finish`).
+
+Two ways to choose a pass's blocks, same counts:
+- waited (the default off SCHEDULED_DEVICES): after each pass the host reads which blocks still match
+  and gives the next pass exactly those. One host synchronization per pass: on a GPU the device then
+  idles while the host launches the next pass's first kernels.
+- scheduled (`expected`, on SCHEDULED_DEVICES): the host fixes each pass's size in advance from how many
+  blocks matched that far in the previous step (`pass_schedule.PassSchedule`); the device picks the
+  still-matching blocks itself, each at its own next position, so nothing is waited for until the
+  schedule ends. Blocks the schedule had no room for are left matching and taken by a later pass; those
+  left at the end go through waited passes. A pass larger than needed computes rows that count for
+  nothing.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -30,13 +41,58 @@ DEFAULT_POSITIONS_PER_PASS = 3
 # slower than its reads down to a few rows: its passes keep their width.
 MIN_ROWS_PER_PASS: dict[str, int] = {"cuda": 256}
 
-# hidden_at(blocks, first, last) -> the draft states [len(blocks), last - first, hidden] of those blocks
-# at draft positions first..last-1.
-DraftStates = Callable[[torch.Tensor, int, int], torch.Tensor]
+# hidden_at(blocks [n], positions [n, w]) -> the draft states [n, w, hidden] of those blocks at those
+# draft positions (each block's row of positions).
+DraftStates = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 def _states_of(hidden: torch.Tensor) -> DraftStates:
-    return lambda rows, first, last: hidden[rows, first:last]
+    return lambda rows, positions: hidden[rows[:, None], positions]
+
+
+class _Passes:
+    """The state the passes share: per block its leading matches so far, its next position, and whether it
+    is still matching (every position so far matched and positions are left)."""
+
+    def __init__(
+        self,
+        head: TargetHead,
+        hidden_at: DraftStates,
+        targets: torch.Tensor,
+        multiplier: float,
+        softcap: float | None,
+        timer: StepTimer | NoTimer,
+    ):
+        self.head, self.hidden_at, self.targets = head, hidden_at, targets
+        self.multiplier, self.softcap, self.timer = multiplier, softcap, timer
+        blocks, self.positions = targets.shape
+        device = targets.device
+        self.runs = torch.zeros(blocks, dtype=torch.long, device=device)
+        self.next = torch.zeros(blocks, dtype=torch.long, device=device)
+        self.matching = torch.ones(blocks, dtype=torch.bool, device=device)
+
+    def run(self, blocks: torch.Tensor, width: int, chosen: torch.Tensor | None = None) -> torch.Tensor:
+        """One pass over blocks [n] at `width` positions from each one's next; chosen [n]: which of them
+        are still matching (None: all). Returns the matching mask after the pass."""
+        positions = self.next[blocks, None] + torch.arange(width, device=blocks.device)
+        inside = positions < self.positions
+        positions = positions.clamp_max(self.positions - 1)
+        states = self.hidden_at(blocks, positions)
+        with self.timer.span("head"):
+            drafts = self.head.argmax(states, self.multiplier, self.softcap)
+        hit = (drafts == self.targets[blocks[:, None], positions]) & inside
+        if chosen is not None:
+            hit &= chosen[:, None]
+        matched = hit.long().cumprod(dim=-1)
+        self.runs.index_add_(0, blocks, matched.sum(dim=-1))
+        self.next[blocks] += width
+        still = matched[:, -1].bool() & (self.next[blocks] < self.positions)
+        self.matching[blocks] = still
+        return still
+
+
+def _width(per_pass: int, min_rows: int, blocks: int) -> int:
+    return max(per_pass, min_rows // max(1, blocks))
 
 
 def leading_matches(
@@ -47,36 +103,46 @@ def leading_matches(
     softcap: float | None = None,
     positions_per_pass: int | None = None,
     timer: StepTimer | NoTimer | None = None,
+    expected: Sequence[int] | None = None,
 ) -> torch.Tensor:
     """Leading matches [N] of the drafts of hidden [N, J, H] against targets [N, J] (0..J).
 
     hidden: the draft states, or a function that computes those of some blocks at some positions
-    (`DraftStates`), called once per pass with the blocks still matching. A block leaves the passes
-    at its first mismatch; the passes stop when no block is left (one host sync per pass, a few per
-    step). positions_per_pass: default DEFAULT_POSITIONS_PER_PASS, read at call time, widened for few
-    blocks (MIN_ROWS_PER_PASS); J computes the head over every position at once. timer: the head's
-    time goes under "head".
+    (`DraftStates`). A block leaves the passes at its first mismatch. positions_per_pass: default
+    DEFAULT_POSITIONS_PER_PASS, read at call time, widened for few blocks (MIN_ROWS_PER_PASS); J computes
+    the head over every position at once. timer: the head's time goes under "head". expected: the
+    blocks expected to match up to each position 0..J (`PassSchedule.expected`), which schedules the
+    passes (see the module docstring); None waits after each pass.
     """
     blocks, positions = targets.shape
     per_pass = positions_per_pass or DEFAULT_POSITIONS_PER_PASS
-    timer = timer or NoTimer()
     hidden_at = hidden if callable(hidden) else _states_of(hidden)
-    runs = torch.zeros(blocks, dtype=torch.long, device=targets.device)
-    alive = torch.arange(blocks, device=targets.device)
+    passes = _Passes(head, hidden_at, targets, multiplier, softcap, timer or NoTimer())
     min_rows = MIN_ROWS_PER_PASS.get(targets.device.type, 0)
+    every = torch.arange(blocks, device=targets.device)
+    if expected is None:
+        alive, first = every, 0
+        while alive.numel():
+            width = min(_width(per_pass, min_rows, alive.numel()), positions - first)
+            still = passes.run(alive, width)
+            first += width
+            alive = alive[still]
+        return passes.runs
     first = 0
     while first < positions:
-        width = max(per_pass, min_rows // max(1, alive.numel()))
-        last = min(first + width, positions)
-        states = hidden_at(alive, first, last)
-        with timer.span("head"):
-            drafts = head.argmax(states, multiplier, softcap)
-        matched = (drafts == targets[alive, first:last]).long().cumprod(dim=-1)
-        runs.index_add_(0, alive, matched.sum(dim=-1))
-        if last == positions:
-            break
-        alive = alive[matched[:, -1].bool()]
-        if alive.numel() == 0:
-            break
-        first = last
-    return runs
+        n = max(1, min(blocks, expected[first]))
+        width = min(_width(per_pass, min_rows, n), positions - first)
+        if n == blocks:
+            passes.run(every, width, passes.matching)
+        else:
+            # The still-matching blocks first, in order (a stable sort: no host synchronization).
+            chosen = torch.argsort((~passes.matching).to(torch.int8), stable=True)[:n]
+            passes.run(chosen, width, passes.matching[chosen])
+        first += width
+    # Blocks the schedule had no room for: waited passes, each from the earliest next position left.
+    alive = passes.matching.nonzero().squeeze(1)
+    while alive.numel():
+        first = int(passes.next[alive].min())
+        width = min(_width(per_pass, min_rows, alive.numel()), positions - first)
+        alive = alive[passes.run(alive, width)]
+    return passes.runs

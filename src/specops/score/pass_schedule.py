@@ -1,0 +1,64 @@
+"""How many blocks a step's head passes should expect still matching at each draft position.
+
+A group walks the same completions step after step, so how far its blocks' drafts match changes little
+from one step to the next. The leading matches of the last step give, for each position p, the share of
+blocks that matched every position before p; the next step's pass at p is sized for that share of its
+blocks and a margin of MARGIN_SPREADS binomial spreads (`leading_matches`, scheduled). The counts come
+back from the device with the step's own synchronization, never waited for on their own.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+# Devices whose head passes are scheduled: there a host synchronization leaves the device idle while the
+# next pass is launched. On the CPU a pass waited for costs nothing, and a scheduled one's spare rows do.
+SCHEDULED_DEVICES: tuple[str, ...] = ("cuda",)
+# Spreads above the expected count a pass makes room for: a block left out waits for a later pass or,
+# at the schedule's end, for a waited one (a synchronization).
+MARGIN_SPREADS = 2.0
+
+
+class PassSchedule:
+    """`record` a step's leading matches [N] (0..positions); `expected(blocks)` for the next step."""
+
+    def __init__(self, positions: int, device: torch.device):
+        self.positions = positions
+        self.pinned = device.type == "cuda"
+        self._counts: torch.Tensor | None = None
+        self._copied: torch.cuda.Event | None = None
+
+    def record(self, runs: torch.Tensor) -> None:
+        flat = runs.flatten()
+        counts = torch.zeros(self.positions + 1, dtype=torch.long, device=flat.device)
+        # index_add_, not bincount: bincount on CUDA reads the largest value back first (a synchronization).
+        counts.index_add_(0, flat, torch.ones_like(flat))
+        if not self.pinned:
+            self._counts = counts
+            return
+        if self._counts is None:
+            self._counts = torch.empty(counts.shape, dtype=counts.dtype, pin_memory=True)
+            self._copied = torch.cuda.Event()
+        self._counts.copy_(counts, non_blocking=True)
+        assert self._copied is not None
+        self._copied.record()
+
+    def expected(self, blocks: int) -> list[int] | None:
+        """Per position 0..positions, the blocks to make room for; None before the first record."""
+        if self._counts is None:
+            return None
+        if self._copied is not None:
+            self._copied.synchronize()
+        counts = self._counts.tolist()
+        total = sum(counts)
+        if total == 0:
+            return None
+        room, at_least = [], total
+        for p in range(self.positions + 1):
+            share = at_least / total
+            spread = math.sqrt(blocks * share * (1 - share))
+            room.append(min(blocks, math.ceil(blocks * share + MARGIN_SPREADS * spread) + 1))
+            at_least -= counts[p]
+        return room
