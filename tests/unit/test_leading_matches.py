@@ -96,20 +96,25 @@ def _at_least(runs: torch.Tensor, positions: int) -> list[int]:
 
 @pytest.mark.parametrize("min_rows", [0, 40])
 @pytest.mark.parametrize("per_pass", [1, 3, 4])
-@pytest.mark.parametrize("room", ["exact", "none", "all", "random"])
+@pytest.mark.parametrize("room", ["exact", "none", "all", "random", "short"])
 def test_scheduled_passes_give_the_waited_passes_counts_whatever_room_they_make(
     room, per_pass, min_rows, monkeypatch
 ):
     monkeypatch.setattr(matching, "MIN_ROWS_PER_PASS", {"cpu": min_rows})
     head, hidden, targets, runs = _planted(40, 15, seed=per_pass + min_rows)
-    expected = {
-        "exact": _at_least(runs, 15),
-        "none": [1] * 16,
-        "all": [40] * 16,
-        "random": torch.randint(1, 41, (16,), generator=torch.Generator().manual_seed(3)).tolist(),
+    at_least = _at_least(runs, 15)
+    widths = [per_pass] * (15 // per_pass) + ([15 % per_pass] if 15 % per_pass else [])
+    starts = [sum(widths[:i]) for i in range(len(widths))]
+    generator = torch.Generator().manual_seed(3)
+    plan = {
+        "exact": [(at_least[first], width) for first, width in zip(starts, widths, strict=True)],
+        "none": [(1, width) for width in widths],
+        "all": [(40, width) for width in widths],
+        "random": [(int(torch.randint(1, 41, (), generator=generator)), width) for width in widths],
+        "short": [(40, 2)],
     }[room]
     waited = leading_matches(head, hidden, targets, positions_per_pass=per_pass)
-    scheduled = leading_matches(head, hidden, targets, positions_per_pass=per_pass, expected=expected)
+    scheduled = leading_matches(head, hidden, targets, positions_per_pass=per_pass, plan=plan)
     assert torch.equal(waited, runs)
     assert torch.equal(scheduled, runs)
 
@@ -123,13 +128,14 @@ def test_a_schedule_with_room_for_every_matching_block_leaves_nothing_to_wait_fo
         asked.append(positions[:, 0].tolist())
         return hidden[rows[:, None], positions]
 
-    expected = _at_least(runs, 15)
-    assert torch.equal(leading_matches(head, states, targets, expected=expected), runs)
-    # Five scheduled passes of 3 positions, each block at the pass's own position: none left behind.
-    assert [len(p) for p in asked] == [expected[first] for first in (0, 3, 6, 9, 12)]
+    at_least = _at_least(runs, 15)
+    plan = [(at_least[first], 3) for first in (0, 3, 6, 9, 12)]
+    assert torch.equal(leading_matches(head, states, targets, plan=plan), runs)
+    # Five scheduled passes of 3 positions, each matching block at the pass's own position: none was
+    # left behind, so no waited pass followed.
+    assert [len(p) for p in asked] == [n for n, _ in plan]
     for first, starts in zip((0, 3, 6, 9, 12), asked, strict=True):
-        matching_then = [b for b in range(40) if runs[b] >= first]
-        assert set(starts[: len(matching_then)]) == {first}
+        assert starts[: at_least[first]] == [first] * at_least[first]
 
 
 def test_blocks_a_schedule_had_no_room_for_are_taken_later_at_their_own_position(monkeypatch):
@@ -142,10 +148,10 @@ def test_blocks_a_schedule_had_no_room_for_are_taken_later_at_their_own_position
         asked.append((rows.tolist(), positions.tolist()))
         return hidden[rows[:, None], positions]
 
-    runs = leading_matches(head, states, targets, positions_per_pass=3, expected=[6, 6, 6, 2, 2, 2, 2])
+    runs = leading_matches(head, states, targets, positions_per_pass=3, plan=[(6, 3), (2, 3)])
     assert runs.tolist() == [6] * 6
     assert asked[0] == (list(range(6)), [[0, 1, 2]] * 6)
-    # Room for 2 at the second pass: blocks 0 and 1 finish; 2-5 wait for one pass from position 3.
+    # Room for 2 at the second pass: blocks 0 and 1 finish; 2-5 go through one waited pass from position 3.
     assert asked[1] == ([0, 1], [[3, 4, 5]] * 2)
     assert asked[2] == ([2, 3, 4, 5], [[3, 4, 5]] * 4)
     assert len(asked) == 3

@@ -1,26 +1,28 @@
-"""A step's pass sizes from the leading matches of the step before."""
+"""A step's head passes planned from the leading matches of the step before."""
 
 from __future__ import annotations
 
 import torch
 
-from specops.score.pass_schedule import PassSchedule
+from specops.score.pass_schedule import PassSchedule, pass_width
 
 
-def test_nothing_is_expected_before_a_step_is_recorded():
-    assert PassSchedule(15, torch.device("cpu")).expected(256) is None
+def test_nothing_is_planned_before_a_step_is_recorded():
+    assert PassSchedule(15, torch.device("cpu")).plan(256, 3, 0) is None
 
 
-def test_room_follows_the_share_of_blocks_that_matched_that_far_with_a_margin():
+def test_passes_are_as_wide_as_waited_ones_for_the_expected_count_with_room_for_a_margin():
     schedule = PassSchedule(4, torch.device("cpu"))
     schedule.record(torch.tensor([0, 2, 2, 4]))
-    # Blocks matching up to position p: 4, 3, 3, 1, 1 of 4. For 8 blocks the same shares, with room for
-    # two binomial spreads and one more: at p = 3, 2 + 2 * sqrt(8 * 0.25 * 0.75) + 1 -> 6.
-    assert schedule.expected(8) == [8, 8, 8, 6, 6]
-    assert schedule.expected(64) == [64, 56, 56, 24, 24]
-    # A position no block reached still gets room for one.
+    # Matching up to position p: 4, 3, 3, 1, 1 of 4 blocks. For 64 blocks: 64 at 0, then 48 expected at 2
+    # with room for two binomial spreads and one more, 2 * sqrt(48 * 0.25) -> 56.
+    assert schedule.plan(64, 2, 0) == [(64, 2), (56, 2)]
+    # Widened where few blocks are expected (rows up to 40), the room filling those rows.
+    assert schedule.plan(8, 2, 40) == [(8, 4)]
+    assert pass_width(2, 40, 8) == 5
     schedule.record(torch.tensor([1, 1]))
-    assert schedule.expected(2) == [2, 2, 1, 1, 1]
+    # No block reached position 2: room for one there.
+    assert schedule.plan(2, 2, 0) == [(2, 2), (1, 2)]
 
 
 def test_room_never_falls_below_what_the_recorded_step_itself_needed():
@@ -28,6 +30,9 @@ def test_room_never_falls_below_what_the_recorded_step_itself_needed():
     runs = torch.randint(0, 16, (256,), generator=generator)
     schedule = PassSchedule(15, torch.device("cpu"))
     schedule.record(runs)
-    room = schedule.expected(256)
-    assert all(room[p] >= int((runs >= p).sum()) for p in range(16))
-    assert room[0] == 256
+    plan = schedule.plan(256, 3, 0)
+    assert plan is not None and sum(width for _, width in plan) == 15
+    first = 0
+    for room, width in plan:
+        assert room >= int((runs >= first).sum())
+        first += width

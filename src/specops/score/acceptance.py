@@ -50,7 +50,7 @@ import torch
 
 from specops.score import block_attention, pass_schedule
 from specops.score.drafter import DFlashDrafter
-from specops.score.leading_matches import leading_matches
+from specops.score.leading_matches import leading_matches, pass_rule
 from specops.score.pass_schedule import PassSchedule
 from specops.score.split_walks import SplitWalks
 from specops.score.step_timer import NoTimer, StepTimer
@@ -367,7 +367,7 @@ class SequenceGroup:
             drafter.output_multiplier,
             drafter.logit_softcap,
             timer=timer,
-            expected=None if self.schedule is None else self.schedule.expected(B * m),
+            plan=None if self.schedule is None else self.schedule.plan(B * m, *pass_rule(head.device)),
         )
         if self.schedule is not None:
             self.schedule.record(runs)

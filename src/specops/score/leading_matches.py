@@ -29,6 +29,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from specops.score.pass_schedule import pass_width
 from specops.score.step_timer import NoTimer, StepTimer
 from specops.score.target_head import TargetHead
 
@@ -91,8 +92,9 @@ class _Passes:
         return still
 
 
-def _width(per_pass: int, min_rows: int, blocks: int) -> int:
-    return max(per_pass, min_rows // max(1, blocks))
+def pass_rule(device: torch.device) -> tuple[int, int]:
+    """(positions per pass, rows a pass widens to) on this device, read at call time."""
+    return DEFAULT_POSITIONS_PER_PASS, MIN_ROWS_PER_PASS.get(device.type, 0)
 
 
 def leading_matches(
@@ -103,46 +105,42 @@ def leading_matches(
     softcap: float | None = None,
     positions_per_pass: int | None = None,
     timer: StepTimer | NoTimer | None = None,
-    expected: Sequence[int] | None = None,
+    plan: Sequence[tuple[int, int]] | None = None,
 ) -> torch.Tensor:
     """Leading matches [N] of the drafts of hidden [N, J, H] against targets [N, J] (0..J).
 
     hidden: the draft states, or a function that computes those of some blocks at some positions
     (`DraftStates`). A block leaves the passes at its first mismatch. positions_per_pass: default
     DEFAULT_POSITIONS_PER_PASS, read at call time, widened for few blocks (MIN_ROWS_PER_PASS); J computes
-    the head over every position at once. timer: the head's time goes under "head". expected: the
-    blocks expected to match up to each position 0..J (`PassSchedule.expected`), which schedules the
-    passes (see the module docstring); None waits after each pass.
+    the head over every position at once. timer: the head's time goes under "head". plan: the scheduled
+    passes as (blocks to take, positions) (`PassSchedule.plan`; see the module docstring); None waits
+    after each pass.
     """
     blocks, positions = targets.shape
-    per_pass = positions_per_pass or DEFAULT_POSITIONS_PER_PASS
+    per_pass, min_rows = pass_rule(targets.device)
+    per_pass = positions_per_pass or per_pass
     hidden_at = hidden if callable(hidden) else _states_of(hidden)
     passes = _Passes(head, hidden_at, targets, multiplier, softcap, timer or NoTimer())
-    min_rows = MIN_ROWS_PER_PASS.get(targets.device.type, 0)
     every = torch.arange(blocks, device=targets.device)
-    if expected is None:
+    if plan is None:
         alive, first = every, 0
         while alive.numel():
-            width = min(_width(per_pass, min_rows, alive.numel()), positions - first)
+            width = min(pass_width(per_pass, min_rows, alive.numel()), positions - first)
             still = passes.run(alive, width)
             first += width
             alive = alive[still]
         return passes.runs
-    first = 0
-    while first < positions:
-        n = max(1, min(blocks, expected[first]))
-        width = min(_width(per_pass, min_rows, n), positions - first)
-        if n == blocks:
+    for n, width in plan:
+        if n >= blocks:
             passes.run(every, width, passes.matching)
         else:
             # The still-matching blocks first, in order (a stable sort: no host synchronization).
             chosen = torch.argsort((~passes.matching).to(torch.int8), stable=True)[:n]
             passes.run(chosen, width, passes.matching[chosen])
-        first += width
     # Blocks the schedule had no room for: waited passes, each from the earliest next position left.
     alive = passes.matching.nonzero().squeeze(1)
     while alive.numel():
         first = int(passes.next[alive].min())
-        width = min(_width(per_pass, min_rows, alive.numel()), positions - first)
+        width = min(pass_width(per_pass, min_rows, alive.numel()), positions - first)
         alive = alive[passes.run(alive, width)]
     return passes.runs

@@ -45,8 +45,11 @@ class PassSchedule:
         assert self._copied is not None
         self._copied.record()
 
-    def expected(self, blocks: int) -> list[int] | None:
-        """Per position 0..positions, the blocks to make room for; None before the first record."""
+    def plan(self, blocks: int, per_pass: int, min_rows: int) -> list[tuple[int, int]] | None:
+        """The next step's passes over `blocks` blocks as (blocks to take, positions): each pass as wide as a
+        waited pass would be for the expected count (`leading_matches.pass_width`), with room for
+        MARGIN_SPREADS binomial spreads more, or for as many as fill min_rows rows, where a pass of fewer
+        rows costs the same. None before the first record."""
         if self._counts is None:
             return None
         if self._copied is not None:
@@ -55,10 +58,17 @@ class PassSchedule:
         total = sum(counts)
         if total == 0:
             return None
-        room, at_least = [], total
-        for p in range(self.positions + 1):
-            share = at_least / total
-            spread = math.sqrt(blocks * share * (1 - share))
-            room.append(min(blocks, math.ceil(blocks * share + MARGIN_SPREADS * spread) + 1))
-            at_least -= counts[p]
-        return room
+        passes, first = [], 0
+        while first < self.positions:
+            share = sum(counts[first:]) / total
+            mean = blocks * share
+            width = min(pass_width(per_pass, min_rows, round(mean)), self.positions - first)
+            room = math.ceil(mean + MARGIN_SPREADS * math.sqrt(mean * (1 - share))) + 1
+            passes.append((min(blocks, max(room, min_rows // width)), width))
+            first += width
+        return passes
+
+
+def pass_width(per_pass: int, min_rows: int, blocks: int) -> int:
+    """Positions per head pass over `blocks` blocks: per_pass, widened to about min_rows rows for few."""
+    return max(per_pass, min_rows // max(1, blocks))
