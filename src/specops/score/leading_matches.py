@@ -92,9 +92,9 @@ class _Passes:
         return still
 
 
-def pass_rule(device: torch.device) -> tuple[int, int]:
+def pass_rule(device: torch.device, positions_per_pass: int | None = None) -> tuple[int, int]:
     """(positions per pass, rows a pass widens to) on this device, read at call time."""
-    return DEFAULT_POSITIONS_PER_PASS, MIN_ROWS_PER_PASS.get(device.type, 0)
+    return positions_per_pass or DEFAULT_POSITIONS_PER_PASS, MIN_ROWS_PER_PASS.get(device.type, 0)
 
 
 def leading_matches(
@@ -116,20 +116,61 @@ def leading_matches(
     passes as (blocks to take, positions) (`PassSchedule.plan`; see the module docstring); None waits
     after each pass.
     """
+    if plan is not None:
+        return planned_matches(
+            head, hidden, targets, plan, multiplier, softcap, positions_per_pass, timer
+        ).settle()
     blocks, positions = targets.shape
-    per_pass, min_rows = pass_rule(targets.device)
-    per_pass = positions_per_pass or per_pass
+    per_pass, min_rows = pass_rule(targets.device, positions_per_pass)
+    hidden_at = hidden if callable(hidden) else _states_of(hidden)
+    passes = _Passes(head, hidden_at, targets, multiplier, softcap, timer or NoTimer())
+    alive, first = torch.arange(blocks, device=targets.device), 0
+    while alive.numel():
+        width = min(pass_width(per_pass, min_rows, alive.numel()), positions - first)
+        still = passes.run(alive, width)
+        first += width
+        alive = alive[still]
+    return passes.runs
+
+
+class ScheduledMatches:
+    """The counts after a plan's passes, before the blocks it had no room for are settled. `left`: a
+    device flag, read with the caller's own synchronization; `settle()` runs waited passes for those
+    blocks (reading which they are is a synchronization) and returns the counts; `settle(False)` returns
+    them as they are, where the caller read that none is left."""
+
+    def __init__(self, passes: _Passes, per_pass: int, min_rows: int):
+        self.passes, self.per_pass, self.min_rows = passes, per_pass, min_rows
+        self.runs = passes.runs
+        self.left = passes.matching.any()
+
+    def settle(self, left: bool = True) -> torch.Tensor:
+        passes = self.passes
+        alive = passes.matching.nonzero().squeeze(1) if left else passes.matching[:0]
+        while alive.numel():
+            first = int(passes.next[alive].min())
+            width = min(pass_width(self.per_pass, self.min_rows, alive.numel()), passes.positions - first)
+            alive = alive[passes.run(alive, width)]
+        return passes.runs
+
+
+def planned_matches(
+    head: TargetHead,
+    hidden: torch.Tensor | DraftStates,
+    targets: torch.Tensor,
+    plan: Sequence[tuple[int, int]],
+    multiplier: float = 1.0,
+    softcap: float | None = None,
+    positions_per_pass: int | None = None,
+    timer: StepTimer | NoTimer | None = None,
+) -> ScheduledMatches:
+    """`leading_matches` with a plan, its passes queued without a host synchronization and the blocks it
+    had no room for not yet settled."""
+    blocks = targets.shape[0]
+    per_pass, min_rows = pass_rule(targets.device, positions_per_pass)
     hidden_at = hidden if callable(hidden) else _states_of(hidden)
     passes = _Passes(head, hidden_at, targets, multiplier, softcap, timer or NoTimer())
     every = torch.arange(blocks, device=targets.device)
-    if plan is None:
-        alive, first = every, 0
-        while alive.numel():
-            width = min(pass_width(per_pass, min_rows, alive.numel()), positions - first)
-            still = passes.run(alive, width)
-            first += width
-            alive = alive[still]
-        return passes.runs
     for n, width in plan:
         if n >= blocks:
             passes.run(every, width, passes.matching)
@@ -137,10 +178,4 @@ def leading_matches(
             # The still-matching blocks first, in order (a stable sort: no host synchronization).
             chosen = torch.argsort((~passes.matching).to(torch.int8), stable=True)[:n]
             passes.run(chosen, width, passes.matching[chosen])
-    # Blocks the schedule had no room for: waited passes, each from the earliest next position left.
-    alive = passes.matching.nonzero().squeeze(1)
-    while alive.numel():
-        first = int(passes.next[alive].min())
-        width = min(pass_width(per_pass, min_rows, alive.numel()), positions - first)
-        alive = alive[passes.run(alive, width)]
-    return passes.runs
+    return ScheduledMatches(passes, per_pass, min_rows)

@@ -64,7 +64,7 @@ class PassSchedule:
             mean = blocks * share
             width = min(pass_width(per_pass, min_rows, round(mean)), self.positions - first)
             room = math.ceil(mean + MARGIN_SPREADS * math.sqrt(mean * (1 - share))) + 1
-            passes.append((min(blocks, max(room, min_rows // width)), width))
+            passes.append((min(blocks, max(1, room, min_rows // width)), width))
             first += width
         return passes
 
