@@ -282,17 +282,23 @@ def test_the_context_computed_a_few_positions_at_a_time_gives_the_same_lengths(
 
 
 @torch.inference_mode()
-def test_the_context_is_computed_only_as_far_as_asked(fixture_models, greedy_sequences, monkeypatch):
+@pytest.mark.parametrize("ahead", [None, 1, 2])
+def test_the_context_is_computed_only_as_far_as_asked(fixture_models, greedy_sequences, monkeypatch, ahead):
     drafter = load_drafter(fixture_models.drafter)
     monkeypatch.setattr(streamed_context, "CHUNK_POSITIONS", 5)
+    monkeypatch.setattr(streamed_context, "COPIES_AHEAD", ahead)
     # Lengths that end inside a chunk: positions past a sequence's end must read as zeros.
     features = [s.features[:end] for s, end in zip(greedy_sequences[:3], (None, -7, -3), strict=True)]
     assert len({f.shape[0] for f in features}) == 3
     length = max(f.shape[0] for f in features)
     context = streamed_context.StreamedContext(drafter, features, length, torch.device("cpu"))
     assert context.ready == 0 and all(not k.any() and not v.any() for k, v in context.buffers)
+    chunks = -(-length // 5)
+    # Copies queued ahead: all chunks, or `ahead` of them, one more as each is computed.
+    assert len(context.chunks) == (chunks if ahead is None else ahead)
     context.ensure(7)
     assert context.ready == 10
+    assert len(context.chunks) == (chunks - 2 if ahead is None else ahead)
     k = context.buffers[0][0]
     assert k[..., :10, :].any(dim=-1).all() and not k[..., 10:, :].any()
     context.ensure(length + 100)

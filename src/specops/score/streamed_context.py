@@ -3,10 +3,12 @@
 The walk's first step reads the context before the prompt's end only, and each step moves a block
 forward at most: the context after that is needed later. At the real drafter's shape the features of
 256 completions are about 15 GB, half a second over PCIe, while the walk that reads them takes
-seconds. So on a GPU every chunk's copy is queued at once on a side stream, and a chunk's K/V are
-computed (on the walk's stream, after its copy) only when the walk is about to read past the positions
-computed so far: the copies run under the walk's arithmetic instead of before it. On the CPU the
-features are copied at once (there is nothing to overlap) and the chunks computed as on a GPU.
+seconds. So on a GPU the chunks' copies run on a side stream, and a chunk's K/V are computed (on the
+walk's stream, after its copy) only when the walk is about to read past the positions computed so far:
+the copies run under the walk's arithmetic instead of before it. Queueing a chunk's copies takes the
+host one call per completion (about 6 ms for 256), so only COPIES_AHEAD chunks are queued at the start
+and each later one when a chunk is computed, while the device works on that chunk's K/V. On the CPU
+the copies are plain ones (there is nothing to overlap), made as the chunks are queued.
 """
 
 from __future__ import annotations
@@ -23,6 +25,8 @@ from specops.score.drafter import DFlashDrafter
 # Positions per chunk: the walk's first step waits for the chunks that hold the prompts (and one block);
 # smaller chunks start it sooner, larger ones make fewer, larger products.
 CHUNK_POSITIONS = 128
+# Chunks whose copies are queued ahead of the walk on a GPU (None: all of them at the start).
+COPIES_AHEAD: int | None = 2
 
 
 @dataclass
@@ -50,10 +54,20 @@ class StreamedContext:
             )
             for _ in drafter.decoder_layers
         ]
-        side = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self.features = features
+        self.side = torch.cuda.Stream(device) if device.type == "cuda" else None
         self.chunks: list[_Chunk] = []
-        for first in range(0, length, CHUNK_POSITIONS):
-            last = min(first + CHUNK_POSITIONS, length)
+        self.queued = 0
+        self._queue(len(range(0, length, CHUNK_POSITIONS)) if COPIES_AHEAD is None else COPIES_AHEAD)
+
+    def _queue(self, chunks: int) -> None:
+        """Allocate the next `chunks` chunks and queue their copies."""
+        features, device = self.features, self.buffers[0][0].device
+        dtype = self.buffers[0][0].dtype
+        for first in range(
+            self.queued, min(self.length, self.queued + chunks * CHUNK_POSITIONS), CHUNK_POSITIONS
+        ):
+            last = min(first + CHUNK_POSITIONS, self.length)
             # Zeros past a sequence's end (its context there is zero, which every kernel may read); the rest
             # is copied over, so only those rows are filled.
             chunk = torch.empty(
@@ -63,16 +77,17 @@ class StreamedContext:
                 if sequence.shape[0] < last:
                     chunk[b, max(0, sequence.shape[0] - first) :].zero_()
             copied = None
-            if side is not None:
+            if self.side is not None:
                 # The chunk is allocated and zeroed on the walk's stream: its copy starts after that.
-                side.wait_stream(torch.cuda.current_stream(device))
-                with torch.cuda.stream(side):
+                self.side.wait_stream(torch.cuda.current_stream(device))
+                with torch.cuda.stream(self.side):
                     self._copy(chunk, features, first, last)
                     copied = torch.cuda.Event()
-                    copied.record(side)
+                    copied.record(self.side)
             else:
                 self._copy(chunk, features, first, last)
             self.chunks.append(_Chunk(first, chunk, copied))
+            self.queued = last
 
     @staticmethod
     def _copy(chunk: torch.Tensor, features: Sequence[torch.Tensor], first: int, last: int) -> None:
@@ -95,6 +110,8 @@ class StreamedContext:
                 k_buffer[..., chunk.first : last, :] = k
                 v_buffer[..., chunk.first : last, :] = v
             self.ready = last
+            # The next chunk's copies, queued while the device computes this one's K/V.
+            self._queue(1)
 
     def select(self, index: torch.Tensor) -> None:
         """Keep the sequences at index (the whole context computed first: few chunks are left by then)."""
