@@ -12,15 +12,15 @@ position alone, so the draft states can be handed over as a function that comput
 blocks and positions a pass needs (`DFlashDrafter.trunk` / `finish`).
 
 Two ways to choose a pass's blocks, same counts:
-- waited (the default off SCHEDULED_DEVICES): after each pass the host reads which blocks still match
-  and gives the next pass exactly those. One host synchronization per pass: on a GPU the device then
-  idles while the host launches the next pass's first kernels.
-- scheduled (`expected`, on SCHEDULED_DEVICES): the host fixes each pass's size in advance from how many
-  blocks matched that far in the previous step (`pass_schedule.PassSchedule`); the device picks the
-  still-matching blocks itself, each at its own next position, so nothing is waited for until the
-  schedule ends. Blocks the schedule had no room for are left matching and taken by a later pass; those
-  left at the end go through waited passes. A pass larger than needed computes rows that count for
-  nothing.
+- waited (off `pass_schedule.SCHEDULED_DEVICES`): after each pass the host reads which blocks still
+  match and gives the next pass exactly those. One host synchronization per pass: on a GPU the device
+  then idles while the host launches the next pass's first kernels.
+- scheduled (`plan`, on SCHEDULED_DEVICES): the host fixes each pass's size and width in advance from
+  how many blocks matched that far in the step before (`pass_schedule.PassSchedule`); the device picks
+  the still-matching blocks itself, each at its own next position, so nothing is waited for until the
+  plan ends. Blocks the plan had no room for stay matching and are taken by a later pass; those left
+  at the end go through waited passes (`ScheduledMatches.settle`). Room beyond the matching blocks
+  computes rows that count for nothing.
 """
 
 from __future__ import annotations
