@@ -43,8 +43,8 @@ Timed on all completions, each stage written to the record as it ends:
     the needed positions, and the walk's own steps (the rest);
   - the same with each of the engine's switches in SWITCHED otherwise than by default (the block's own
     keys written into the context instead of merged by the Triton kernel, the trunk eager instead of
-    replayed from a CUDA graph, each head pass waited for instead of scheduled from the step before,
-    every chunk's features copy queued at the start instead of two ahead of the walk);
+    replayed from a CUDA graph, every chunk's features copy queued at the start instead of two ahead of
+    the walk);
   - the same with head passes not widened where few blocks are left (leading_matches.MIN_ROWS_PER_PASS),
     and with the first layer's mask rows projected from a strided slice (one 2-row product per block);
   - the same with the head and the last layer over all 15 draft positions of every block, and in
@@ -89,7 +89,6 @@ import specops.score.block_attention as block_attention
 import specops.score.drafter_ops as drafter_ops
 import specops.score.kernels as kernels
 import specops.score.leading_matches as matching
-import specops.score.pass_schedule as pass_schedule
 import specops.score.streamed_context as streamed_context
 import specops.score.target_head as target_head
 import specops.score.trunk_graph as trunk_graph
@@ -138,7 +137,6 @@ REPEATS = 3
 SWITCHED = {
     "block_keys_in_context": (block_attention, "BLOCK_KEYS", "in_context"),
     "trunk_eager": (trunk_graph, "GRAPH_DEVICES", ()),
-    "passes_waited": (pass_schedule, "SCHEDULED_DEVICES", ()),
     "copies_all_at_start": (streamed_context, "COPIES_AHEAD", None),
 }
 # Attention calls the engine makes at each batch size: 5 layers x about 7 forwards (the frontier drops

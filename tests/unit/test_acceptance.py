@@ -159,23 +159,16 @@ def plant_runs(drafter, head, sequence, runs):
     return SequenceInput(sequence.id, ids, sequence.features, sequence.prompt_len)
 
 
-@pytest.mark.parametrize("scheduled", [False, True, "short"])
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("per_pass", [1, 3, 7])
 def test_the_last_layer_and_head_where_needed_give_the_oracles_lengths_for_runs_of_every_length(
-    fixture_models, head, greedy_sequences, monkeypatch, mode, per_pass, scheduled
+    fixture_models, head, greedy_sequences, monkeypatch, mode, per_pass
 ):
     # Runs end in every head pass, and some blocks match all the way: every pass of the drafter's
-    # last layer and of the head is reached, on fewer blocks each time. Scheduled: each step's passes
-    # sized from the step before (pass_schedule), the blocks chosen on the device; "short": with room for
-    # fewer blocks than expected, so that blocks are left to waited passes after the plan.
+    # last layer and of the head is reached, on fewer blocks each time.
     import specops.score.leading_matches as matching
-    from specops.score import pass_schedule
 
     monkeypatch.setattr(matching, "DEFAULT_POSITIONS_PER_PASS", per_pass)
-    monkeypatch.setattr(pass_schedule, "SCHEDULED_DEVICES", ("cpu",) if scheduled else ())
-    if scheduled == "short":
-        monkeypatch.setattr(pass_schedule, "MARGIN_SPREADS", -3.0)
     drafter = load_drafter(fixture_models.drafter)
     runs = list(range(drafter.block_size))
     completions = enumerate(greedy_sequences[:3])
@@ -420,11 +413,11 @@ class _RunsByPosition:
         self.rows, self.lengths = self.rows[index], self.lengths[index]
         self.prompts, self.ids = self.prompts[index], self.ids[index]
 
-    def draft_matches(self, starts, reach=None):
+    def match_runs(self, starts, reach=None):
         self.forwards += 1
         rows, starts = self.rows.tolist(), starts[:, 0].tolist()
         found = [self.runs_at(row, start) for row, start in zip(rows, starts, strict=True)]
-        return acceptance.StepMatches(None, (len(found), 1), torch.tensor(found))
+        return torch.tensor(found)[:, None]
 
 
 def test_split_walks_keep_the_batch_full_when_completions_differ_in_tau(monkeypatch):

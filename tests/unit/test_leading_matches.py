@@ -50,15 +50,14 @@ def test_draft_states_given_as_a_function_are_asked_for_the_matching_blocks_only
     targets = torch.where(torch.arange(7) < runs[:, None], drafts, (drafts + 1) % 64)
     asked = []
 
-    def states(rows, positions):
-        asked.append((rows.tolist(), positions.tolist()))
-        return hidden[rows[:, None], positions]
+    def states(rows, first, last):
+        asked.append((rows.tolist(), first, last))
+        return hidden[rows, first:last]
 
     assert torch.equal(leading_matches(head, states, targets, positions_per_pass=3), runs.clamp_max(7))
-    spans = [[0, 1, 2], [3, 4, 5], [6]][: len(asked)]
-    for (rows, positions), span in zip(asked, spans, strict=True):
-        assert rows == [b for b in range(30) if runs[b] >= span[0]]
-        assert positions == [span] * len(rows)
+    assert [(first, last) for _, first, last in asked] == [(0, 3), (3, 6), (6, 7)][: len(asked)]
+    for rows, first, _ in asked:
+        assert rows == [b for b in range(30) if runs[b] >= first]
 
 
 def test_a_pass_over_few_blocks_widens_to_the_rows_that_cost_no_more(monkeypatch):
@@ -78,80 +77,3 @@ def test_a_pass_over_few_blocks_widens_to_the_rows_that_cost_no_more(monkeypatch
 
 def test_passes_on_the_cpu_keep_their_width():
     assert matching.MIN_ROWS_PER_PASS.get("cpu", 0) == 0
-
-
-def _planted(blocks: int, positions: int, seed: int):
-    generator = torch.Generator().manual_seed(seed)
-    head = TargetHead(torch.randn(64, 16, generator=generator), torch.randn(64, 16, generator=generator))
-    hidden = torch.randn(blocks, positions, 16, generator=generator)
-    drafts = head.argmax(hidden)
-    runs = torch.randint(0, positions + 1, (blocks,), generator=generator)
-    targets = torch.where(torch.arange(positions) < runs[:, None], drafts, (drafts + 1) % 64)
-    return head, hidden, targets, runs
-
-
-def _at_least(runs: torch.Tensor, positions: int) -> list[int]:
-    return [int((runs >= p).sum()) for p in range(positions + 1)]
-
-
-@pytest.mark.parametrize("min_rows", [0, 40])
-@pytest.mark.parametrize("per_pass", [1, 3, 4])
-@pytest.mark.parametrize("room", ["exact", "none", "all", "random", "short"])
-def test_scheduled_passes_give_the_waited_passes_counts_whatever_room_they_make(
-    room, per_pass, min_rows, monkeypatch
-):
-    monkeypatch.setattr(matching, "MIN_ROWS_PER_PASS", {"cpu": min_rows})
-    head, hidden, targets, runs = _planted(40, 15, seed=per_pass + min_rows)
-    at_least = _at_least(runs, 15)
-    widths = [per_pass] * (15 // per_pass) + ([15 % per_pass] if 15 % per_pass else [])
-    starts = [sum(widths[:i]) for i in range(len(widths))]
-    generator = torch.Generator().manual_seed(3)
-    plan = {
-        "exact": [(at_least[first], width) for first, width in zip(starts, widths, strict=True)],
-        "none": [(1, width) for width in widths],
-        "all": [(40, width) for width in widths],
-        "random": [(int(torch.randint(1, 41, (), generator=generator)), width) for width in widths],
-        "short": [(40, 2)],
-    }[room]
-    waited = leading_matches(head, hidden, targets, positions_per_pass=per_pass)
-    scheduled = leading_matches(head, hidden, targets, positions_per_pass=per_pass, plan=plan)
-    assert torch.equal(waited, runs)
-    assert torch.equal(scheduled, runs)
-
-
-def test_a_schedule_with_room_for_every_matching_block_leaves_nothing_to_wait_for(monkeypatch):
-    monkeypatch.setattr(matching, "MIN_ROWS_PER_PASS", {})
-    head, hidden, targets, runs = _planted(40, 15, seed=5)
-    asked = []
-
-    def states(rows, positions):
-        asked.append(positions[:, 0].tolist())
-        return hidden[rows[:, None], positions]
-
-    at_least = _at_least(runs, 15)
-    plan = [(at_least[first], 3) for first in (0, 3, 6, 9, 12)]
-    assert torch.equal(leading_matches(head, states, targets, plan=plan), runs)
-    # Five scheduled passes of 3 positions, each matching block at the pass's own position: none was
-    # left behind, so no waited pass followed.
-    assert [len(p) for p in asked] == [n for n, _ in plan]
-    for first, starts in zip((0, 3, 6, 9, 12), asked, strict=True):
-        assert starts[: at_least[first]] == [first] * at_least[first]
-
-
-def test_blocks_a_schedule_had_no_room_for_are_taken_later_at_their_own_position(monkeypatch):
-    monkeypatch.setattr(matching, "MIN_ROWS_PER_PASS", {})
-    head, hidden, targets, _ = _planted(6, 6, seed=0)
-    targets = head.argmax(hidden)  # every block matches all 6 positions
-    asked = []
-
-    def states(rows, positions):
-        asked.append((rows.tolist(), positions.tolist()))
-        return hidden[rows[:, None], positions]
-
-    runs = leading_matches(head, states, targets, positions_per_pass=3, plan=[(6, 3), (2, 3)])
-    assert runs.tolist() == [6] * 6
-    assert asked[0] == (list(range(6)), [[0, 1, 2]] * 6)
-    # Room for 2 at the second pass: blocks 0 and 1 finish; 2-5 go through one waited pass from position 3.
-    assert asked[1] == ([0, 1], [[3, 4, 5]] * 2)
-    assert asked[2] == ([2, 3, 4, 5], [[3, 4, 5]] * 4)
-    assert len(asked) == 3

@@ -48,10 +48,9 @@ from typing import Any
 
 import torch
 
-from specops.score import block_attention, pass_schedule
+from specops.score import block_attention
 from specops.score.drafter import DFlashDrafter
-from specops.score.leading_matches import ScheduledMatches, leading_matches, pass_rule, planned_matches
-from specops.score.pass_schedule import PassSchedule
+from specops.score.leading_matches import leading_matches
 from specops.score.split_walks import SplitWalks
 from specops.score.step_timer import NoTimer, StepTimer
 from specops.score.streamed_context import StreamedContext
@@ -323,8 +322,6 @@ class SequenceGroup:
             self.context_len = longest
         self.offsets = torch.arange(1, bs, device=device)
         self.trunk = TrunkGraph(self._trunk)
-        scheduled = device.type in pass_schedule.SCHEDULED_DEVICES
-        self.schedule = PassSchedule(bs - 1, device) if scheduled else None
 
     def _trunk(self, anchors: torch.Tensor, starts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """`DFlashDrafter.trunk` for the blocks at starts [B, m] of anchor tokens anchors [B, m]."""
@@ -341,11 +338,6 @@ class SequenceGroup:
         """Leading matches (0..bs-1) of the drafts of the blocks at starts [B, m] against the target.
 
         reach: no block starts after it (known on the host, so no sync); None: anywhere."""
-        return self.draft_matches(starts, reach).settle()
-
-    def draft_matches(self, starts: torch.Tensor, reach: int | None = None) -> StepMatches:
-        """`match_runs` with the head's passes scheduled where the group has a PassSchedule, left to
-        settle (`StepMatches`)."""
         drafter, head, timer = self.drafter, self.head, self.timer
         B, m = starts.shape
         anchors = self.ids.gather(1, starts)
@@ -359,45 +351,20 @@ class SequenceGroup:
         residual = residual.flatten(0, 1)[:, 1:]
         mixed = mixed.flatten(0, 1)[:, 1:]
 
-        def draft_states(rows: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        def draft_states(rows: torch.Tensor, first: int, last: int) -> torch.Tensor:
             with timer.span("last layer"):
-                rows = rows[:, None]
-                return drafter.finish(residual[rows, positions], mixed[rows, positions])
+                return drafter.finish(residual[rows, first:last], mixed[rows, first:last])
 
-        targets = self.ids.gather(1, (starts[..., None] + self.offsets).view(B, -1)).view(B * m, -1)
-        finish = (drafter.output_multiplier, drafter.logit_softcap)
-        plan = None if self.schedule is None else self.schedule.plan(B * m, *pass_rule(head.device))
-        if plan is None:
-            runs = leading_matches(head, draft_states, targets, *finish, timer=timer)
-            return StepMatches(self.schedule, (B, m), runs)
-        scheduled = planned_matches(head, draft_states, targets, plan, *finish, timer=timer)
-        return StepMatches(self.schedule, (B, m), scheduled.runs, scheduled)
-
-
-class StepMatches:
-    """A step's leading matches [B, m]. Where the head's passes were scheduled, blocks the plan had no
-    room for may still be matching: `left` (a device flag, None where nothing can be left) is read with
-    the caller's own synchronization, and `settle` finishes them (`leading_matches.ScheduledMatches`)."""
-
-    def __init__(
-        self,
-        schedule: PassSchedule | None,
-        shape: tuple[int, int],
-        runs: torch.Tensor,
-        scheduled: ScheduledMatches | None = None,
-    ):
-        self.schedule, self.scheduled = schedule, scheduled
-        # Until settled, where scheduled: the counts so far (settling adds to the same tensor).
-        self.runs = runs.view(shape)
-        self.left = None if scheduled is None else scheduled.left
-
-    def settle(self, left: bool = True) -> torch.Tensor:
-        """The final counts [B, m]; left=False where the caller read `left` as false (no synchronization)."""
-        if self.scheduled is not None:
-            self.scheduled.settle(left)
-        if self.schedule is not None:
-            self.schedule.record(self.runs)
-        return self.runs
+        targets = self.ids.gather(1, (starts[..., None] + self.offsets).view(B, -1))
+        runs = leading_matches(
+            head,
+            draft_states,
+            targets.view(B * m, -1),
+            drafter.output_multiplier,
+            drafter.logit_softcap,
+            timer=timer,
+        )
+        return runs.view(B, m)
 
 
 def group_indices(
@@ -423,17 +390,6 @@ def group_indices(
     return groups
 
 
-def _advance(
-    runs: torch.Tensor, starts: torch.Tensor, walking: torch.Tensor, lengths: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """A step's accepted tokens per walk (leading matches + 1, within the completion; 0 for ended walks)
-    and which walks go on after it."""
-    remaining = lengths - 1 - starts
-    k = torch.minimum(runs, remaining)
-    a = torch.where(walking, torch.minimum(k + 1, remaining), torch.zeros_like(k))
-    return a, walking & (starts + a < lengths - 1)
-
-
 def _frontier(group: SequenceGroup, ids_of: list[int], results: dict[int, SequenceAcceptance]) -> None:
     """Walk all sequences of the group in lockstep: one block per walk per forward; on devices in
     SPLIT_DEVICES, walks started inside the longest ranges fill the batch as walks end
@@ -445,8 +401,10 @@ def _frontier(group: SequenceGroup, ids_of: list[int], results: dict[int, Sequen
     walking = starts < group.lengths - 1
     splits = SplitWalks(starts, group.lengths, group.ids.shape[1]) if device.type in SPLIT_DEVICES else None
     records: list[torch.Tensor] = []
-    n_walking = int(walking.sum())
-    while n_walking:
+    while True:
+        n_walking = int(walking.sum())
+        if n_walking == 0:
+            break
         # Ended walks leave the batch once they are an eighth of it: a gather of the context K/V costs a
         # fraction of one step, while every ended row in the batch costs a full block.
         if n_walking <= starts.shape[0] * 7 // 8:
@@ -458,27 +416,18 @@ def _frontier(group: SequenceGroup, ids_of: list[int], results: dict[int, Sequen
                 sequence = splits.sequence
             group.select(index)
             walking = torch.ones_like(starts, dtype=torch.bool)
+        remaining = group.lengths - 1 - starts
         # A step moves a block forward by a block at most: no start is past this bound (a walk started
         # inside a range exists only after a `select`, which computes the whole context).
         reach = group.longest_prompt + len(records) * group.drafter.block_size
-        matches = group.draft_matches(starts[:, None], reach)
-        advance = partial(_advance, starts=starts, walking=walking, lengths=group.lengths)
-        if matches.left is not None and splits is None:
-            # The step's one synchronization reads both the walks left and whether the plan left blocks.
-            a, still = advance(matches.runs[:, 0])
-            n_walking, left = torch.stack([still.sum(), matches.left.long()]).tolist()
-            if left:
-                a, still = advance(matches.settle()[:, 0])
-                n_walking = int(still.sum())
-            else:
-                matches.settle(left=False)
-        else:
-            a, still = advance(matches.settle()[:, 0])
-            if splits is not None:
-                still = splits.land(starts + a, still)
-            n_walking = int(still.sum())
+        runs = group.match_runs(starts[:, None], reach)[:, 0]
+        k = torch.minimum(runs, remaining)
+        a = torch.where(walking, torch.minimum(k + 1, remaining), torch.zeros_like(k))
         records.append(torch.stack([sequence, starts, a]))
-        starts, walking = starts + a, still
+        starts = starts + a
+        walking = walking & (starts < group.lengths - 1)
+        if splits is not None:
+            walking = splits.land(starts, walking)
     if splits is None:
         walks = walks_in_order(records, len(prompts))
     else:
