@@ -11,7 +11,8 @@ The models, features and planted tokens are those of score_real_h200.py (tau ~6)
     norms, elementwise, reductions, indexing, copies), the GPU's busy time (the union of its kernels)
     against the run's wall time, the idle gaps, and the host's time waiting in synchronizations;
   - the device time inside each of the engine's named parts (StepTimer's spans);
-  - each of the drafter's products and the head's at the frontier's row counts, in FLOP/s;
+  - each of the drafter's products and the head's at the frontier's row counts, in FLOP/s; each drafter
+    product also with its weight stored transposed, and the head's product without its argmax;
   - the drafter's trunk at the full batch, eager (its kernels traced) and replayed from a CUDA graph
     (what kernel launches cost it).
 """
@@ -40,6 +41,7 @@ import specops.score.acceptance as acceptance
 import specops.score.block_attention as block_attention
 from specops.score.acceptance import SequenceGroup, SequenceInput, offline_acceptance
 from specops.score.step_timer import StepTimer
+from specops.score.target_head import _fp32_linear
 
 KINDS = (
     ("matrix products", re.compile(r"gemm|nvjet|cutlass|xmma|sm90_|ampere_|cublas", re.I)),
@@ -204,8 +206,25 @@ def product_rates(shape: dict, drafter, head, device: str, rows: tuple[int, ...]
             _, seconds = timed(lambda x=x, weight=weight: [x @ weight.T for _ in range(20)], device)
             flops = 2 * m * weight.shape[0] * weight.shape[1]
             found[f"{name} M={m}"] = {"ms": seconds / 20 * 1e3, "tflop_per_s": 20 * flops / seconds / 1e12}
+        # The same product with the weight stored transposed (cuBLAS picks its kernels by layout too): at
+        # the full batch only, to tell whether a layout would bring a product nearer the matrix rate.
+        m, transposed = rows[0], weight.T.contiguous()
+        x = torch.randn(m, weight.shape[1], device=device, dtype=weight.dtype)
+        for _ in range(3):
+            x @ transposed
+        _, seconds = timed(lambda x=x, w=transposed: [x @ w for _ in range(20)], device)
+        flops = 2 * m * weight.shape[0] * weight.shape[1]
+        found[f"{name} M={m} weight transposed"] = {
+            "ms": seconds / 20 * 1e3,
+            "tflop_per_s": 20 * flops / seconds / 1e12,
+        }
+        del transposed
     for m in (768, 558, 349, 140, 48):
         x = torch.randn(m, shape["hidden"], device=device, dtype=head.dtype)
+        # The product alone (float32 logits), to tell the argmax's share of a pass.
+        _fp32_linear(x, head.lm_head_weight)
+        _, seconds = timed(lambda x=x: [_fp32_linear(x, head.lm_head_weight) for _ in range(10)], device)
+        found[f"head product rows={m}"] = {"ms": seconds / 10 * 1e3}
         head.argmax(x)
         _, seconds = timed(lambda x=x: [head.argmax(x) for _ in range(10)], device)
         flops = 2 * m * shape["hidden"] * shape["vocab"]
