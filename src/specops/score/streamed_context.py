@@ -25,7 +25,7 @@ from specops.score.drafter import DFlashDrafter
 # Positions per chunk: the walk's first step waits for the chunks that hold the prompts (and one block);
 # smaller chunks start it sooner, larger ones make fewer, larger products.
 CHUNK_POSITIONS = 128
-# Chunks whose copies are queued ahead of the walk on a GPU (None: all of them at the start).
+# Chunks whose copies are queued ahead of the walk (None: all of them at the start).
 COPIES_AHEAD: int | None = 2
 
 
