@@ -12,7 +12,8 @@ The models, features and planted tokens are those of score_real_h200.py (tau ~6)
     against the run's wall time, the idle gaps, and the host's time waiting in synchronizations;
   - the device time inside each of the engine's named parts (StepTimer's spans);
   - each of the drafter's products and the head's at the frontier's row counts, in FLOP/s; each drafter
-    product also with its weight stored transposed, and the head's product without its argmax;
+    product also with its weight stored transposed and through cuBLASLt, and the head's product without
+    its argmax;
   - the drafter's trunk at the full batch, eager (its kernels traced) and replayed from a CUDA graph
     (what kernel launches cost it).
 """
@@ -219,6 +220,20 @@ def product_rates(shape: dict, drafter, head, device: str, rows: tuple[int, ...]
             "tflop_per_s": 20 * flops / seconds / 1e12,
         }
         del transposed
+        # The same product through cuBLASLt's heuristic instead of cuBLAS's (torch's preferred library).
+        if device == "cuda":
+            previous = torch.backends.cuda.preferred_blas_library()
+            try:
+                torch.backends.cuda.preferred_blas_library("cublaslt")
+                for _ in range(3):
+                    x @ weight.T
+                _, seconds = timed(lambda x=x, weight=weight: [x @ weight.T for _ in range(20)], device)
+                found[f"{name} M={m} cublaslt"] = {
+                    "ms": seconds / 20 * 1e3,
+                    "tflop_per_s": 20 * flops / seconds / 1e12,
+                }
+            finally:
+                torch.backends.cuda.preferred_blas_library(previous)
     for m in (768, 558, 349, 140, 48):
         x = torch.randn(m, shape["hidden"], device=device, dtype=head.dtype)
         # The product alone (float32 logits), to tell the argmax's share of a pass.
