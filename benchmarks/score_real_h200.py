@@ -44,7 +44,8 @@ Timed on all completions, each stage written to the record as it ends:
   - the same with each of the engine's switches in SWITCHED otherwise than by default (the block's own
     keys written into the context instead of merged by the Triton kernel, the trunk eager instead of
     replayed from a CUDA graph, every chunk's features copy queued at the start instead of two ahead of
-    the walk);
+    the walk, the context's K/V computed on the walk's stream as it reaches them instead of ahead on a
+    side stream, the down projection's weight stored row-major instead of column-major);
   - the same with head passes not widened where few blocks are left (leading_matches.MIN_ROWS_PER_PASS),
     and with the first layer's mask rows projected from a strided slice (one 2-row product per block);
   - the same with the head and the last layer over all 15 draft positions of every block, and in
@@ -86,6 +87,7 @@ from score_h200 import build_models, logit_noise, plant_tokens, timed
 
 import specops.score.acceptance as acceptance
 import specops.score.block_attention as block_attention
+import specops.score.drafter as drafter_module
 import specops.score.drafter_ops as drafter_ops
 import specops.score.kernels as kernels
 import specops.score.leading_matches as matching
@@ -138,7 +140,12 @@ SWITCHED = {
     "block_keys_in_context": (block_attention, "BLOCK_KEYS", "in_context"),
     "trunk_eager": (trunk_graph, "GRAPH_DEVICES", ()),
     "copies_all_at_start": (streamed_context, "COPIES_AHEAD", None),
+    "kv_on_walk": (streamed_context, "KV_AHEAD_DEVICES", ()),
+    "down_row_major": (drafter_module, "DOWN_COLUMNS_DEVICES", ()),
 }
+# Switches read when the drafter's weights are laid out (`DFlashDrafter.fuse_projections`), not at each call:
+# the weights are laid out again as the switch is set and again as it is restored.
+LAYOUT_SWITCHES = {(drafter_module, "DOWN_COLUMNS_DEVICES")}
 # Attention calls the engine makes at each batch size: 5 layers x about 7 forwards (the frontier drops
 # finished sequences an eighth of the batch at a time). An attention kernel is chosen by
 # CALLS_PER_BATCH_SIZE x its time per call + what its first call at a new batch size costs.
@@ -373,14 +380,20 @@ def triton_head_tokens(head, rows, multiplier, softcap, tolerance: float, device
 
 
 @contextmanager
-def switched(module, name: str, value):
-    """module.name = value for the block, the default back after."""
+def switched(module, name: str, value, drafter=None):
+    """module.name = value for the block, the default back after; the drafter's weights laid out again
+    both times where the switch is one of LAYOUT_SWITCHES."""
     saved = getattr(module, name)
+    relay = drafter is not None and (module, name) in LAYOUT_SWITCHES
     setattr(module, name, value)
+    if relay:
+        drafter.fuse_projections()
     try:
         yield
     finally:
         setattr(module, name, saved)
+        if relay:
+            drafter.fuse_projections()
 
 
 @contextmanager
@@ -656,7 +669,7 @@ def main() -> None:
         return found, summary
 
     def switched_engine(module, switch: str, value):
-        with switched(module, switch, value):
+        with switched(module, switch, value, drafter):
             return engine(POSITIONS_PER_PASS)
 
     def alternate(rounds: int, variants: dict, label: str) -> dict:
@@ -818,7 +831,7 @@ def main() -> None:
         if getattr(module, switch) == value or not time_left():
             continue
         record.begin(f"engine, {name}")
-        with switched(module, switch, value):
+        with switched(module, switch, value, drafter):
             other, runs[name] = engine(POSITIONS_PER_PASS)
         identical[f"{name}_vs_default"] = same(other, results)
         record.stage(f"engine, {name}")

@@ -262,38 +262,48 @@ def test_an_unknown_mode_is_refused(fixture_models, head):
         offline_acceptance(load_drafter(fixture_models.drafter), head, [], mode="lazy")
 
 
+@pytest.mark.parametrize("kv_ahead", [False, True])
 @pytest.mark.parametrize("mode", MODES)
 def test_the_context_computed_a_few_positions_at_a_time_gives_the_same_lengths(
-    trained_drafter, head, greedy_sequences, monkeypatch, mode
+    trained_drafter, head, greedy_sequences, monkeypatch, mode, kv_ahead
 ):
     drafter = load_drafter(trained_drafter)
     whole = offline_acceptance(drafter, head, greedy_sequences, mode=mode)
     monkeypatch.setattr(streamed_context, "CHUNK_POSITIONS", 5)
+    monkeypatch.setattr(streamed_context, "KV_AHEAD_DEVICES", ("cpu",) if kv_ahead else ())
     chunked = offline_acceptance(drafter, head, greedy_sequences, mode=mode)
     assert [r.accept_lengths for r in chunked] == [r.accept_lengths for r in whole]
     assert len({n for r in whole for n in r.accept_lengths}) >= 3
 
 
 @torch.inference_mode()
-@pytest.mark.parametrize("ahead", [None, 1, 2])
-def test_the_context_is_computed_only_as_far_as_asked(fixture_models, greedy_sequences, monkeypatch, ahead):
+@pytest.mark.parametrize(("ahead", "kv_ahead"), [(None, False), (1, False), (2, False), (2, True)])
+def test_the_context_is_computed_only_as_far_as_asked(
+    fixture_models, greedy_sequences, monkeypatch, ahead, kv_ahead
+):
     drafter = load_drafter(fixture_models.drafter)
     monkeypatch.setattr(streamed_context, "CHUNK_POSITIONS", 5)
     monkeypatch.setattr(streamed_context, "COPIES_AHEAD", ahead)
+    # K/V computed ahead: as each chunk is queued (on a GPU on a side stream, here at once).
+    monkeypatch.setattr(streamed_context, "KV_AHEAD_DEVICES", ("cpu",) if kv_ahead else ())
     # Lengths that end inside a chunk: positions past a sequence's end must read as zeros.
     features = [s.features[:end] for s, end in zip(greedy_sequences[:3], (None, -7, -3), strict=True)]
     assert len({f.shape[0] for f in features}) == 3
     length = max(f.shape[0] for f in features)
     context = streamed_context.StreamedContext(drafter, features, length, torch.device("cpu"))
-    assert context.ready == 0 and all(not k.any() and not v.any() for k, v in context.buffers)
+    assert context.ready == 0
+    k = context.buffers[0][0]
+    assert kv_ahead or all(not k.any() and not v.any() for k, v in context.buffers)
     chunks = -(-length // 5)
     # Copies queued ahead: all chunks, or `ahead` of them, one more as each is computed.
     assert len(context.chunks) == (chunks if ahead is None else ahead)
+    # Computed ahead: the queued chunks' K/V are there before any is asked for.
+    assert not kv_ahead or (k[..., : 5 * ahead, :].any(dim=-1).all() and not k[..., 5 * ahead :, :].any())
     context.ensure(7)
     assert context.ready == 10
     assert len(context.chunks) == (chunks - 2 if ahead is None else ahead)
-    k = context.buffers[0][0]
-    assert k[..., :10, :].any(dim=-1).all() and not k[..., 10:, :].any()
+    computed = 10 + 5 * ahead if kv_ahead else 10
+    assert k[..., :computed, :].any(dim=-1).all() and not k[..., computed:, :].any()
     context.ensure(length + 100)
     padded = torch.zeros(len(features), length, *features[0].shape[1:])
     for b, f in enumerate(features):

@@ -338,6 +338,40 @@ def test_fused_projections_and_mask_rows_once_give_the_plain_forward():
 
 
 @torch.inference_mode()
+def test_the_down_projection_is_stored_column_major_where_the_device_is_listed(monkeypatch):
+    import specops.score.drafter as drafter_module
+
+    drafter = build(*RULES["full"])
+    features, _, starts = inputs()
+    head = TargetHead(torch.randn(64, HIDDEN), torch.randn(64, HIDDEN))
+    blocks = drafter.block_embeddings(head.embed, torch.tensor([[3], [5], [7], [9], [11]]))
+    state = {name: tensor.clone() for name, tensor in drafter.state_dict().items()}
+    plain = drafter(blocks, starts, drafter.context_kv(features))
+    down = drafter.decoder_layers[0].mlp.down_proj
+
+    def column_major() -> bool:
+        weight = down.weight
+        return weight.stride() == (1, weight.shape[0])
+
+    assert down.weight.is_contiguous() and not column_major()
+    monkeypatch.setattr(drafter_module, "DOWN_COLUMNS_DEVICES", ("cpu",))
+    drafter.fuse_projections()
+    assert column_major() and all(
+        layer.mlp.down_proj.weight.stride(0) == 1 for layer in drafter.decoder_layers
+    )
+    assert all(torch.equal(drafter.state_dict()[name], tensor) for name, tensor in state.items())
+    assert torch.allclose(drafter(blocks, starts, drafter.context_kv(features)), plain, atol=1e-5)
+    # A later .to() keeps the layout its device takes; a device not listed takes row-major again.
+    drafter.to(torch.float64)
+    assert column_major() and down.weight.dtype == torch.float64
+    monkeypatch.setattr(drafter_module, "DOWN_COLUMNS_DEVICES", ())
+    drafter.fuse_projections()
+    assert down.weight.is_contiguous()
+    again = drafter(blocks.double(), starts, drafter.context_kv(features.double()))
+    assert torch.allclose(again.float(), plain, atol=1e-5)
+
+
+@torch.inference_mode()
 def test_the_mask_rows_are_projected_in_one_product_not_one_per_block():
     # A strided slice of the blocks reaches torch's matmul as a batch of 2-row products, each reading the
     # whole weight: at the real shape slower than the projection of every row.

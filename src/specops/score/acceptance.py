@@ -53,7 +53,7 @@ from specops.score.drafter import DFlashDrafter
 from specops.score.leading_matches import leading_matches
 from specops.score.split_walks import SplitWalks
 from specops.score.step_timer import NoTimer, StepTimer
-from specops.score.streamed_context import StreamedContext
+from specops.score.streamed_context import StreamedContext, walk_stream
 from specops.score.target_head import TargetHead
 from specops.score.trunk_graph import TrunkGraph
 
@@ -491,15 +491,23 @@ def offline_acceptance(
     budget = memory_budget_bytes or default_memory_budget(head.device)
     results = {i: SequenceAcceptance(it.id, drafter.block_size) for i, it in enumerate(items)}
     done = 0
-    for indices in group_indices(drafter, items, budget, writes_scores(head.device, mode)):
-        group = SequenceGroup(drafter, head, [items[i] for i in indices], timer)
-        with group.timer.span("steps"):
-            if mode == "frontier":
-                _frontier(group, indices, results)
-            else:
-                _all_anchors(group, indices, results, budget)
-        del group
-        done += len(indices)
-        if progress is not None:
-            progress(done, len(items))
+    # Where the context's K/V are computed ahead on a side stream, the walk takes a stream that goes first.
+    stream = walk_stream(head.device)
+    if stream is not None:
+        stream.wait_stream(torch.cuda.current_stream(head.device))
+    with torch.cuda.stream(stream):
+        for indices in group_indices(drafter, items, budget, writes_scores(head.device, mode)):
+            group = SequenceGroup(drafter, head, [items[i] for i in indices], timer)
+            with group.timer.span("steps"):
+                if mode == "frontier":
+                    _frontier(group, indices, results)
+                else:
+                    _all_anchors(group, indices, results, budget)
+            group.context.release()
+            del group
+            done += len(indices)
+            if progress is not None:
+                progress(done, len(items))
+    if stream is not None:
+        torch.cuda.current_stream(head.device).wait_stream(stream)
     return [results[i] for i in range(len(items))]

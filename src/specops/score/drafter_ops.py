@@ -69,6 +69,16 @@ def fuse_linears(linears: tuple[nn.Linear, ...]) -> tuple[torch.Tensor, torch.Te
     return weight, bias
 
 
+def lay_out(linear: nn.Linear, columns: bool) -> None:
+    """Store the linear's weight [out, in] column-major (columns: a transposed view of a contiguous
+    [in, out] matrix) or row-major, the same values either way; a no-op where it already is so."""
+    weight = linear.weight
+    if columns == (weight.dim() == 2 and weight.stride(0) == 1 and weight.stride(1) == weight.shape[0]):
+        return
+    data = weight.detach().T.contiguous().T if columns else weight.detach().contiguous()
+    linear.weight = nn.Parameter(data, requires_grad=weight.requires_grad)
+
+
 def fused_linears(
     fused: tuple[torch.Tensor, torch.Tensor | None] | None, linears: tuple[nn.Linear, ...]
 ) -> tuple[torch.Tensor, torch.Tensor | None] | None:

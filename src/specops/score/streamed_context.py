@@ -3,12 +3,13 @@
 The walk's first step reads the context before the prompt's end only, and each step moves a block
 forward at most: the context after that is needed later. At the real drafter's shape the features of
 256 completions are about 15 GB, half a second over PCIe, while the walk that reads them takes
-seconds. So on a GPU the chunks' copies run on a side stream, and a chunk's K/V are computed (on the
-walk's stream, after its copy) only when the walk is about to read past the positions computed so far:
-the copies run under the walk's arithmetic instead of before it. Queueing a chunk's copies takes the
-host one call per completion (about 6 ms for 256), so only COPIES_AHEAD chunks are queued at the start
-and each later one when a chunk is computed, while the device works on that chunk's K/V. On the CPU
-the copies are plain ones (there is nothing to overlap), made as the chunks are queued.
+seconds. So on a GPU the chunks' copies run on a side stream, and a chunk's K/V are computed on another
+one right after its copy (KV_AHEAD_DEVICES; elsewhere on the walk's stream when the walk is about to read
+past the positions computed so far): the copies and the K/V run under the walk's arithmetic and in its
+waits instead of before it. Queueing a chunk's copies takes the host one call per completion (about 6 ms
+for 256), so only COPIES_AHEAD chunks are queued at the start and each later one when the walk reaches
+a chunk. On the CPU the copies are plain ones (there is nothing to overlap), made as the chunks are
+queued.
 """
 
 from __future__ import annotations
@@ -27,13 +28,40 @@ from specops.score.drafter import DFlashDrafter
 CHUNK_POSITIONS = 128
 # Chunks whose copies are queued ahead of the walk (None: all of them at the start).
 COPIES_AHEAD: int | None = 2
+# Device types where a chunk's K/V are computed on a side stream right after its copy, ahead of the walk,
+# rather than on the walk's stream when the walk reaches the chunk: the walk waits for them only where it
+# reads them, and the device computes them while the walk's stream waits for the host (a head pass's
+# synchronization, the next launches). The walk runs on a stream of higher priority (`walk_stream`), so
+# the K/V take the device only where the walk leaves it. Measured beside computing them on the walk's
+# stream in benchmarks/score_real_h200.py ("kv_on_walk").
+KV_AHEAD_DEVICES: tuple[str, ...] = ("cuda",)
+
+
+# One walk stream per device, kept: the allocator caches memory per stream, so a new stream for every run
+# would hold its own copy of the group's memory.
+_WALK_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
+
+
+def walk_stream(device: torch.device) -> torch.cuda.Stream | None:
+    """A stream of the highest priority for the walk where its K/V are computed ahead (KV_AHEAD_DEVICES)
+    on a CUDA device; None where the walk keeps the current stream."""
+    if device.type != "cuda" or device.type not in KV_AHEAD_DEVICES:
+        return None
+    device = torch.device("cuda", device.index if device.index is not None else torch.cuda.current_device())
+    if device not in _WALK_STREAMS:
+        highest, _ = torch.cuda.Stream.priority_range()
+        _WALK_STREAMS[device] = torch.cuda.Stream(device, priority=highest)
+    return _WALK_STREAMS[device]
 
 
 @dataclass
 class _Chunk:
     first: int
-    features: torch.Tensor  # [B, positions, n, hidden] on the device
-    copied: Any  # a CUDA event recorded after the copy, or None where the copy was synchronous
+    last: int
+    features: torch.Tensor | None  # [B, positions, n, hidden] on the device; None once its K/V are computed
+    # A CUDA event recorded after the copy (features) or after the K/V (computed ahead); None where that
+    # work was synchronous.
+    done: Any
 
 
 class StreamedContext:
@@ -56,38 +84,74 @@ class StreamedContext:
         ]
         self.features = features
         self.side = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self.ahead = device.type in KV_AHEAD_DEVICES
+        self.kv_side = torch.cuda.Stream(device) if self.side is not None and self.ahead else None
         self.chunks: list[_Chunk] = []
         self.queued = 0
         self._queue(len(range(0, length, CHUNK_POSITIONS)) if COPIES_AHEAD is None else COPIES_AHEAD)
 
     def _queue(self, chunks: int) -> None:
-        """Allocate the next `chunks` chunks and queue their copies."""
+        """Allocate the next `chunks` chunks and queue their copies (and their K/V, where ahead)."""
         features, device = self.features, self.buffers[0][0].device
         dtype = self.buffers[0][0].dtype
         for first in range(
             self.queued, min(self.length, self.queued + chunks * CHUNK_POSITIONS), CHUNK_POSITIONS
         ):
             last = min(first + CHUNK_POSITIONS, self.length)
-            # Zeros past a sequence's end (its context there is zero, which every kernel may read); the rest
-            # is copied over, so only those rows are filled.
-            chunk = torch.empty(
-                len(features), last - first, *features[0].shape[1:], dtype=dtype, device=device
-            )
-            for b, sequence in enumerate(features):
-                if sequence.shape[0] < last:
-                    chunk[b, max(0, sequence.shape[0] - first) :].zero_()
-            copied = None
-            if self.side is not None:
-                # The chunk is allocated and zeroed on the walk's stream: its copy starts after that.
+            if self.side is None:
+                chunk = _Chunk(first, last, self._filled(first, last, dtype, device), None)
+                if self.ahead:
+                    self._compute(chunk)
+            elif self.ahead:
+                # Copied on the side stream, its K/V computed on a third one after the copy (the next copy
+                # runs meanwhile); the buffers were allocated on the walk's stream, so both start after it.
+                assert self.kv_side is not None
                 self.side.wait_stream(torch.cuda.current_stream(device))
                 with torch.cuda.stream(self.side):
-                    self._copy(chunk, features, first, last)
-                    copied = torch.cuda.Event()
-                    copied.record(self.side)
+                    chunk = _Chunk(first, last, self._filled(first, last, dtype, device), torch.cuda.Event())
+                    chunk.done.record(self.side)
+                self.kv_side.wait_event(chunk.done)
+                with torch.cuda.stream(self.kv_side):
+                    assert chunk.features is not None
+                    chunk.features.record_stream(self.kv_side)
+                    self._compute(chunk)
+                    chunk.done = torch.cuda.Event()
+                    chunk.done.record(self.kv_side)
             else:
-                self._copy(chunk, features, first, last)
-            self.chunks.append(_Chunk(first, chunk, copied))
+                # Allocated and zeroed on the walk's stream, which computes its K/V: the copy starts after it.
+                chunk = _Chunk(first, last, self._filled(first, last, dtype, device, copy=False), None)
+                self.side.wait_stream(torch.cuda.current_stream(device))
+                with torch.cuda.stream(self.side):
+                    assert chunk.features is not None
+                    self._copy(chunk.features, features, first, last)
+                    chunk.done = torch.cuda.Event()
+                    chunk.done.record(self.side)
+            self.chunks.append(chunk)
             self.queued = last
+
+    def _filled(
+        self, first: int, last: int, dtype: torch.dtype, device: torch.device, copy: bool = True
+    ) -> torch.Tensor:
+        """The features at positions first..last-1 on the device: zeros past a sequence's end (its context
+        there is zero, which every kernel may read), the rest copied over where copy (so only those rows are
+        zeroed), on the current stream."""
+        features = self.features
+        chunk = torch.empty(len(features), last - first, *features[0].shape[1:], dtype=dtype, device=device)
+        for b, sequence in enumerate(features):
+            if sequence.shape[0] < last:
+                chunk[b, max(0, sequence.shape[0] - first) :].zero_()
+        if copy:
+            self._copy(chunk, features, first, last)
+        return chunk
+
+    def _compute(self, chunk: _Chunk) -> None:
+        """The chunk's K/V into the buffers, on the current stream; its features are dropped after."""
+        assert chunk.features is not None
+        computed = self.drafter.context_kv(chunk.features, first_position=chunk.first)
+        for (k_buffer, v_buffer), (k, v) in zip(self.buffers, computed, strict=True):
+            k_buffer[..., chunk.first : chunk.last, :] = k
+            v_buffer[..., chunk.first : chunk.last, :] = v
+        chunk.features = None
 
     @staticmethod
     def _copy(chunk: torch.Tensor, features: Sequence[torch.Tensor], first: int, last: int) -> None:
@@ -102,16 +166,20 @@ class StreamedContext:
         """Compute the K/V of the context up to positions (all of it past the end)."""
         while self.chunks and self.ready < min(positions, self.length):
             chunk = self.chunks.pop(0)
-            if chunk.copied is not None:
-                torch.cuda.current_stream(chunk.features.device).wait_event(chunk.copied)
-            last = chunk.first + chunk.features.shape[1]
-            computed = self.drafter.context_kv(chunk.features, first_position=chunk.first)
-            for (k_buffer, v_buffer), (k, v) in zip(self.buffers, computed, strict=True):
-                k_buffer[..., chunk.first : last, :] = k
-                v_buffer[..., chunk.first : last, :] = v
-            self.ready = last
-            # The next chunk's copies, queued while the device computes this one's K/V.
+            if chunk.done is not None:
+                torch.cuda.current_stream(self.buffers[0][0].device).wait_event(chunk.done)
+            if chunk.features is not None:
+                self._compute(chunk)
+            self.ready = chunk.last
+            # The next chunk's copies (and K/V, where ahead), queued while the device works on this one.
             self._queue(1)
+
+    def release(self) -> None:
+        """Have the walk's stream wait for everything queued on the side stream (chunks computed ahead that
+        the walk never waited for), before the buffers go back to the allocator."""
+        for side in (self.side, self.kv_side):
+            if side is not None:
+                torch.cuda.current_stream(self.buffers[0][0].device).wait_stream(side)
 
     def select(self, index: torch.Tensor) -> None:
         """Keep the sequences at index (the whole context computed first: few chunks are left by then)."""
