@@ -291,8 +291,8 @@ def trunk_eager_and_graphed(drafter, head, sequences, device: str, start: int) -
 def inputs_probe(drafter, sequences, device: str) -> dict:
     """What the engine's inputs cost: the features' copy to the device (from pinned memory, one chunk of
     streamed_context.CHUNK_POSITIONS positions and all of it), one chunk's context K/V, and the group's
-    setup (StreamedContext: buffers, the first chunks' copies queued) until the first chunk is copied,
-    when the walk's first step can start."""
+    setup (StreamedContext: buffers, the first chunks' copies queued) until the first chunk is copied (and
+    its K/V computed, where they are computed ahead), when the walk's first step can start."""
     from specops.score.streamed_context import CHUNK_POSITIONS, StreamedContext
 
     features = [s.features for s in sequences]
@@ -315,8 +315,10 @@ def inputs_probe(drafter, sequences, device: str) -> dict:
 
     def setup() -> None:
         context = StreamedContext(drafter, features, length, torch.device(device))
-        if context.chunks[0].copied is not None:
-            context.chunks[0].copied.synchronize()
+        # Copied, and its K/V computed where they are computed ahead (streamed_context.KV_AHEAD_DEVICES).
+        if context.chunks[0].done is not None:
+            context.chunks[0].done.synchronize()
+        context.release()
 
     setup()
     started = time.perf_counter()

@@ -380,3 +380,37 @@ def test_a_kernel_that_fails_to_build_leaves_the_drafter_on_eager_and_says_so_on
     # The first failure turns the kernels off: one call, one warning, and silu_mul never tried.
     assert norm_rope.count == 1 and len(warned) == 1
     assert drafter_ops.TRITON_FAILED == "RuntimeError: CompilationError: no C compiler found"
+
+
+# ---- residual sums in the products' epilogues (drafter_ops.add_linear) ------------------------------
+
+
+@pytest.mark.parametrize("sum_in_product", [True, False])
+def test_a_residual_sum_in_the_product_equals_the_separate_sum(monkeypatch, sum_in_product):
+    monkeypatch.setattr(drafter_ops, "SUM_IN_PRODUCT", sum_in_product)
+    generator = torch.Generator().manual_seed(0)
+    linear = nn.Linear(12, 8, bias=False)
+    x = torch.randn(3, 4, 8, generator=generator)
+    h = torch.randn(3, 4, 12, generator=generator)
+    expected = x + linear(h).detach()
+    with torch.inference_mode():
+        given = x.clone()
+        kept = drafter_ops.add_linear(given, linear, h)
+        assert torch.equal(given, x)  # not the caller's to give up: untouched
+        assert torch.allclose(kept, expected, atol=1e-6)
+        given_up = drafter_ops.add_linear(given, linear, h, in_place=True)
+        assert torch.allclose(given_up, expected, atol=1e-6)
+        # Into the residual's memory only where the sum is taken in the product.
+        assert (given_up.data_ptr() == given.data_ptr()) == sum_in_product
+        # A strided residual cannot take it in place: a new tensor, the residual untouched.
+        strided = x.transpose(0, 1).contiguous().transpose(0, 1)
+        assert not strided.is_contiguous()
+        assert torch.allclose(drafter_ops.add_linear(strided, linear, h, in_place=True), expected, atol=1e-6)
+        assert torch.equal(strided, x)
+    # Under autograd the separate sum, with its gradient.
+    leaf = x.clone().requires_grad_()
+    drafter_ops.add_linear(leaf, linear, h, in_place=True).sum().backward()
+    assert leaf.grad is not None and torch.equal(leaf.grad, torch.ones_like(x))
+    with torch.inference_mode():
+        biased = nn.Linear(12, 8)
+        assert torch.allclose(drafter_ops.add_linear(x.clone(), biased, h, True), x + biased(h), atol=1e-6)

@@ -353,7 +353,7 @@ class SequenceGroup:
 
         def draft_states(rows: torch.Tensor, first: int, last: int) -> torch.Tensor:
             with timer.span("last layer"):
-                return drafter.finish(residual[rows, first:last], mixed[rows, first:last])
+                return drafter.finish(residual[rows, first:last], mixed[rows, first:last], owned=True)
 
         targets = self.ids.gather(1, (starts[..., None] + self.offsets).view(B, -1))
         runs = leading_matches(

@@ -30,7 +30,15 @@ from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RotaryEmbedd
 
 from specops.score.block_attention import block_attention, context_slots, query_buffer
 from specops.score.dflash_config import DrafterError, dflash_value, target_layer_ids
-from specops.score.drafter_ops import RMSNorm, fuse_linears, fused_linears, lay_out, norm_rope, silu_mul
+from specops.score.drafter_ops import (
+    RMSNorm,
+    add_linear,
+    fuse_linears,
+    fused_linears,
+    lay_out,
+    norm_rope,
+    silu_mul,
+)
 
 SUPPORTED_ARCHITECTURES = ("DFlashDraftModel",)
 # Device types where `fuse_projections` stores the MLP's down projection column-major (its linear's weight
@@ -179,20 +187,28 @@ class DFlashLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self._gate_up: tuple[torch.Tensor, torch.Tensor | None] | None = None
 
-    def feed_forward(self, x: torch.Tensor) -> torch.Tensor:
-        """The MLP: one product for gate and up where they are fused, then the activation and the product
-        with up (`silu_mul`: two in-place passes, or one kernel); Qwen3MLP's own forward otherwise."""
+    def gated(self, x: torch.Tensor) -> torch.Tensor:
+        """The MLP up to its down projection: one product for gate and up where they are fused, then the
+        activation and the product with up (`silu_mul`: two in-place passes, or one kernel); Qwen3MLP's
+        own steps otherwise."""
         mlp = self.mlp
         fused = fused_linears(self._gate_up, (mlp.gate_proj, mlp.up_proj))
         if fused is None:
-            return mlp(x)
+            return mlp.act_fn(mlp.gate_proj(x)) * mlp.up_proj(x)
         gate, up = F.linear(x, *fused).chunk(2, dim=-1)
-        return mlp.down_proj(silu_mul(mlp.act_fn, gate, up))
+        return silu_mul(mlp.act_fn, gate, up)
 
-    def forward(self, x, cos, sin, starts, ctx_k, ctx_v, context_len=None, rows_alike=False):
+    def feed_forward(self, x: torch.Tensor) -> torch.Tensor:
+        """The MLP (`gated`, then the down projection)."""
+        return self.mlp.down_proj(self.gated(x))
+
+    def forward(self, x, cos, sin, starts, ctx_k, ctx_v, context_len=None, rows_alike=False, owned=False):
+        """owned: x is the caller's to give up (the first residual sum may then go into its memory)."""
+        attn = self.self_attn
         y = self.input_layernorm(x)
-        x = x + self.self_attn(y, cos, sin, starts, ctx_k, ctx_v, context_len, rows_alike)
-        return x + self.feed_forward(self.post_attention_layernorm(x))
+        mixed = attn.mix(y, cos, sin, starts, ctx_k, ctx_v, context_len, rows_alike)
+        x = add_linear(x, attn.o_proj, mixed, in_place=owned)
+        return add_linear(x, self.mlp.down_proj, self.gated(self.post_attention_layernorm(x)), in_place=True)
 
 
 class DFlashDrafter(nn.Module):
@@ -332,18 +348,21 @@ class DFlashDrafter(nn.Module):
         layers = self.decoder_layers
         x = block_embeds
         for i, (layer, (ctx_k, ctx_v)) in enumerate(zip(layers[:-1], context[:-1], strict=True)):
-            x = layer(x, cos, sin, starts, ctx_k, ctx_v, context_len, mask_rows_alike and i == 0)
+            # The blocks' embeddings are the caller's; every later x is this loop's own.
+            x = layer(x, cos, sin, starts, ctx_k, ctx_v, context_len, mask_rows_alike and i == 0, owned=i > 0)
         last = layers[-1]
         alike = mask_rows_alike and len(layers) == 1
         y = last.input_layernorm(x)
         mixed = last.self_attn.mix(y, cos, sin, starts, *context[-1], context_len, alike)
         return x, mixed
 
-    def finish(self, residual: torch.Tensor, mixed: torch.Tensor) -> torch.Tensor:
-        """Draft hidden states from `trunk`'s (residual, mix) of any positions [..., hidden]."""
-        last = self.decoder_layers[-1]
-        x = residual + last.self_attn.o_proj(mixed)
-        x = x + last.feed_forward(last.post_attention_layernorm(x))
+    def finish(self, residual: torch.Tensor, mixed: torch.Tensor, owned: bool = False) -> torch.Tensor:
+        """Draft hidden states from `trunk`'s (residual, mix) of any positions [..., hidden]; owned: residual
+        is the caller's to give up (a gathered copy: the first sum may then go into its memory)."""
+        last = self.layers[-1]
+        assert isinstance(last, DFlashLayer)
+        x = add_linear(residual, last.self_attn.o_proj, mixed, in_place=owned)
+        x = add_linear(x, last.mlp.down_proj, last.gated(last.post_attention_layernorm(x)), in_place=True)
         return self.norm(x)
 
 

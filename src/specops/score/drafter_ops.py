@@ -28,6 +28,11 @@ from specops.score import kernels
 # (benchmarks/README.md). benchmarks/score_real_h200.py measures them against eager ("engine,
 # no_triton").
 ELEMENTWISE = "triton"
+# True: a residual's sum with a projection (o_proj, down_proj) is taken in the product's epilogue (addmm with
+# beta 1, in the residual's memory where the caller gives it up), not as a separate pass over both; at the
+# full batch that pass reads and writes 126 MB each time. Measured beside separate sums in
+# benchmarks/score_real_h200.py ("sums_apart").
+SUM_IN_PRODUCT = True
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -67,6 +72,20 @@ def fuse_linears(linears: tuple[nn.Linear, ...]) -> tuple[torch.Tensor, torch.Te
             linear.bias = nn.Parameter(bias[first : first + rows], requires_grad=trainable)
         first += rows
     return weight, bias
+
+
+def add_linear(x: torch.Tensor, linear: nn.Linear, h: torch.Tensor, in_place: bool = False) -> torch.Tensor:
+    """x + linear(h) for x [..., out], h [..., in]: one product whose epilogue adds x (SUM_IN_PRODUCT, no
+    gradient wanted, no bias), into x's memory where in_place (x is the caller's to give up) and x allows;
+    the product and a separate sum otherwise."""
+    if not SUM_IN_PRODUCT or torch.is_grad_enabled() or linear.bias is not None or x.dtype != h.dtype:
+        return x + linear(h)
+    weight = linear.weight.T
+    rows = h.reshape(-1, h.shape[-1])
+    if in_place and x.is_contiguous():
+        x.view(-1, x.shape[-1]).addmm_(rows, weight)
+        return x
+    return torch.addmm(x.reshape(-1, x.shape[-1]), rows, weight).view(x.shape)
 
 
 def lay_out(linear: nn.Linear, columns: bool) -> None:
