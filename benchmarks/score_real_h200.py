@@ -545,12 +545,20 @@ def main() -> None:
         help="after the first engine runs, this many rounds of the defaults and each SWITCHED switch in turn",
     )
     parser.add_argument(
+        "--switches",
+        help="comma-separated names of SWITCHED to alternate and time (default: all of them)",
+    )
+    parser.add_argument(
         "--deadline", type=float, default=0, help="skip the optional stages after this many s"
     )
     parser.add_argument(
         "--out", help="JSON file to write (default $OUT/score_real_h200.json when OUT is set)"
     )
     args = parser.parse_args()
+    unknown = set(args.switches.split(",")) - set(SWITCHED) if args.switches else set()
+    if unknown:
+        parser.error(f"--switches: {sorted(unknown)} not among {sorted(SWITCHED)}")
+    chosen = {k: v for k, v in SWITCHED.items() if not args.switches or k in args.switches.split(",")}
 
     shape = dict(SMOKE if args.smoke else REAL)
     for key in ("sequences", "length", "subset"):
@@ -743,7 +751,7 @@ def main() -> None:
         # defaults of the same rounds.
         record.begin("engine, switches alternated")
         variants = {"defaults": partial(engine, POSITIONS_PER_PASS)}
-        for name, (module, switch, value) in SWITCHED.items():
+        for name, (module, switch, value) in chosen.items():
             if getattr(module, switch) != value:
                 variants[name] = partial(switched_engine, module, switch, value)
         record.stage(
@@ -829,7 +837,7 @@ def main() -> None:
         )
 
     # Switches of the engine other than their defaults, each alone, on the same inputs: what each saves.
-    for name, (module, switch, value) in SWITCHED.items():
+    for name, (module, switch, value) in chosen.items():
         if getattr(module, switch) == value or not time_left():
             continue
         record.begin(f"engine, {name}")
