@@ -13,7 +13,7 @@ head_dim of 64 and of 96), in bf16 and fp16, through the engine's own entry poin
 - the head: the kernel's tokens against the torch head's. The kernel sums in another order than
   cuBLAS, so a token may differ only at a near-tie: each mismatch's gap between the two tokens' torch
   logits must be under --tie-tolerance. Exact ties across tiles go to the lowest token, a row of zeros
-  to token 0, a NaN logit wins as in torch.argmax. Times of both at 768 rows, for a few tile settings.
+  to token 0, a NaN logit wins as in torch.argmax. Times of both at TIMED_ROWS rows, for a few tile settings.
 - SiLU-and-mul and the q/k norm with RoPE: the largest difference from the reference (which computes
   what the kernel does, in torch: at most 2 units of the dtype's last place at max(|value|, 1)), and from
   eager torch (reported: eager rounds twice where the kernels round once). Times of both.
@@ -54,7 +54,14 @@ TILE_SETTINGS = [
     {"block_m": 128, "block_n": 256, "block_k": 64, "num_warps": 8, "num_stages": 3},
     {"block_m": 64, "block_n": 128, "block_k": 64, "num_warps": 4, "num_stages": 4},
     {"block_m": 64, "block_n": 256, "block_k": 64, "num_warps": 8, "num_stages": 4},
+    {"block_m": 128, "block_n": 256, "block_k": 64, "num_warps": 8, "num_stages": 4},
+    {"block_m": 256, "block_n": 128, "block_k": 64, "num_warps": 8, "num_stages": 3},
+    {"block_m": 128, "block_n": 256, "block_k": 128, "num_warps": 8, "num_stages": 2},
+    {"block_m": 64, "block_n": 256, "block_k": 64, "num_warps": 4, "num_stages": 4},
 ]
+# Rows of the head passes timed: a full first pass at the real batch (256 blocks x 3 positions) and two
+# later, smaller ones.
+TIMED_ROWS = (768, 349, 140)
 EPS = {torch.bfloat16: 2**-8, torch.float16: 2**-11, torch.float32: 2**-24}  # half a unit in the last place
 
 
@@ -147,7 +154,8 @@ def head_checks(shape: dict, dtype, device: str, tolerance: float, timing: bool)
         )
     found = {"cases": cases, "ties_and_nan": head_ties(dtype, device)}
     if timing:
-        found["timing_768_rows"] = head_timing(real, random_rows(768, H, dtype, device, 9), device)
+        for rows in TIMED_ROWS:
+            found[f"timing_{rows}_rows"] = head_timing(real, random_rows(rows, H, dtype, device, 9), device)
     found["ok"] = all(c["ok"] for c in cases) and found["ties_and_nan"]["ok"]
     return found
 

@@ -398,7 +398,8 @@ def _frontier(group: SequenceGroup, ids_of: list[int], results: dict[int, Sequen
     prompts, lengths = group.prompts.tolist(), group.lengths.tolist()
     starts = group.prompts.clone()
     sequence = torch.arange(len(ids_of), device=device)
-    walking = starts < group.lengths - 1
+    last = group.lengths - 1  # a walk goes on while its start is before its last position
+    walking = starts < last
     splits = SplitWalks(starts, group.lengths, group.ids.shape[1]) if device.type in SPLIT_DEVICES else None
     records: list[torch.Tensor] = []
     while True:
@@ -415,17 +416,19 @@ def _frontier(group: SequenceGroup, ids_of: list[int], results: dict[int, Sequen
                 index, starts = splits.refill(keep, starts)
                 sequence = splits.sequence
             group.select(index)
+            last = group.lengths - 1
             walking = torch.ones_like(starts, dtype=torch.bool)
-        remaining = group.lengths - 1 - starts
+        remaining = last - starts
         # A step moves a block forward by a block at most: no start is past this bound (a walk started
         # inside a range exists only after a `select`, which computes the whole context).
         reach = group.longest_prompt + len(records) * group.drafter.block_size
         runs = group.match_runs(starts[:, None], reach)[:, 0]
-        k = torch.minimum(runs, remaining)
-        a = torch.where(walking, torch.minimum(k + 1, remaining), torch.zeros_like(k))
+        # The accepted drafts and the bonus token, never past the end; none where the walk has ended. In
+        # place where it can: the device idles while the host launches these, so the fewer the better.
+        a = torch.minimum(runs + 1, remaining).mul_(walking)
         records.append(torch.stack([sequence, starts, a]))
         starts = starts + a
-        walking = walking & (starts < group.lengths - 1)
+        walking = walking & (starts < last)
         if splits is not None:
             walking = splits.land(starts, walking)
     if splits is None:
