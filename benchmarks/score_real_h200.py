@@ -44,8 +44,8 @@ Timed on all completions, each stage written to the record as it ends:
   - the same with each of the engine's switches in SWITCHED otherwise than by default (the block's own
     keys written into the context instead of merged by the Triton kernel, the trunk eager instead of
     replayed from a CUDA graph, every chunk's features copy queued at the start instead of two ahead of
-    the walk, the context's K/V computed on the walk's stream as it reaches them instead of ahead on a
-    side stream, the down projection's weight stored row-major instead of column-major, the residual
+    the walk, the context's K/V computed ahead on a side stream instead of on the walk's stream as it
+    reaches them, the down projection's weight stored row-major instead of column-major, the residual
     sums apart from the products instead of in their epilogues);
   - the same with head passes not widened where few blocks are left (leading_matches.MIN_ROWS_PER_PASS),
     and with the first layer's mask rows projected from a strided slice (one 2-row product per block);
@@ -141,7 +141,7 @@ SWITCHED = {
     "block_keys_in_context": (block_attention, "BLOCK_KEYS", "in_context"),
     "trunk_eager": (trunk_graph, "GRAPH_DEVICES", ()),
     "copies_all_at_start": (streamed_context, "COPIES_AHEAD", None),
-    "kv_on_walk": (streamed_context, "KV_AHEAD_DEVICES", ()),
+    "kv_ahead": (streamed_context, "KV_AHEAD_DEVICES", ("cuda",)),
     "down_row_major": (drafter_module, "DOWN_COLUMNS_DEVICES", ()),
     "sums_apart": (drafter_ops, "SUM_IN_PRODUCT", False),
 }

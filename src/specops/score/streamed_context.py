@@ -3,12 +3,12 @@
 The walk's first step reads the context before the prompt's end only, and each step moves a block
 forward at most: the context after that is needed later. At the real drafter's shape the features of
 256 completions are about 15 GB, half a second over PCIe, while the walk that reads them takes
-seconds. So on a GPU the chunks' copies run on a side stream, and a chunk's K/V are computed on another
-one right after its copy (KV_AHEAD_DEVICES; elsewhere on the walk's stream when the walk is about to read
-past the positions computed so far): the copies and the K/V run under the walk's arithmetic and in its
-waits instead of before it. Queueing a chunk's copies takes the host one call per completion (about 6 ms
-for 256), so only COPIES_AHEAD chunks are queued at the start and each later one when the walk reaches
-a chunk. On the CPU the copies are plain ones (there is nothing to overlap), made as the chunks are
+seconds. So on a GPU the chunks' copies run on a side stream, and a chunk's K/V are computed (on the
+walk's stream, after its copy) only when the walk is about to read past the positions computed so far, or
+on another side stream right after the copy where KV_AHEAD_DEVICES says so: the copies run under the
+walk's arithmetic instead of before it. Queueing a chunk's copies takes the host one call per completion
+(about 6 ms for 256), so only COPIES_AHEAD chunks are queued at the start and each later one when the walk
+reaches a chunk. On the CPU the copies are plain ones (there is nothing to overlap), made as the chunks are
 queued.
 """
 
@@ -30,11 +30,12 @@ CHUNK_POSITIONS = 128
 COPIES_AHEAD: int | None = 2
 # Device types where a chunk's K/V are computed on a side stream right after its copy, ahead of the walk,
 # rather than on the walk's stream when the walk reaches the chunk: the walk waits for them only where it
-# reads them, and the device computes them while the walk's stream waits for the host (a head pass's
-# synchronization, the next launches). The walk runs on a stream of higher priority (`walk_stream`), so
-# the K/V take the device only where the walk leaves it. Measured beside computing them on the walk's
-# stream in benchmarks/score_real_h200.py ("kv_on_walk").
-KV_AHEAD_DEVICES: tuple[str, ...] = ("cuda",)
+# reads them, and the device may compute them while the walk's stream waits for the host. The walk then
+# runs on a stream of higher priority (`walk_stream`), so the K/V take the device only where the walk
+# leaves it. Measured on two H100s at the real shape, alternated three rounds with the walk's stream: 0.6%
+# slower and 0.4% faster (benchmarks/score_real_h100_2026-12-06_epilogue_sums.json, _kernels.json):
+# no gain, so none by default; benchmarks/score_real_h200.py measures it ("kv_ahead").
+KV_AHEAD_DEVICES: tuple[str, ...] = ()
 
 
 # One walk stream per device, kept: the allocator caches memory per stream, so a new stream for every run

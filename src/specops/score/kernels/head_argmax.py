@@ -17,9 +17,9 @@ import triton.language as tl
 from specops.score.kernels.argmax_order import combine_partials, takes_first
 
 # Tile sizes and launch settings; benchmarks/score_triton_check.py times a few others beside these. The
-# fastest of them on an H100 at 768 rows: 2.86 ms against 3.42 ms for 128 x 128 x 64 with 4 stages, and
-# 2.80 ms for torch's product and argmax (benchmarks/score_triton_check_h100_2026-12-06.json).
-TILES = {"block_m": 128, "block_n": 256, "block_k": 64, "num_warps": 8, "num_stages": 3}
+# fastest of nine on an H100 at 768, 349 and 140 rows: 2.86, 1.52 and 1.13 ms, against 2.77, 1.41 and
+# 1.05 ms for torch's product and argmax (benchmarks/score_triton_check_h100_2026-12-06_tiles.json).
+TILES = {"block_m": 128, "block_n": 256, "block_k": 64, "num_warps": 8, "num_stages": 4}
 
 _takes_first = triton.jit(takes_first)
 
