@@ -312,14 +312,20 @@ def test_a_torch_without_the_variable_length_kernel_falls_back_to_the_masked_ker
     )
 
 
-@torch.inference_mode()
-def test_fused_projections_and_mask_rows_once_give_the_plain_forward():
-    drafter = build(*RULES["sliding (causal, windowed)"])
+def plain_forward(rule: str):
+    """A drafter of the rule before any fusion, with inputs, its weights and its plain forward on them."""
+    drafter = build(*RULES[rule])
     features, _, starts = inputs()
     head = TargetHead(torch.randn(64, HIDDEN), torch.randn(64, HIDDEN))
     blocks = drafter.block_embeddings(head.embed, torch.tensor([[3], [5], [7], [9], [11]]))
     state = {name: tensor.clone() for name, tensor in drafter.state_dict().items()}
     plain = drafter(blocks, starts, drafter.context_kv(features))
+    return drafter, features, starts, blocks, state, plain
+
+
+@torch.inference_mode()
+def test_fused_projections_and_mask_rows_once_give_the_plain_forward():
+    drafter, features, starts, blocks, state, plain = plain_forward("sliding (causal, windowed)")
     drafter.fuse_projections()
     attn = drafter.decoder_layers[0].self_attn
     assert attn.fused_qkv() is not None
@@ -341,12 +347,7 @@ def test_fused_projections_and_mask_rows_once_give_the_plain_forward():
 def test_the_down_projection_is_stored_column_major_where_the_device_is_listed(monkeypatch):
     import specops.score.drafter as drafter_module
 
-    drafter = build(*RULES["full"])
-    features, _, starts = inputs()
-    head = TargetHead(torch.randn(64, HIDDEN), torch.randn(64, HIDDEN))
-    blocks = drafter.block_embeddings(head.embed, torch.tensor([[3], [5], [7], [9], [11]]))
-    state = {name: tensor.clone() for name, tensor in drafter.state_dict().items()}
-    plain = drafter(blocks, starts, drafter.context_kv(features))
+    drafter, features, starts, blocks, state, plain = plain_forward("full")
     down = drafter.decoder_layers[0].mlp.down_proj
 
     def column_major() -> bool:
