@@ -3,6 +3,7 @@ idle time between them, and what candidate changes would save, measured side by 
 
     PYTHONPATH=src python3 benchmarks/score_step_profile.py --out $OUT/score_step_profile.json
     PYTHONPATH=src python3 benchmarks/score_step_profile.py --smoke     # CPU: tiny shapes, the same code
+    PYTHONPATH=src python3 benchmarks/score_step_profile.py --products-only   # the products' rates alone
 
 The models, features and planted tokens are those of score_real_h200.py (tau ~6), on completions cut to
 --tokens output tokens so that the trace stays small. Recorded:
@@ -13,7 +14,7 @@ The models, features and planted tokens are those of score_real_h200.py (tau ~6)
   - the device time inside each of the engine's named parts (StepTimer's spans);
   - each of the drafter's products and the head's at the frontier's row counts, in FLOP/s; each drafter
     product also with its weight stored transposed and through cuBLASLt, and the head's product without
-    its argmax;
+    its argmax and with logits in the weights' dtype (alone and with each row's maximum);
   - the drafter's trunk at the full batch, eager (its kernels traced) and replayed from a CUDA graph
     (what kernel launches cost it).
 """
@@ -240,6 +241,14 @@ def product_rates(shape: dict, drafter, head, device: str, rows: tuple[int, ...]
         _fp32_linear(x, head.lm_head_weight)
         _, seconds = timed(lambda x=x: [_fp32_linear(x, head.lm_head_weight) for _ in range(10)], device)
         found[f"head product rows={m}"] = {"ms": seconds / 10 * 1e3}
+        # The same product with logits in the weights' dtype, alone and with each row's maximum: what a head
+        # that took its argmax from rounded logits (and settled their ties apart) would start from.
+        weight = head.lm_head_weight
+        (x @ weight.T).max(dim=-1)
+        _, seconds = timed(lambda x=x, w=weight: [x @ w.T for _ in range(10)], device)
+        found[f"head product rows={m} rounded logits"] = {"ms": seconds / 10 * 1e3}
+        _, seconds = timed(lambda x=x, w=weight: [(x @ w.T).max(dim=-1) for _ in range(10)], device)
+        found[f"head product and maximum rows={m} rounded logits"] = {"ms": seconds / 10 * 1e3}
         head.argmax(x)
         _, seconds = timed(lambda x=x: [head.argmax(x) for _ in range(10)], device)
         flops = 2 * m * shape["hidden"] * shape["vocab"]
@@ -341,6 +350,9 @@ def main() -> None:
         action="store_true",
         help="split walks on this device whatever acceptance.SPLIT_DEVICES says",
     )
+    parser.add_argument(
+        "--products-only", action="store_true", help="only the products' rates (no planting, trace or trunk)"
+    )
     parser.add_argument("--out", help="JSON file to write (default $OUT/score_step_profile.json)")
     args = parser.parse_args()
     shape = dict(SMOKE if args.smoke else REAL)
@@ -372,6 +384,12 @@ def main() -> None:
     record["matmul_tflop_per_s"] = (matmul_rate(device) or 0) / 1e12
     drafter, head = build_models(shape, device, dtype, args.seed)
     drafter.fuse_projections()
+    rows = (B * shape["block"], B * shape["block"] // 2, B * 3)
+    if args.products_only:
+        record["products"] = product_rates(shape, drafter, head, device, rows)
+        save()
+        print(json.dumps(record, indent=2))
+        return
     generator = torch.Generator(device=device).manual_seed(args.seed + 1)
     features = torch.randn(B, L, N_FEATURES, shape["hidden"], device=device, generator=generator, dtype=dtype)
     ids = torch.randint(0, shape["vocab"] - 1, (B, L), device=device, generator=generator)
@@ -405,7 +423,6 @@ def main() -> None:
 
     record["inputs"] = inputs_probe(drafter, sequences, device)
     save()
-    rows = (B * shape["block"], B * shape["block"] // 2, B * 3)
     record["products"] = product_rates(shape, drafter, head, device, rows)
     save()
     record["trunk"] = trunk_eager_and_graphed(drafter, head, sequences, device, start=(P + L) // 2)
