@@ -43,9 +43,11 @@ from specops.score.drafter_ops import (
 SUPPORTED_ARCHITECTURES = ("DFlashDraftModel",)
 # Device types where `fuse_projections` stores the MLP's down projection column-major (its linear's weight
 # a transposed view of an [intermediate, hidden] matrix): cuBLAS picks its kernel by layout, and for
-# [rows, intermediate] @ weight.T at the real shape it picks a faster one so. Measured on an H100 at the
-# full batch (4096 rows): 0.947 ms against 1.062 ms, 771 against 687 TFLOP/s, while q/k/v, o_proj and
-# gate/up ran as fast or faster row-major (benchmarks/score_step_profile_h100_2026-12-06_layouts.json).
+# [rows, intermediate] @ weight.T at the real shape it picks a faster one so. Measured alone on H100s at
+# the full batch (4096 rows): 0.947 against 1.062 ms (771 against 687 TFLOP/s), 0.947 against 0.997 ms,
+# 0.950 against 1.061 ms, equal on a fourth, while q/k/v, o_proj and gate/up ran as fast or faster
+# row-major (benchmarks/score_step_profile_h100_2026-12-06_layouts.json and the later records of that
+# day); in the whole engine no effect beyond the rounds' spread (benchmarks/README.md).
 DOWN_COLUMNS_DEVICES: tuple[str, ...] = ("cuda",)
 SUPPORTED_LAYER_TYPES = ("full_attention", "sliding_attention")
 

@@ -32,9 +32,10 @@ COPIES_AHEAD: int | None = 2
 # rather than on the walk's stream when the walk reaches the chunk: the walk waits for them only where it
 # reads them, and the device may compute them while the walk's stream waits for the host. The walk then
 # runs on a stream of higher priority (`walk_stream`), so the K/V take the device only where the walk
-# leaves it. Measured on two H100s at the real shape, alternated three rounds with the walk's stream: 0.6%
-# slower and 0.4% faster (benchmarks/score_real_h100_2026-12-06_epilogue_sums.json, _kernels.json):
-# no gain, so none by default; benchmarks/score_real_h200.py measures it ("kv_ahead").
+# leaves it. Measured on three H100s at the real shape, alternated three rounds with the K/V on the walk's
+# stream: 0.6% faster, 0.4% slower, 2.2% faster (benchmarks/score_real_h100_2026-12-06_epilogue_sums.json,
+# _kernels.json, _last.json), within the rounds' own spread (3% at the last): no gain shown, so none by
+# default (no extra streams); benchmarks/score_real_h200.py measures it ("kv_ahead").
 KV_AHEAD_DEVICES: tuple[str, ...] = ()
 
 
