@@ -46,7 +46,8 @@ Timed on all completions, each stage written to the record as it ends:
     replayed from a CUDA graph, every chunk's features copy queued at the start instead of two ahead of
     the walk, the context's K/V computed ahead on a side stream instead of on the walk's stream as it
     reaches them, the down projection's weight stored row-major instead of column-major, the residual
-    sums apart from the products instead of in their epilogues);
+    sums apart from the products instead of in their epilogues, the head's float32 logits reduced by the
+    row argmax kernel instead of torch.argmax);
   - the same with head passes not widened where few blocks are left (leading_matches.MIN_ROWS_PER_PASS),
     and with the first layer's mask rows projected from a strided slice (one 2-row product per block);
   - the same with the head and the last layer over all 15 draft positions of every block, and in
@@ -144,6 +145,7 @@ SWITCHED = {
     "kv_ahead": (streamed_context, "KV_AHEAD_DEVICES", ("cuda",)),
     "down_row_major": (drafter_module, "DOWN_COLUMNS_DEVICES", ()),
     "sums_apart": (drafter_ops, "SUM_IN_PRODUCT", False),
+    "row_argmax_triton": (target_head, "ROW_ARGMAX", "triton"),
 }
 # Switches read when the drafter's weights are laid out (`DFlashDrafter.fuse_projections`), not at each call:
 # the weights are laid out again as the switch is set and again as it is restored.

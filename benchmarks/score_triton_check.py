@@ -14,6 +14,9 @@ head_dim of 64 and of 96), in bf16 and fp16, through the engine's own entry poin
   cuBLAS, so a token may differ only at a near-tie: each mismatch's gap between the two tokens' torch
   logits must be under --tie-tolerance. Exact ties across tiles go to the lowest token, a row of zeros
   to token 0, a NaN logit wins as in torch.argmax. Times of both at TIMED_ROWS rows, for a few tile settings.
+- the row argmax of float32 logits (`target_head.row_argmax` with the kernel switched on): its tokens
+  against torch.argmax's, which they must equal (random rows, ties across chunks, -inf, NaN); times of both
+  at TIMED_ROWS rows.
 - SiLU-and-mul and the q/k norm with RoPE: the largest difference from the reference (which computes
   what the kernel does, in torch: at most 2 units of the dtype's last place at max(|value|, 1)), and from
   eager torch (reported: eager rounds twice where the kernels round once). Times of both.
@@ -62,13 +65,16 @@ TILE_SETTINGS = [
 # Rows of the head passes timed: a full first pass at the real batch (256 blocks x 3 positions) and two
 # later, smaller ones.
 TIMED_ROWS = (768, 349, 140)
+NAN, INF = float("nan"), float("inf")
 EPS = {torch.bfloat16: 2**-8, torch.float16: 2**-11, torch.float32: 2**-24}  # half a unit in the last place
 
 
 def references_as_kernels() -> None:
     """The CPU run: the references stand in for the kernels, and the kernels' rule says yes."""
     kernels.applies = lambda *tensors: True  # type: ignore[assignment]
+    kernels.reduces = lambda logits: True  # type: ignore[assignment]
     sys.modules["specops.score.kernels.head_argmax"] = SimpleNamespace(head_argmax=reference.head_argmax)  # type: ignore[assignment]
+    sys.modules["specops.score.kernels.row_argmax"] = SimpleNamespace(row_argmax=reference.row_argmax)  # type: ignore[assignment]
     sys.modules["specops.score.kernels.silu_mul"] = SimpleNamespace(silu_mul=reference.silu_mul)  # type: ignore[assignment]
     sys.modules["specops.score.kernels.norm_rope"] = SimpleNamespace(norm_rope=reference.norm_rope)  # type: ignore[assignment]
     sys.modules["specops.score.kernels.attend_block"] = SimpleNamespace(attend_block=reference.attend_block)  # type: ignore[assignment]
@@ -196,6 +202,37 @@ def head_timing(head: TargetHead, rows: torch.Tensor, device: str) -> dict:
         except Exception as error:  # a setting this device cannot hold (shared memory): recorded
             timing[name] = {"error": f"{type(error).__name__}: {str(error)[:200]}"}
     return timing
+
+
+def row_argmax_checks(shape: dict, device: str, timing: bool) -> dict:
+    """The row kernel (through `target_head.row_argmax`, switched on) against torch.argmax on float32 logits
+    of the real vocabulary: random rows, exact ties across chunks, -inf and NaN; times at TIMED_ROWS rows."""
+    V = shape["vocab"]
+    generator = torch.Generator(device=device).manual_seed(11)
+    logits = torch.randn(64, V, device=device, generator=generator)
+    logits[1] = -INF  # every position ties at -inf: the first
+    logits[2, 5] = logits[2, V - 1] = logits[2, V // 2] = 100.0  # a tie across chunks: the lowest
+    logits[3, 7] = NAN  # a NaN above every number
+    logits[4, 9] = logits[4, V - 3] = NAN  # the first NaN
+    logits[5, -1] = 1e9  # the last position
+    saved = target_head.ROW_ARGMAX
+    target_head.ROW_ARGMAX = "triton"
+    try:
+        found = target_head.row_argmax(logits)
+        cases = {"rows": logits.shape[0], "mismatches": int((found != logits.argmax(dim=-1)).sum())}
+        cases["special_rows"] = found[1:6].tolist()
+        cases["kernel_failed"] = target_head.ROW_ARGMAX_FAILED
+        result = {"cases": cases, "ok": cases["mismatches"] == 0 and cases["kernel_failed"] is None}
+        if timing:
+            for rows in TIMED_ROWS:
+                block = torch.randn(rows, V, device=device, generator=generator)
+                result[f"timing_{rows}_rows"] = {
+                    "kernel_ms": timed_ms(lambda block=block: target_head.row_argmax(block), device),
+                    "torch_ms": timed_ms(lambda block=block: block.argmax(dim=-1), device),
+                }
+    finally:
+        target_head.ROW_ARGMAX = saved
+    return result
 
 
 # ---------------------------------------------------------------------------------------------
@@ -428,7 +465,10 @@ def main() -> None:
             summary[f"elementwise_{name}"] = elementwise_checks(shape, dtype, device, timing)
             if device == "cuda":
                 torch.cuda.empty_cache()
-    summary["ok"] = all(v["ok"] for k, v in summary.items() if k.startswith(("head_", "elementwise_")))
+    summary["row_argmax"] = row_argmax_checks(shape, device, timing=device == "cuda")
+    summary["ok"] = all(
+        v["ok"] for k, v in summary.items() if k.startswith(("head_", "elementwise_", "row_argmax"))
+    )
     text = json.dumps(summary, indent=2)
     print(text)
     out = args.out or (

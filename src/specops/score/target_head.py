@@ -30,6 +30,14 @@ DEFAULT_VOCAB_CHUNK: int | None = None
 # importable) and no softcap is set (tanh in the epilogue could round otherwise than torch's and turn a
 # close call); the torch path elsewhere. Measured beside "torch" in benchmarks/score_real_h200.py.
 ARGMAX_KERNEL = "torch"
+# How the float32 logits of one product over the whole vocabulary become tokens: "torch" (torch.argmax) or
+# "triton" (`kernels.row_argmax`: a chunk of a row per program, the same answer exactly) where
+# `kernels.reduces`. torch's took 0.33-0.65 ms of a 768-row pass on H100s, reading 1.2-2.3 TB/s of 3.35.
+# The kernel has not run on a GPU yet: "torch" until benchmarks/score_triton_check.py and
+# benchmarks/score_real_h200.py ("row_argmax_triton") have measured it.
+ROW_ARGMAX = "torch"
+# Why the row kernel failed here, or None; after a failure torch.argmax serves for the rest of the process.
+ROW_ARGMAX_FAILED: str | None = None
 
 
 class TargetHeadError(ValueError):
@@ -116,7 +124,7 @@ class TargetHead:
         if flat.shape[0] <= rows and not fused and chunk == vocab:
             # One product over the whole vocabulary: its argmax is the answer (no running best to keep).
             logits = self._finish(_fp32_linear(flat, self.lm_head_weight), multiplier, softcap)
-            return logits.argmax(dim=-1).view(hidden.shape[:-1])
+            return row_argmax(logits).view(hidden.shape[:-1])
         out = torch.empty(flat.shape[0], dtype=torch.long, device=flat.device)
         for i in range(0, flat.shape[0], rows):
             if fused:
@@ -149,6 +157,22 @@ class TargetHead:
             best_index = torch.where(better, index, best_index)
         assert best_index is not None
         return best_index
+
+
+def row_argmax(logits: torch.Tensor) -> torch.Tensor:
+    """torch.argmax(logits, dim=-1) of logits [rows, vocab]: through the row kernel where ROW_ARGMAX says
+    so and `kernels.reduces`, torch's otherwise (and for good after the kernel fails, said once)."""
+    global ROW_ARGMAX_FAILED
+    if ROW_ARGMAX == "triton" and ROW_ARGMAX_FAILED is None and logits.dim() == 2 and kernels.reduces(logits):
+        try:
+            from specops.score.kernels.row_argmax import row_argmax as kernel
+
+            return kernel(logits)
+        except Exception as error:  # noqa: BLE001 (any failure to build or run it: torch's argmax instead)
+            ROW_ARGMAX_FAILED = kernels.failure(
+                error, "the head's row argmax kernel failed ({}); torch.argmax takes the logits"
+            )
+    return logits.argmax(dim=-1)
 
 
 def _fp32_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

@@ -35,6 +35,19 @@ def head_argmax_partials(
     return fold(values, indices)
 
 
+def row_argmax(logits: torch.Tensor, chunk: int = 8192) -> torch.Tensor:
+    """Token ids [rows] of logits [rows, vocab] through the kernel's steps: each chunk of a row folded to
+    (maximum, first index) with `takes_first`, past the row's end -inf at indices above it, the chunks
+    combined."""
+    rows, vocab = logits.shape
+    chunks = -(-vocab // chunk)
+    padded = logits.float().new_full((rows, chunks * chunk), float("-inf"))
+    padded[:, :vocab] = logits.float()
+    index = torch.arange(chunks * chunk, dtype=torch.int32, device=logits.device).view(1, chunks, chunk)
+    values, indices = fold(padded.view(rows, chunks, chunk), index.expand(rows, chunks, chunk))
+    return combine_partials(values, indices)
+
+
 def fold(values: torch.Tensor, indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Reduce the last dimension pairwise with `takes_first` (a tree, as a kernel's reduction runs)."""
     while values.shape[-1] > 1:
