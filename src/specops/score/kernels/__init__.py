@@ -5,7 +5,7 @@
   `argmax_order` states the order (ties to the lowest token, NaN above all, as torch.argmax) and
   combines the tiles' partials.
 - `row_argmax`: the argmax of each row of float32 logits, a chunk of a row per program, combined as
-  `head_argmax`'s tiles are (the same order).
+  `head_argmax`'s tiles are (the same order; `first_max` is that order compiled for both).
 - `silu_mul`: SiLU(gate) * up, reading the MLP's fused gate-up product once.
 - `norm_rope`: the queries' and keys' RMSNorm and RoPE in one pass.
 - `reference`: what each kernel computes, in torch (the CPU tests and benchmarks/score_triton_check.py

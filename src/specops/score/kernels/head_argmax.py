@@ -14,20 +14,13 @@ import torch
 import triton
 import triton.language as tl
 
-from specops.score.kernels.argmax_order import combine_partials, takes_first
+from specops.score.kernels.argmax_order import combine_partials
+from specops.score.kernels.first_max import first_max
 
 # Tile sizes and launch settings; benchmarks/score_triton_check.py times a few others beside these. The
 # fastest of nine on an H100 at 768, 349 and 140 rows: 2.86, 1.52 and 1.13 ms, against 2.77, 1.41 and
 # 1.05 ms for torch's product and argmax (benchmarks/score_triton_check_h100_2026-12-06_tiles.json).
 TILES = {"block_m": 128, "block_n": 256, "block_k": 64, "num_warps": 8, "num_stages": 4}
-
-_takes_first = triton.jit(takes_first)
-
-
-@triton.jit
-def _first_max(value_a, index_a, value_b, index_b):
-    first = _takes_first(value_a, index_a, value_b, index_b)
-    return tl.where(first, value_a, value_b), tl.where(first, index_a, index_b)
 
 
 @triton.jit
@@ -75,7 +68,7 @@ def _head_argmax_kernel(
     # Tokens past the vocabulary lose to every real one: -inf, and an index above all of the tile's.
     acc = tl.where((cols < N)[None, :], acc, float("-inf"))
     index = tl.broadcast_to(cols[None, :], (BLOCK_M, BLOCK_N))
-    best, best_index = tl.reduce((acc, index), 1, _first_max)
+    best, best_index = tl.reduce((acc, index), 1, first_max)
     out = rows * n_tiles + pid_n
     tl.store(values_ptr + out, best, mask=rows < M)
     tl.store(indices_ptr + out, best_index, mask=rows < M)

@@ -14,19 +14,12 @@ import torch
 import triton
 import triton.language as tl
 
-from specops.score.kernels.argmax_order import combine_partials, takes_first
+from specops.score.kernels.argmax_order import combine_partials
+from specops.score.kernels.first_max import first_max
 
 # Positions of a row per program, and its warps: each thread holds 32 of them.
 CHUNK = 8192
 NUM_WARPS = 8
-
-_takes_first = triton.jit(takes_first)
-
-
-@triton.jit
-def _first_max(value_a, index_a, value_b, index_b):
-    first = _takes_first(value_a, index_a, value_b, index_b)
-    return tl.where(first, value_a, value_b), tl.where(first, index_a, index_b)
 
 
 @triton.jit
@@ -36,7 +29,7 @@ def _row_argmax_kernel(x_ptr, values_ptr, indices_ptr, N, stride_row, n_chunks, 
     cols = chunk * BLOCK + tl.arange(0, BLOCK)
     # Past the row's end: -inf, at indices above every real one, so it loses to any real value.
     x = tl.load(x_ptr + row.to(tl.int64) * stride_row + cols, mask=cols < N, other=float("-inf"))
-    best, best_index = tl.reduce((x.to(tl.float32), cols), 0, _first_max)
+    best, best_index = tl.reduce((x.to(tl.float32), cols), 0, first_max)
     out = row.to(tl.int64) * n_chunks + chunk
     tl.store(values_ptr + out, best)
     tl.store(indices_ptr + out, best_index)
