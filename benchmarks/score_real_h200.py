@@ -47,7 +47,8 @@ Timed on all completions, each stage written to the record as it ends:
     the walk, the context's K/V computed ahead on a side stream instead of on the walk's stream as it
     reaches them, the down projection's weight stored row-major instead of column-major, the residual
     sums apart from the products instead of in their epilogues, the head's float32 logits reduced by the
-    row argmax kernel instead of torch.argmax);
+    row argmax kernel instead of torch.argmax, the head passes' tokens from logits rounded to bfloat16
+    and settled in float32 where close instead of float32 logits: runs count the passes taken again);
   - the same with head passes not widened where few blocks are left (leading_matches.MIN_ROWS_PER_PASS),
     and with the first layer's mask rows projected from a strided slice (one 2-row product per block);
   - the same with the head and the last layer over all 15 draft positions of every block, and in
@@ -146,6 +147,7 @@ SWITCHED = {
     "down_row_major": (drafter_module, "DOWN_COLUMNS_DEVICES", ()),
     "sums_apart": (drafter_ops, "SUM_IN_PRODUCT", False),
     "row_argmax_triton": (target_head, "ROW_ARGMAX", "triton"),
+    "rounded_logits": (target_head, "ROUNDED_DEVICES", ("cuda",)),
 }
 # Switches read when the drafter's weights are laid out (`DFlashDrafter.fuse_projections`), not at each call:
 # the weights are laid out again as the switch is set and again as it is restored.
@@ -480,16 +482,28 @@ def count_forwards() -> list[int]:
 
 
 def count_head_rows(head) -> list[int]:
-    """Count the rows the head's argmax takes from now until `del head.argmax` (no host sync: the
-    shapes are known on the host); returns the one-element counter."""
+    """Count the rows the head takes (its argmax, and its passes from rounded logits: a pass taken again in
+    float32 counts twice) from now until `del head.argmax, head.rounded_argmax` (no host sync: the shapes
+    are known on the host); returns the one-element counter."""
     counter = [0]
-    argmax = head.argmax
+    within = [False]
+    argmax, rounded = head.argmax, head.rounded_argmax
 
     def counted(hidden, *args, **kwargs):
-        counter[0] += hidden.numel() // hidden.shape[-1]
+        if not within[0]:
+            counter[0] += hidden.numel() // hidden.shape[-1]
         return argmax(hidden, *args, **kwargs)
 
-    head.argmax = counted
+    def counted_rounded(hidden, *args, **kwargs):
+        # Where the rounded logits do not apply, rounded_argmax calls argmax: those rows are counted here.
+        counter[0] += hidden.numel() // hidden.shape[-1]
+        within[0] = True
+        try:
+            return rounded(hidden, *args, **kwargs)
+        finally:
+            within[0] = False
+
+    head.argmax, head.rounded_argmax = counted, counted_rounded
     return counter
 
 
@@ -668,6 +682,7 @@ def main() -> None:
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats()
         forwards[:] = [0, 0]
+        unsettled = head.unsettled_passes
         found, seconds = timed(lambda: offline_acceptance(drafter, head, sequences, timer=timer), device)
         summary = {
             "seconds": seconds,
@@ -675,6 +690,8 @@ def main() -> None:
             "steps": sum(r.steps for r in found),
             "batched_forwards": forwards[0],
             "blocks_drafted": forwards[1],
+            # Head passes whose rounded logits left a row unsettled, taken again in float32.
+            "unsettled_passes": head.unsettled_passes - unsettled,
         }
         if device == "cuda":
             summary["peak_gpu_memory_gib"] = torch.cuda.max_memory_allocated() / 2**30
@@ -703,7 +720,7 @@ def main() -> None:
     first, runs["first_in_process"] = engine(POSITIONS_PER_PASS)
     head_rows = count_head_rows(head)
     repeated = [engine(POSITIONS_PER_PASS) for _ in range(REPEATS)]
-    del head.argmax
+    del head.argmax, head.rounded_argmax
     results, runs["where_needed"] = sorted(repeated, key=lambda run: run[1]["seconds"])[REPEATS // 2]
     runs["where_needed"]["seconds_each"] = [summary["seconds"] for _, summary in repeated]
     head_rows[0] //= REPEATS

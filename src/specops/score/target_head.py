@@ -15,6 +15,7 @@ import torch.nn.functional as F
 
 from specops.model_files import EMBED_NAMES, LM_HEAD_NAMES
 from specops.score import kernels
+from specops.score.rounded_argmax import rounded_argmax
 
 # Logits for this many bytes at most are alive at once in `argmax`.
 DEFAULT_LOGITS_BUDGET = 1 << 30
@@ -38,6 +39,15 @@ ARGMAX_KERNEL = "torch"
 ROW_ARGMAX = "torch"
 # Why the row kernel failed here, or None; after a failure torch.argmax serves for the rest of the process.
 ROW_ARGMAX_FAILED: str | None = None
+# Device types whose head passes (`rounded_argmax`, for `leading_matches`) take their tokens from logits
+# rounded to the weights' half precision, settled in float32 where tokens lie close
+# (`specops.score.rounded_argmax`), where the kernels apply (`kernels.applies`), the output multiplier is 1
+# and no softcap is set. Measured beside the float32 logits in benchmarks/score_real_h200.py
+# ("rounded_logits").
+ROUNDED_DEVICES: tuple[str, ...] = ()
+# Why the rounded path failed here, or None; after a failure the float32 logits serve for the rest of the
+# process.
+ROUNDED_FAILED: str | None = None
 
 
 class TargetHeadError(ValueError):
@@ -64,6 +74,8 @@ class TargetHead:
         self.logits_budget_bytes = logits_budget_bytes
         # None: DEFAULT_VOCAB_CHUNK, read at call time.
         self.vocab_chunk = vocab_chunk
+        # Head passes whose rounded logits left a row unsettled, taken again in float32 (`leading_matches`).
+        self.unsettled_passes = 0
 
     @property
     def vocab_size(self) -> int:
@@ -134,6 +146,38 @@ class TargetHead:
             else:
                 out[i : i + rows] = self._chunked_argmax(flat[i : i + rows], chunk, multiplier, softcap)
         return out.view(hidden.shape[:-1])
+
+    def rounded_argmax(
+        self, hidden: torch.Tensor, multiplier: float = 1.0, softcap: float | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Greedy tokens for hidden [..., hidden] -> ([...], unsettled), from rounded logits where
+        `rounded_applies`: unsettled is then a 0-dim bool tensor on the device, true where some row could not
+        be settled from them, in which case the caller takes `argmax` of the same states instead (reading
+        the flag at its next synchronization rather than here). Elsewhere `argmax`'s tokens and None."""
+        global ROUNDED_FAILED
+        flat = hidden.reshape(-1, hidden.shape[-1])
+        if self.rounded_applies(flat, multiplier, softcap):
+            try:
+                tokens, unsettled = rounded_argmax(flat, self.lm_head_weight)
+                return tokens.view(hidden.shape[:-1]), unsettled.any()
+            except Exception as error:  # noqa: BLE001 (any failure to build or run the kernels: float32)
+                ROUNDED_FAILED = kernels.failure(
+                    error, "the head's rounded logits failed ({}); its float32 logits serve instead"
+                )
+        return self.argmax(hidden, multiplier, softcap), None
+
+    def rounded_applies(self, rows: torch.Tensor, multiplier: float, softcap: float | None) -> bool:
+        """Whether `rounded_argmax` takes rounded logits for rows [n, hidden]: on ROUNDED_DEVICES where the
+        kernels apply, with no multiplier or softcap (their float32 arithmetic could reorder close logits),
+        in one product over the whole vocabulary within the logits' budget."""
+        if ROUNDED_FAILED is not None or rows.device.type not in ROUNDED_DEVICES:
+            return False
+        if rows.dtype not in kernels.HALF_DTYPES or self.lm_head_weight.dtype != rows.dtype:
+            return False
+        if multiplier != 1.0 or softcap is not None or (self.vocab_chunk or DEFAULT_VOCAB_CHUNK):
+            return False
+        fits = rows.shape[0] * self.vocab_size * rows.element_size() <= self.logits_budget_bytes
+        return fits and kernels.applies(rows, self.lm_head_weight)
 
     def fused_argmax_applies(self, rows: torch.Tensor, softcap: float | None) -> bool:
         """Whether `argmax` runs the Triton kernel on these rows (see ARGMAX_KERNEL)."""

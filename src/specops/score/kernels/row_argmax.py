@@ -35,8 +35,9 @@ def _row_argmax_kernel(x_ptr, values_ptr, indices_ptr, N, stride_row, n_chunks, 
     tl.store(indices_ptr + out, best_index)
 
 
-def row_argmax(logits: torch.Tensor, chunk: int = CHUNK) -> torch.Tensor:
-    """Token ids [rows] (long) of logits [rows, vocab] (CUDA): torch.argmax(logits, dim=-1)."""
+def chunk_maxima(logits: torch.Tensor, chunk: int = CHUNK) -> tuple[torch.Tensor, torch.Tensor]:
+    """(values [rows, chunks] float32, indices [rows, chunks] int32): each chunk of a row's maximum and the
+    first index of it, for logits [rows, vocab] of any float dtype (CUDA)."""
     rows, n = logits.shape
     if logits.stride(-1) != 1:
         logits = logits.contiguous()
@@ -46,4 +47,9 @@ def row_argmax(logits: torch.Tensor, chunk: int = CHUNK) -> torch.Tensor:
     _row_argmax_kernel[(rows, n_chunks)](
         logits, values, indices, n, logits.stride(0), n_chunks, BLOCK=chunk, num_warps=NUM_WARPS
     )
-    return combine_partials(values, indices)
+    return values, indices
+
+
+def row_argmax(logits: torch.Tensor, chunk: int = CHUNK) -> torch.Tensor:
+    """Token ids [rows] (long) of logits [rows, vocab] (CUDA): torch.argmax(logits, dim=-1)."""
+    return combine_partials(*chunk_maxima(logits, chunk))
