@@ -46,9 +46,9 @@ Timed on all completions, each stage written to the record as it ends:
     replayed from a CUDA graph, every chunk's features copy queued at the start instead of two ahead of
     the walk, the context's K/V computed ahead on a side stream instead of on the walk's stream as it
     reaches them, the down projection's weight stored row-major instead of column-major, the residual
-    sums apart from the products instead of in their epilogues, the head's float32 logits reduced by the
-    row argmax kernel instead of torch.argmax, the head passes' tokens from logits rounded to bfloat16
-    and settled in float32 where close instead of float32 logits: runs count the passes taken again);
+    sums apart from the products instead of in their epilogues, ended walks leaving the batch at a
+    sixteenth or a quarter of it instead of an eighth, head passes widened to 384 or 512 rows instead of
+    256);
   - the same with head passes not widened where few blocks are left (leading_matches.MIN_ROWS_PER_PASS),
     and with the first layer's mask rows projected from a strided slice (one 2-row product per block);
   - the same with the head and the last layer over all 15 draft positions of every block, and in
@@ -146,8 +146,10 @@ SWITCHED = {
     "kv_ahead": (streamed_context, "KV_AHEAD_DEVICES", ("cuda",)),
     "down_row_major": (drafter_module, "DOWN_COLUMNS_DEVICES", ()),
     "sums_apart": (drafter_ops, "SUM_IN_PRODUCT", False),
-    "row_argmax_triton": (target_head, "ROW_ARGMAX", "triton"),
-    "rounded_logits": (target_head, "ROUNDED_DEVICES", ("cuda",)),
+    "leave_at_sixteenth": (acceptance, "ENDED_SHARE", 1 / 16),
+    "leave_at_quarter": (acceptance, "ENDED_SHARE", 1 / 4),
+    "min_rows_384": (matching, "MIN_ROWS_PER_PASS", {"cuda": 384}),
+    "min_rows_512": (matching, "MIN_ROWS_PER_PASS", {"cuda": 512}),
 }
 # Switches read when the drafter's weights are laid out (`DFlashDrafter.fuse_projections`), not at each call:
 # the weights are laid out again as the switch is set and again as it is restored.
@@ -482,28 +484,16 @@ def count_forwards() -> list[int]:
 
 
 def count_head_rows(head) -> list[int]:
-    """Count the rows the head takes (its argmax, and its passes from rounded logits: a pass taken again in
-    float32 counts twice) from now until `del head.argmax, head.rounded_argmax` (no host sync: the shapes
-    are known on the host); returns the one-element counter."""
+    """Count the rows the head's argmax takes from now until `del head.argmax` (no host sync: the
+    shapes are known on the host); returns the one-element counter."""
     counter = [0]
-    within = [False]
-    argmax, rounded = head.argmax, head.rounded_argmax
+    argmax = head.argmax
 
     def counted(hidden, *args, **kwargs):
-        if not within[0]:
-            counter[0] += hidden.numel() // hidden.shape[-1]
+        counter[0] += hidden.numel() // hidden.shape[-1]
         return argmax(hidden, *args, **kwargs)
 
-    def counted_rounded(hidden, *args, **kwargs):
-        # Where the rounded logits do not apply, rounded_argmax calls argmax: those rows are counted here.
-        counter[0] += hidden.numel() // hidden.shape[-1]
-        within[0] = True
-        try:
-            return rounded(hidden, *args, **kwargs)
-        finally:
-            within[0] = False
-
-    head.argmax, head.rounded_argmax = counted, counted_rounded
+    head.argmax = counted
     return counter
 
 
@@ -682,7 +672,6 @@ def main() -> None:
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats()
         forwards[:] = [0, 0]
-        unsettled = head.unsettled_passes
         found, seconds = timed(lambda: offline_acceptance(drafter, head, sequences, timer=timer), device)
         summary = {
             "seconds": seconds,
@@ -690,8 +679,6 @@ def main() -> None:
             "steps": sum(r.steps for r in found),
             "batched_forwards": forwards[0],
             "blocks_drafted": forwards[1],
-            # Head passes whose rounded logits left a row unsettled, taken again in float32.
-            "unsettled_passes": head.unsettled_passes - unsettled,
         }
         if device == "cuda":
             summary["peak_gpu_memory_gib"] = torch.cuda.max_memory_allocated() / 2**30
@@ -720,7 +707,7 @@ def main() -> None:
     first, runs["first_in_process"] = engine(POSITIONS_PER_PASS)
     head_rows = count_head_rows(head)
     repeated = [engine(POSITIONS_PER_PASS) for _ in range(REPEATS)]
-    del head.argmax, head.rounded_argmax
+    del head.argmax
     results, runs["where_needed"] = sorted(repeated, key=lambda run: run[1]["seconds"])[REPEATS // 2]
     runs["where_needed"]["seconds_each"] = [summary["seconds"] for _, summary in repeated]
     head_rows[0] //= REPEATS

@@ -14,13 +14,6 @@ head_dim of 64 and of 96), in bf16 and fp16, through the engine's own entry poin
   cuBLAS, so a token may differ only at a near-tie: each mismatch's gap between the two tokens' torch
   logits must be under --tie-tolerance. Exact ties across tiles go to the lowest token, a row of zeros
   to token 0, a NaN logit wins as in torch.argmax. Times of both at TIMED_ROWS rows, for a few tile settings.
-- the row argmax of float32 logits (`target_head.row_argmax` with the kernel switched on): its tokens
-  against torch.argmax's, which they must equal (random rows, ties across chunks, -inf, NaN); times of both
-  at TIMED_ROWS rows.
-- the head's tokens from rounded logits (`TargetHead.rounded_argmax` with `target_head.ROUNDED_DEVICES`
-  set): the candidates kernel's finds and counts against its reference (ties across chunks, a crowd past
-  its room, -inf and NaN rows); the tokens against the float32 argmax on random rows of the real shape,
-  where every settled row must agree, with the rows left unsettled counted; times of both at TIMED_ROWS.
 - SiLU-and-mul and the q/k norm with RoPE: the largest difference from the reference (which computes
   what the kernel does, in torch: at most 2 units of the dtype's last place at max(|value|, 1)), and from
   eager torch (reported: eager rounds twice where the kernels round once). Times of both.
@@ -76,12 +69,7 @@ EPS = {torch.bfloat16: 2**-8, torch.float16: 2**-11, torch.float32: 2**-24}  # h
 def references_as_kernels() -> None:
     """The CPU run: the references stand in for the kernels, and the kernels' rule says yes."""
     kernels.applies = lambda *tensors: True  # type: ignore[assignment]
-    kernels.reduces = lambda logits: True  # type: ignore[assignment]
     sys.modules["specops.score.kernels.head_argmax"] = SimpleNamespace(head_argmax=reference.head_argmax)  # type: ignore[assignment]
-    sys.modules["specops.score.kernels.row_argmax"] = SimpleNamespace(  # type: ignore[assignment]
-        row_argmax=reference.row_argmax, chunk_maxima=reference.chunk_maxima
-    )
-    sys.modules["specops.score.kernels.near_max"] = SimpleNamespace(near_max=reference.near_max)  # type: ignore[assignment]
     sys.modules["specops.score.kernels.silu_mul"] = SimpleNamespace(silu_mul=reference.silu_mul)  # type: ignore[assignment]
     sys.modules["specops.score.kernels.norm_rope"] = SimpleNamespace(norm_rope=reference.norm_rope)  # type: ignore[assignment]
     sys.modules["specops.score.kernels.attend_block"] = SimpleNamespace(attend_block=reference.attend_block)  # type: ignore[assignment]
@@ -209,111 +197,6 @@ def head_timing(head: TargetHead, rows: torch.Tensor, device: str) -> dict:
         except Exception as error:  # a setting this device cannot hold (shared memory): recorded
             timing[name] = {"error": f"{type(error).__name__}: {str(error)[:200]}"}
     return timing
-
-
-def row_argmax_checks(shape: dict, device: str, timing: bool) -> dict:
-    """The row kernel (through `target_head.row_argmax`, switched on) against torch.argmax on float32 logits
-    of the real vocabulary: random rows, exact ties across chunks, -inf and NaN; times at TIMED_ROWS rows."""
-    V = shape["vocab"]
-    generator = torch.Generator(device=device).manual_seed(11)
-    logits = torch.randn(64, V, device=device, generator=generator)
-    logits[1] = -INF  # every position ties at -inf: the first
-    logits[2, 5] = logits[2, V - 1] = logits[2, V // 2] = 100.0  # a tie across chunks: the lowest
-    logits[3, 7] = NAN  # a NaN above every number
-    logits[4, 9] = logits[4, V - 3] = NAN  # the first NaN
-    logits[5, -1] = 1e9  # the last position
-    saved = target_head.ROW_ARGMAX
-    target_head.ROW_ARGMAX = "triton"
-    try:
-        found = target_head.row_argmax(logits)
-        cases = {"rows": logits.shape[0], "mismatches": int((found != logits.argmax(dim=-1)).sum())}
-        cases["special_rows"] = found[1:6].tolist()
-        cases["kernel_failed"] = target_head.ROW_ARGMAX_FAILED
-        result = {"cases": cases, "ok": cases["mismatches"] == 0 and cases["kernel_failed"] is None}
-        if timing:
-            for rows in TIMED_ROWS:
-                block = torch.randn(rows, V, device=device, generator=generator)
-                result[f"timing_{rows}_rows"] = {
-                    "kernel_ms": timed_ms(lambda block=block: target_head.row_argmax(block), device),
-                    "torch_ms": timed_ms(lambda block=block: block.argmax(dim=-1), device),
-                }
-    finally:
-        target_head.ROW_ARGMAX = saved
-    return result
-
-
-def rounded_checks(shape: dict, device: str, timing: bool) -> dict:
-    """The candidates kernel against its reference, and the head's tokens from rounded logits against its
-    float32 argmax (`TargetHead.rounded_argmax` with the rounded logits switched on), in bfloat16."""
-    from specops.score.rounded_argmax import CANDIDATES, step_below
-
-    H, V = shape["hidden"], shape["vocab"]
-    generator = torch.Generator(device=device).manual_seed(12)
-    logits = torch.randn(64, V, device=device, generator=generator).to(torch.bfloat16)
-    logits[1] = -INF  # nothing at or above the floor: counted 0
-    logits[2, 5] = logits[2, V - 1] = logits[2, V // 2] = 100.0  # a tie across chunks
-    logits[3, 7] = NAN
-    logits[4, : CANDIDATES + 3] = 50.0  # a crowd past the room
-    logits[5, 100] = 40.0
-    logits[5, V - 2] = 39.75  # one step below (bfloat16 steps are 0.25 at 40): both found
-    if device == "cuda":
-        from specops.score.kernels.near_max import near_max
-        from specops.score.kernels.row_argmax import chunk_maxima
-    else:
-        near_max, chunk_maxima = reference.near_max, reference.chunk_maxima
-    chunk_values, _ = chunk_maxima(logits)
-    top = chunk_values.max(dim=-1).values
-    floor = step_below(top.to(torch.bfloat16)).float()
-    found, count = near_max(logits, chunk_values, floor, CANDIDATES)
-    want_found, want_count = reference.near_max(logits, chunk_values, floor, CANDIDATES)
-    held = count.clamp_max(CANDIDATES)
-    same_finds = all(
-        sorted(found[r, : held[r]].tolist()) == want_found[r, : held[r]].tolist()
-        for r in range(logits.shape[0])
-    )
-    result: dict = {
-        "candidates": {
-            "rows": logits.shape[0],
-            "counts_equal": bool(torch.equal(count, want_count)),
-            "finds_equal": same_finds,
-            "special_counts": count[1:6].tolist(),
-        }
-    }
-    ok = result["candidates"]["counts_equal"] and same_finds and count[1:6].tolist() == [0, 3, 0, CANDIDATES + 3, 2]
-    head = random_head(V, H, torch.bfloat16, device, seed=0)
-    saved = target_head.ROUNDED_DEVICES
-    target_head.ROUNDED_DEVICES = (torch.device(device).type,)
-    try:
-        for rows in (768, 140, 15):
-            x = random_rows(rows, H, torch.bfloat16, device, seed=rows + 20)
-            expected = head.argmax(x)
-            assert head.rounded_applies(x, 1.0, None), "the rounded logits do not apply to the check's rows"
-            from specops.score.rounded_argmax import rounded_argmax
-
-            tokens, unsettled = rounded_argmax(x, head.lm_head_weight)
-            wrong = ((tokens != expected) & ~unsettled).nonzero().flatten()
-            gap = 0.0
-            if len(wrong):
-                exact = head.logits(x[wrong])
-                gap = float(
-                    (exact.gather(-1, expected[wrong, None]) - exact.gather(-1, tokens[wrong, None]))
-                    .abs()
-                    .max()
-                )
-            case = {
-                "mismatches_where_settled": len(wrong),
-                "largest_gap": gap,
-                "unsettled_rows": int(unsettled.sum()),
-            }
-            result[f"tokens_{rows}_rows"] = case
-            ok = ok and gap <= 1e-3
-            if timing:
-                case["rounded_ms"] = timed_ms(lambda x=x: head.rounded_argmax(x), device)
-                case["float32_ms"] = timed_ms(lambda x=x: head.argmax(x), device)
-    finally:
-        target_head.ROUNDED_DEVICES = saved
-    result["ok"] = ok
-    return result
 
 
 # ---------------------------------------------------------------------------------------------
@@ -517,9 +400,6 @@ def main() -> None:
         "--tie-tolerance", type=float, default=1e-3, help="largest torch logit gap at a mismatch"
     )
     parser.add_argument(
-        "--only", choices=("row_argmax", "rounded"), help="run this section alone (default: every section)"
-    )
-    parser.add_argument(
         "--out", help="JSON file to write (default $OUT/score_triton_check.json when OUT is set)"
     )
     args = parser.parse_args()
@@ -542,22 +422,14 @@ def main() -> None:
         "tie_tolerance": args.tie_tolerance,
     }
     with torch.inference_mode():
-        for dtype in dtypes if args.only is None else ():
+        for dtype in dtypes:
             name = str(dtype).removeprefix("torch.")
             timing = dtype == torch.bfloat16
             summary[f"head_{name}"] = head_checks(shape, dtype, device, args.tie_tolerance, timing)
             summary[f"elementwise_{name}"] = elementwise_checks(shape, dtype, device, timing)
             if device == "cuda":
                 torch.cuda.empty_cache()
-    if args.only in (None, "row_argmax"):
-        summary["row_argmax"] = row_argmax_checks(shape, device, timing=device == "cuda")
-    if args.only in (None, "rounded"):
-        summary["rounded"] = rounded_checks(shape, device, timing=device == "cuda")
-    summary["ok"] = all(
-        v["ok"]
-        for k, v in summary.items()
-        if k.startswith(("head_", "elementwise_", "row_argmax", "rounded"))
-    )
+    summary["ok"] = all(v["ok"] for k, v in summary.items() if k.startswith(("head_", "elementwise_")))
     text = json.dumps(summary, indent=2)
     print(text)
     out = args.out or (

@@ -456,3 +456,22 @@ def test_split_walks_keep_the_batch_full_when_completions_differ_in_tau(monkeypa
     full_batches = sum(len(steps) for steps in expected) / n
     assert forwards[True] < 1.1 * full_batches
     assert forwards[True] < slow_steps / 1.7
+
+
+@pytest.mark.parametrize("share", [1 / 16, 1 / 8, 1 / 2])
+def test_ended_walks_leave_the_batch_once_they_are_its_ended_share(share, monkeypatch):
+    # 16 completions of lengths 40..190, one position a step: a walk ends every 10 forwards.
+    monkeypatch.setattr(acceptance, "SPLIT_DEVICES", ())
+    monkeypatch.setattr(acceptance, "ENDED_SHARE", share)
+    n, prompt = 16, 8
+    lengths = [40 + 10 * b for b in range(n)]
+    group = _RunsByPosition(lambda sequence, position: 0, [prompt] * n, lengths)
+    batches = []
+    select = group.select
+    group.select = lambda index: batches.append((group.rows.numel(), index.numel())) or select(index)
+    found = {i: SequenceAcceptance(str(i), 16) for i in range(n)}
+    acceptance._frontier(group, list(range(n)), found)
+    assert [r.accept_lengths for r in found.values()] == [[1] * (length - 1 - prompt) for length in lengths]
+    # Each batch shrank once its ended walks reached the share of it, not before.
+    assert batches and all(before - after >= share * before for before, after in batches)
+    assert all(before - after < share * before + 1 for before, after in batches)

@@ -121,12 +121,6 @@ def test_reference_head_argmax_equals_the_torch_head_over_ragged_tiles_with_ties
     assert reference.head_argmax(hidden, weight, 1.0, block_n=128)[:2].tolist() == [3, 0]
 
 
-@pytest.mark.parametrize("chunk", [1, 5, 16, 37, 64])
-def test_the_reference_row_argmax_is_torch_argmax_over_ragged_chunks(chunk):
-    rows = tie_rows(rows=40, vocab=37)
-    assert reference.row_argmax(rows, chunk=chunk).tolist() == rows.argmax(dim=-1).tolist()
-
-
 # ---------------------------------------------------------------------------------------------
 # Which path runs
 # ---------------------------------------------------------------------------------------------
@@ -212,52 +206,6 @@ def test_the_head_on_the_cpu_keeps_the_torch_path_when_switched_to_triton(monkey
     monkeypatch.setattr(kernels, "triton_available", lambda: True)
     assert torch.equal(head.argmax(hidden), expected)
     assert calls.count == 0
-
-
-def test_the_head_takes_its_logits_argmax_from_the_row_kernel_where_switched_and_it_applies(monkeypatch):
-    head, hidden = tied_head()
-    expected = head.argmax(hidden, -0.5)
-    assert target_head.ROW_ARGMAX == "torch"  # not measured on a GPU yet
-    calls = Calls(lambda logits: reference.row_argmax(logits, chunk=64))
-    install(monkeypatch, "row_argmax", row_argmax=calls)
-    monkeypatch.setattr(target_head, "ROW_ARGMAX", "triton")
-    monkeypatch.setattr(target_head, "ROW_ARGMAX_FAILED", None)
-    # On the CPU the rule says no: torch's argmax.
-    assert torch.equal(head.argmax(hidden, -0.5), expected) and calls.count == 0
-    monkeypatch.setattr(kernels, "reduces", lambda logits: True)
-    found = head.argmax(hidden, -0.5)
-    assert found.shape == (3, 7) and torch.equal(found, expected) and calls.count == 1
-    # Row 0 ties at tokens 20 and 150 (different chunks of 64): the lower wins, as on the torch path.
-    assert head.argmax(hidden)[0, 0] == 20
-
-
-def test_a_row_kernel_that_fails_leaves_torch_argmax_and_says_so_once(monkeypatch):
-    head, hidden = tied_head()
-    expected = head.argmax(hidden)
-
-    def broken(logits):
-        raise RuntimeError("PTX compilation failed")
-
-    install(monkeypatch, "row_argmax", row_argmax=broken)
-    monkeypatch.setattr(target_head, "ROW_ARGMAX", "triton")
-    monkeypatch.setattr(target_head, "ROW_ARGMAX_FAILED", None)
-    monkeypatch.setattr(kernels, "reduces", lambda logits: True)
-    with pytest.warns(RuntimeWarning, match="row argmax kernel failed"):
-        assert torch.equal(head.argmax(hidden), expected)
-    assert "PTX compilation failed" in target_head.ROW_ARGMAX_FAILED
-    assert torch.equal(head.argmax(hidden), expected)
-
-
-def test_the_row_kernel_applies_to_cuda_logits_without_gradient(monkeypatch):
-    monkeypatch.setattr(kernels, "triton_available", lambda: True)
-    assert kernels.reduces(stand_in(dtype=torch.float32))
-    assert kernels.reduces(stand_in(dtype=torch.bfloat16))
-    assert not kernels.reduces(stand_in(device="cpu", dtype=torch.float32))
-    assert not kernels.reduces(stand_in(dtype=torch.int64))
-    with torch.enable_grad():
-        assert not kernels.reduces(stand_in(dtype=torch.float32, requires_grad=True))
-    monkeypatch.setattr(kernels, "triton_available", lambda: False)
-    assert not kernels.reduces(stand_in(dtype=torch.float32))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -76,6 +76,11 @@ FUSED_SHARE = 0.8
 # (45.9 against 47.4 completions/s; 40.6 against 40.9), since one group of 256 completions leaves little
 # tail there; so none. A CPU's cost follows its rows, so the steps a split adds would only cost there.
 SPLIT_DEVICES: tuple[str, ...] = ()
+# The frontier's ended walks leave its batch once they are this share of it: a gather of the context K/V
+# costs a fraction of one step, while every ended row in the batch costs a full block; and the trunk's
+# graph is dropped at the first change of shape (`trunk_graph`). benchmarks/score_real_h200.py measures a
+# sixteenth and a quarter beside it ("leave_at_sixteenth", "leave_at_quarter").
+ENDED_SHARE = 1 / 8
 
 
 # ----------------------------------------------------------------------------------------------
@@ -406,9 +411,8 @@ def _frontier(group: SequenceGroup, ids_of: list[int], results: dict[int, Sequen
         n_walking = int(walking.sum())
         if n_walking == 0:
             break
-        # Ended walks leave the batch once they are an eighth of it: a gather of the context K/V costs a
-        # fraction of one step, while every ended row in the batch costs a full block.
-        if n_walking <= starts.shape[0] * 7 // 8:
+        # Ended walks leave the batch once they are ENDED_SHARE of it (`ENDED_SHARE`).
+        if n_walking <= starts.shape[0] * (1 - ENDED_SHARE):
             keep = walking.nonzero().squeeze(1)
             if splits is None:
                 index, starts, sequence = keep, starts[keep], sequence[keep]

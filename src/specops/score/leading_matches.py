@@ -69,35 +69,13 @@ def leading_matches(
         width = max(per_pass, min_rows // max(1, alive.numel()))
         last = min(first + width, positions)
         states = hidden_at(alive, first, last)
-        expected = targets[alive, first:last]
-        if last == positions:
-            # The step's last pass: nothing waits on it here, so its tokens come from float32 logits, whose
-            # answer needs no check (and the few blocks still matching make a pass that reads the head's
-            # weights more than it computes).
-            with timer.span("head"):
-                drafts = head.argmax(states, multiplier, softcap)
-            runs.index_add_(0, alive, (drafts == expected).long().cumprod(dim=-1).sum(dim=-1))
-            break
         with timer.span("head"):
-            drafts, unsettled = head.rounded_argmax(states, multiplier, softcap)
-        matched = (drafts == expected).long().cumprod(dim=-1)
-        if unsettled is None:
-            kept = None
-        else:
-            # One synchronization reads both whether every row was settled and how many blocks go on.
-            doubt, kept = torch.stack([unsettled.long(), matched[:, -1].sum()]).tolist()
-            if doubt:
-                head.unsettled_passes += 1
-                with timer.span("head"):
-                    drafts = head.argmax(states, multiplier, softcap)
-                matched = (drafts == expected).long().cumprod(dim=-1)
-                kept = None
+            drafts = head.argmax(states, multiplier, softcap)
+        matched = (drafts == targets[alive, first:last]).long().cumprod(dim=-1)
         runs.index_add_(0, alive, matched.sum(dim=-1))
-        if kept is None:
-            alive = alive[matched[:, -1].bool()]
-        else:
-            # The blocks still matching, in order, without another synchronization: their count is known.
-            alive = alive[torch.argsort((matched[:, -1] == 0).to(torch.uint8), stable=True)[:kept]]
+        if last == positions:
+            break
+        alive = alive[matched[:, -1].bool()]
         if alive.numel() == 0:
             break
         first = last

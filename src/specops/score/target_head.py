@@ -15,7 +15,6 @@ import torch.nn.functional as F
 
 from specops.model_files import EMBED_NAMES, LM_HEAD_NAMES
 from specops.score import kernels
-from specops.score.rounded_argmax import rounded_argmax
 
 # Logits for this many bytes at most are alive at once in `argmax`.
 DEFAULT_LOGITS_BUDGET = 1 << 30
@@ -31,23 +30,6 @@ DEFAULT_VOCAB_CHUNK: int | None = None
 # importable) and no softcap is set (tanh in the epilogue could round otherwise than torch's and turn a
 # close call); the torch path elsewhere. Measured beside "torch" in benchmarks/score_real_h200.py.
 ARGMAX_KERNEL = "torch"
-# How the float32 logits of one product over the whole vocabulary become tokens: "torch" (torch.argmax) or
-# "triton" (`kernels.row_argmax`: a chunk of a row per program, the same answer exactly) where
-# `kernels.reduces`. torch's took 0.33-0.65 ms of a 768-row pass on H100s, reading 1.2-2.3 TB/s of 3.35.
-# The kernel has not run on a GPU yet: "torch" until benchmarks/score_triton_check.py and
-# benchmarks/score_real_h200.py ("row_argmax_triton") have measured it.
-ROW_ARGMAX = "torch"
-# Why the row kernel failed here, or None; after a failure torch.argmax serves for the rest of the process.
-ROW_ARGMAX_FAILED: str | None = None
-# Device types whose head passes (`rounded_argmax`, for `leading_matches`) take their tokens from logits
-# rounded to the weights' half precision, settled in float32 where tokens lie close
-# (`specops.score.rounded_argmax`), where the kernels apply (`kernels.applies`), the output multiplier is 1
-# and no softcap is set. Measured beside the float32 logits in benchmarks/score_real_h200.py
-# ("rounded_logits").
-ROUNDED_DEVICES: tuple[str, ...] = ()
-# Why the rounded path failed here, or None; after a failure the float32 logits serve for the rest of the
-# process.
-ROUNDED_FAILED: str | None = None
 
 
 class TargetHeadError(ValueError):
@@ -74,8 +56,6 @@ class TargetHead:
         self.logits_budget_bytes = logits_budget_bytes
         # None: DEFAULT_VOCAB_CHUNK, read at call time.
         self.vocab_chunk = vocab_chunk
-        # Head passes whose rounded logits left a row unsettled, taken again in float32 (`leading_matches`).
-        self.unsettled_passes = 0
 
     @property
     def vocab_size(self) -> int:
@@ -136,7 +116,7 @@ class TargetHead:
         if flat.shape[0] <= rows and not fused and chunk == vocab:
             # One product over the whole vocabulary: its argmax is the answer (no running best to keep).
             logits = self._finish(_fp32_linear(flat, self.lm_head_weight), multiplier, softcap)
-            return row_argmax(logits).view(hidden.shape[:-1])
+            return logits.argmax(dim=-1).view(hidden.shape[:-1])
         out = torch.empty(flat.shape[0], dtype=torch.long, device=flat.device)
         for i in range(0, flat.shape[0], rows):
             if fused:
@@ -146,38 +126,6 @@ class TargetHead:
             else:
                 out[i : i + rows] = self._chunked_argmax(flat[i : i + rows], chunk, multiplier, softcap)
         return out.view(hidden.shape[:-1])
-
-    def rounded_argmax(
-        self, hidden: torch.Tensor, multiplier: float = 1.0, softcap: float | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Greedy tokens for hidden [..., hidden] -> ([...], unsettled), from rounded logits where
-        `rounded_applies`: unsettled is then a 0-dim bool tensor on the device, true where some row could not
-        be settled from them, in which case the caller takes `argmax` of the same states instead (reading
-        the flag at its next synchronization rather than here). Elsewhere `argmax`'s tokens and None."""
-        global ROUNDED_FAILED
-        flat = hidden.reshape(-1, hidden.shape[-1])
-        if self.rounded_applies(flat, multiplier, softcap):
-            try:
-                tokens, unsettled = rounded_argmax(flat, self.lm_head_weight)
-                return tokens.view(hidden.shape[:-1]), unsettled.any()
-            except Exception as error:  # noqa: BLE001 (any failure to build or run the kernels: float32)
-                ROUNDED_FAILED = kernels.failure(
-                    error, "the head's rounded logits failed ({}); its float32 logits serve instead"
-                )
-        return self.argmax(hidden, multiplier, softcap), None
-
-    def rounded_applies(self, rows: torch.Tensor, multiplier: float, softcap: float | None) -> bool:
-        """Whether `rounded_argmax` takes rounded logits for rows [n, hidden]: on ROUNDED_DEVICES where the
-        kernels apply, with no multiplier or softcap (their float32 arithmetic could reorder close logits),
-        in one product over the whole vocabulary within the logits' budget."""
-        if ROUNDED_FAILED is not None or rows.device.type not in ROUNDED_DEVICES:
-            return False
-        if rows.dtype not in kernels.HALF_DTYPES or self.lm_head_weight.dtype != rows.dtype:
-            return False
-        if multiplier != 1.0 or softcap is not None or (self.vocab_chunk or DEFAULT_VOCAB_CHUNK):
-            return False
-        fits = rows.shape[0] * self.vocab_size * rows.element_size() <= self.logits_budget_bytes
-        return fits and kernels.applies(rows, self.lm_head_weight)
 
     def fused_argmax_applies(self, rows: torch.Tensor, softcap: float | None) -> bool:
         """Whether `argmax` runs the Triton kernel on these rows (see ARGMAX_KERNEL)."""
@@ -201,22 +149,6 @@ class TargetHead:
             best_index = torch.where(better, index, best_index)
         assert best_index is not None
         return best_index
-
-
-def row_argmax(logits: torch.Tensor) -> torch.Tensor:
-    """torch.argmax(logits, dim=-1) of logits [rows, vocab]: through the row kernel where ROW_ARGMAX says
-    so and `kernels.reduces`, torch's otherwise (and for good after the kernel fails, said once)."""
-    global ROW_ARGMAX_FAILED
-    if ROW_ARGMAX == "triton" and ROW_ARGMAX_FAILED is None and logits.dim() == 2 and kernels.reduces(logits):
-        try:
-            from specops.score.kernels.row_argmax import row_argmax as kernel
-
-            return kernel(logits)
-        except Exception as error:  # noqa: BLE001 (any failure to build or run it: torch's argmax instead)
-            ROW_ARGMAX_FAILED = kernels.failure(
-                error, "the head's row argmax kernel failed ({}); torch.argmax takes the logits"
-            )
-    return logits.argmax(dim=-1)
 
 
 def _fp32_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

@@ -3,17 +3,14 @@
 - `head_argmax`: the target head's product with its argmax in the epilogue: each tile of rows x tokens
   is reduced to its rows' maximum and the first token holding it, so no float32 logits are written;
   `argmax_order` states the order (ties to the lowest token, NaN above all, as torch.argmax) and
-  combines the tiles' partials.
-- `row_argmax`: the argmax of each row of float32 logits, a chunk of a row per program, combined as
-  `head_argmax`'s tiles are (the same order; `first_max` is that order compiled for both).
+  combines the tiles' partials; `first_max` is that order compiled for the kernel.
 - `silu_mul`: SiLU(gate) * up, reading the MLP's fused gate-up product once.
 - `norm_rope`: the queries' and keys' RMSNorm and RoPE in one pass.
 - `reference`: what each kernel computes, in torch (the CPU tests and benchmarks/score_triton_check.py
   compare against it).
 
-The kernel modules import triton at their top, so they are imported only where `applies` (or, for
-`row_argmax`, `reduces`) says yes: a torch without triton (CI, the CPU) imports the engine and runs its
-torch paths.
+The kernel modules import triton at their top, so they are imported only where `applies` says yes: a
+torch without triton (CI, the CPU) imports the engine and runs its torch paths.
 """
 
 from __future__ import annotations
@@ -44,16 +41,6 @@ def applies(*tensors: torch.Tensor) -> bool:
     if len({t.dtype for t in tensors}) != 1:
         return False
     if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
-        return False
-    return triton_available()
-
-
-def reduces(logits: torch.Tensor) -> bool:
-    """The rule for `row_argmax`, which reads logits of any float dtype: a CUDA tensor, no gradient
-    wanted, and triton importable."""
-    if logits.device.type != "cuda" or not logits.dtype.is_floating_point:
-        return False
-    if torch.is_grad_enabled() and logits.requires_grad:
         return False
     return triton_available()
 

@@ -1,6 +1,6 @@
 """`argmax_order.takes_first` compiled for Triton, and the combine a kernel's argmax reduction runs with it:
 of two (value, index) pairs, the one torch.argmax would pick. Imports triton: import it only where
-`specops.score.kernels.applies` (or `reduces`) says yes."""
+`specops.score.kernels.applies` says yes."""
 
 from __future__ import annotations
 

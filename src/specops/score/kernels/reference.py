@@ -35,39 +35,6 @@ def head_argmax_partials(
     return fold(values, indices)
 
 
-def row_argmax(logits: torch.Tensor, chunk: int = 8192) -> torch.Tensor:
-    """Token ids [rows] of logits [rows, vocab] through the kernel's steps: each chunk of a row folded to
-    (maximum, first index) with `takes_first`, past the row's end -inf at indices above it, the chunks
-    combined."""
-    return combine_partials(*chunk_maxima(logits, chunk))
-
-
-def chunk_maxima(logits: torch.Tensor, chunk: int = 8192) -> tuple[torch.Tensor, torch.Tensor]:
-    """(values [rows, chunks] float32, indices [rows, chunks] int32): each chunk's (maximum, first index)."""
-    rows, vocab = logits.shape
-    chunks = -(-vocab // chunk)
-    padded = logits.float().new_full((rows, chunks * chunk), float("-inf"))
-    padded[:, :vocab] = logits.float()
-    index = torch.arange(chunks * chunk, dtype=torch.int32, device=logits.device).view(1, chunks, chunk)
-    return fold(padded.view(rows, chunks, chunk), index.expand(rows, chunks, chunk))
-
-
-def near_max(
-    logits: torch.Tensor, chunk_values: torch.Tensor, floor: torch.Tensor, room: int, chunk: int = 8192
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(found [rows, room] int32, -1 where unused; count [rows] int32): the positions at or above each
-    row's floor, lowest first (the kernel's order is any), and how many there are. chunk_values and chunk
-    are the kernel's inputs, unused here: a chunk below the floor holds no position above it."""
-    rows, vocab = logits.shape
-    near = logits.float() >= floor[:, None]
-    positions = torch.arange(vocab, dtype=torch.int32, device=logits.device).expand(rows, vocab)
-    ranked = torch.where(near, positions, vocab).sort(dim=-1).values[:, :room]
-    found = torch.where(ranked < vocab, ranked, -1).to(torch.int32)
-    if found.shape[1] < room:
-        found = torch.cat([found, found.new_full((rows, room - found.shape[1]), -1)], dim=1)
-    return found, near.sum(dim=-1).to(torch.int32)
-
-
 def fold(values: torch.Tensor, indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Reduce the last dimension pairwise with `takes_first` (a tree, as a kernel's reduction runs)."""
     while values.shape[-1] > 1:
