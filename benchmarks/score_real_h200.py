@@ -46,8 +46,7 @@ Timed on all completions, each stage written to the record as it ends:
     replayed from a CUDA graph, every chunk's features copy queued at the start instead of two ahead of
     the walk, the context's K/V computed ahead on a side stream instead of on the walk's stream as it
     reaches them, the down projection's weight stored row-major instead of column-major, the residual
-    sums apart from the products instead of in their epilogues, gate and up as two products instead of
-    one, ended walks leaving the batch at a
+    sums apart from the products instead of in their epilogues, ended walks leaving the batch at a
     sixteenth or a quarter of it instead of an eighth, head passes widened to 384 or 512 rows instead of
     256);
   - the same with head passes not widened where few blocks are left (leading_matches.MIN_ROWS_PER_PASS),
@@ -147,7 +146,6 @@ SWITCHED = {
     "kv_ahead": (streamed_context, "KV_AHEAD_DEVICES", ("cuda",)),
     "down_row_major": (drafter_module, "DOWN_COLUMNS_DEVICES", ()),
     "sums_apart": (drafter_ops, "SUM_IN_PRODUCT", False),
-    "gate_up_apart": (drafter_module, "GATE_UP_APART_DEVICES", ("cuda",)),
     "leave_at_sixteenth": (acceptance, "ENDED_SHARE", 1 / 16),
     "leave_at_quarter": (acceptance, "ENDED_SHARE", 1 / 4),
     "min_rows_384": (matching, "MIN_ROWS_PER_PASS", {"cuda": 384}),

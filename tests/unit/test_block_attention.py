@@ -373,33 +373,6 @@ def test_the_down_projection_is_stored_column_major_where_the_device_is_listed(m
 
 
 @torch.inference_mode()
-def test_gate_and_up_run_as_two_products_of_the_fused_halves_where_the_device_is_listed(monkeypatch):
-    import specops.score.drafter as drafter_module
-
-    drafter, features, starts, blocks, state, plain = plain_forward("full")
-    drafter.fuse_projections()
-    products = []  # (the weight's first element's address, its rows) of each F.linear in drafter.py
-    linear = torch.nn.functional.linear
-    monkeypatch.setattr(
-        drafter_module.F,
-        "linear",
-        lambda x, w, b=None: products.append((w.data_ptr(), w.shape[0])) or linear(x, w, b),
-    )
-    fused = [layer._gate_up[0] for layer in drafter.decoder_layers]
-    half = fused[0].shape[0] // 2
-    monkeypatch.setattr(drafter_module, "GATE_UP_APART_DEVICES", ("cpu",))
-    apart = drafter(blocks, starts, drafter.context_kv(features))
-    assert torch.allclose(apart, plain, atol=1e-5)
-    for weight in fused:
-        assert (weight.data_ptr(), half) in products and (weight[half:].data_ptr(), half) in products
-        assert (weight.data_ptr(), 2 * half) not in products
-    products.clear()
-    monkeypatch.setattr(drafter_module, "GATE_UP_APART_DEVICES", ())
-    assert torch.allclose(drafter(blocks, starts, drafter.context_kv(features)), plain, atol=1e-5)
-    assert all((weight.data_ptr(), 2 * half) in products for weight in fused)
-
-
-@torch.inference_mode()
 def test_the_mask_rows_are_projected_in_one_product_not_one_per_block():
     # A strided slice of the blocks reaches torch's matmul as a batch of 2-row products, each reading the
     # whole weight: at the real shape slower than the projection of every row.

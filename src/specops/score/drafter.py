@@ -49,11 +49,6 @@ SUPPORTED_ARCHITECTURES = ("DFlashDraftModel",)
 # row-major (benchmarks/score_step_profile_h100_2026-12-06_layouts.json and the later records of that
 # day); in the whole engine no effect beyond the rounds' spread (benchmarks/README.md).
 DOWN_COLUMNS_DEVICES: tuple[str, ...] = ("cuda",)
-# Device types where the MLP's gate and up run as two products of the fused matrix's halves (contiguous
-# outputs, each half as wide) rather than one over both: cuBLAS picks its kernel by shape, and the fused
-# product ran at 755 TFLOP/s at the full batch on an H100 against 800 for q/k/v. Measured in the engine by
-# benchmarks/score_real_h200.py ("gate_up_apart").
-GATE_UP_APART_DEVICES: tuple[str, ...] = ()
 SUPPORTED_LAYER_TYPES = ("full_attention", "sliding_attention")
 
 
@@ -202,13 +197,7 @@ class DFlashLayer(nn.Module):
         fused = fused_linears(self._gate_up, (mlp.gate_proj, mlp.up_proj))
         if fused is None:
             return mlp.act_fn(mlp.gate_proj(x)) * mlp.up_proj(x)
-        if x.device.type in GATE_UP_APART_DEVICES:
-            weight, bias = fused
-            half = weight.shape[0] // 2
-            gate = F.linear(x, weight[:half], None if bias is None else bias[:half])
-            up = F.linear(x, weight[half:], None if bias is None else bias[half:])
-        else:
-            gate, up = F.linear(x, *fused).chunk(2, dim=-1)
+        gate, up = F.linear(x, *fused).chunk(2, dim=-1)
         return silu_mul(mlp.act_fn, gate, up)
 
     def feed_forward(self, x: torch.Tensor) -> torch.Tensor:
