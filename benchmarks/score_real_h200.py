@@ -38,9 +38,9 @@ Timed on all completions, each stage written to the record as it ends:
   - with --alternate-switches N, N rounds of the engine at its defaults and with each switch of SWITCHED
     in turn (a run's time drifts over a process: a switch is read against the defaults of its rounds);
   - the sequential oracle on a subset;
-  - the engine again with a StepTimer: inputs (features to the device, context K/V), drafter layers
-    (every block position, up to the last layer's attention), the last layer's rest and the head at
-    the needed positions, and the walk's own steps (the rest);
+  - the engine again with a StepTimer: inputs (the group's set-up), the context's K/V (each chunk's as
+    the walk reaches it), drafter layers (every block position, up to the last layer's attention), the
+    last layer's rest and the head at the needed positions, and the walk's own steps (the rest);
   - the same with each of the engine's switches in SWITCHED otherwise than by default (the block's own
     keys written into the context instead of merged by the Triton kernel, the trunk eager instead of
     replayed from a CUDA graph, every chunk's features copy queued at the start instead of two ahead of
@@ -821,12 +821,14 @@ def main() -> None:
         identical["timed_vs_untimed"] = same(timed_results, results)
         engine_flops = arithmetic["engine"]
         named = {
-            "inputs (features to the device, context K/V)": parts.get("inputs", 0.0),
+            "inputs (the group's set-up: ids, the first chunks queued)": parts.get("inputs", 0.0),
+            "context K/V (each chunk's, as the walk reaches it)": parts.get("context", 0.0),
             "drafter layers (all positions, to the last layer's attention)": parts.get("drafter", 0.0),
             "last layer's o_proj, MLP, norm (needed positions)": parts.get("last layer", 0.0),
             "head (needed positions)": parts.get("head", 0.0),
         }
-        named["walk (steps minus the three above)"] = parts.get("steps", 0.0) - sum(list(named.values())[1:])
+        # The steps hold every part but the inputs: the rest of their time is the walk's own.
+        named["walk (steps minus the four above)"] = parts.get("steps", 0.0) - sum(list(named.values())[1:])
         named["total (timed run)"] = runs["where_needed_timed"]["seconds"]
         seconds = {k: max(parts.get(k, 0.0), 1e-9) for k in ("drafter", "last layer", "head")}
         record.stage(

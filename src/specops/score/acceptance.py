@@ -346,7 +346,7 @@ class SequenceGroup:
         drafter, head, timer = self.drafter, self.head, self.timer
         B, m = starts.shape
         anchors = self.ids.gather(1, starts)
-        with timer.span("inputs"):
+        with timer.span("context"):
             self.context.ensure(self.context_len if reach is None else reach)
         with timer.span("drafter"):
             residual, mixed = self.trunk(anchors, starts, self.context.buffers)
