@@ -19,6 +19,7 @@ from specops.score.acceptance import (  # noqa: E402
 )
 from specops.score.drafter import load_drafter  # noqa: E402
 from specops.score.sequential_acceptance import SequentialDrafter, sequential_acceptance  # noqa: E402
+from specops.score.step_timer import StepTimer  # noqa: E402
 from specops.score.target_head import load_target_head  # noqa: E402
 
 MODES = ("frontier", "all-anchors")
@@ -475,3 +476,19 @@ def test_ended_walks_leave_the_batch_once_they_are_its_ended_share(share, monkey
     # Each batch shrank once its ended walks reached the share of it, not before.
     assert batches and all(before - after >= share * before for before, after in batches)
     assert all(before - after < share * before + 1 for before, after in batches)
+
+
+def test_a_step_timer_names_where_the_time_goes_and_changes_no_result(fixture_models, head, greedy_sequences):
+    drafter = load_drafter(fixture_models.drafter)
+    plain = offline_acceptance(drafter, head, greedy_sequences)
+    timer = StepTimer("cpu")
+    timed = offline_acceptance(drafter, head, greedy_sequences, timer=timer)
+    assert [r.accept_lengths for r in timed] == [r.accept_lengths for r in plain]
+    parts = timer.seconds()
+    assert {"inputs", "context", "drafter", "last layer", "head", "steps"} <= set(parts)
+    assert all(seconds > 0 for seconds in parts.values())
+    # The parts nest in the steps (the group's set-up, "inputs", comes before them).
+    inside = parts["context"] + parts["drafter"] + parts["last layer"] + parts["head"]
+    assert inside <= parts["steps"]
+    # One forward of the trunk a step of the walks in lockstep: the longest walk's steps (one group here).
+    assert timer.counts["drafter"] == max(r.steps for r in timed)
