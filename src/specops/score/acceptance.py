@@ -411,7 +411,7 @@ def _frontier(group: SequenceGroup, ids_of: list[int], results: dict[int, Sequen
         n_walking = int(walking.sum())
         if n_walking == 0:
             break
-        # Ended walks leave the batch once they are ENDED_SHARE of it (`ENDED_SHARE`).
+        # Ended walks leave the batch once they are ENDED_SHARE of it.
         if n_walking <= starts.shape[0] * (1 - ENDED_SHARE):
             keep = walking.nonzero().squeeze(1)
             if splits is None:
