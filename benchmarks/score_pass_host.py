@@ -1,4 +1,4 @@
-"""How long the host takes to queue one head pass, against how long the GPU takes to run it, at the real shape.
+"""The host's time to queue one head pass against the GPU's time to run it, at the real shape.
 
 Each head pass of the frontier walk (`specops.score.leading_matches`) starts right after a host
 synchronization (the previous pass's surviving blocks are read back), so the GPU waits while the host
@@ -130,7 +130,7 @@ def main() -> None:
         cases = [(min(r, B), w if w < bs else bs - 1) for r, w in cases[:3]]
     results: dict = {}
     with torch.inference_mode():
-        # Equal tokens: the engine's and the lean pass's leading matches on targets set to the engine's drafts.
+        # The engine's and the lean pass's leading matches, on targets set to the engine's drafts.
         rows, width = cases[0]
         states = drafter.finish(residual[:rows, :width].clone(), mixed[:rows, :width], owned=True)
         drafts = head.argmax(states)
@@ -138,7 +138,7 @@ def main() -> None:
         targets[rows // 2 :, 1] = -1
         expected = leading_matches(
             head,
-            lambda b, f, l: drafter.finish(residual[:rows].clone()[b, f:l], mixed[:rows][b, f:l], owned=True),
+            lambda b, f, e: drafter.finish(residual[:rows].clone()[b, f:e], mixed[:rows][b, f:e], owned=True),
             targets,
             positions_per_pass=width,
         )
