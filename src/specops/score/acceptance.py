@@ -358,7 +358,11 @@ class SequenceGroup:
 
         def draft_states(rows: torch.Tensor, first: int, last: int) -> torch.Tensor:
             with timer.span("last layer"):
-                return drafter.finish(residual[rows, first:last], mixed[rows, first:last], owned=True)
+                return drafter.finish(
+                    residual[:, first:last].index_select(0, rows),
+                    mixed[:, first:last].index_select(0, rows),
+                    owned=True,
+                )
 
         targets = self.ids.gather(1, (starts[..., None] + self.offsets).view(B, -1))
         runs = leading_matches(

@@ -36,7 +36,7 @@ DraftStates = Callable[[torch.Tensor, int, int], torch.Tensor]
 
 
 def _states_of(hidden: torch.Tensor) -> DraftStates:
-    return lambda rows, first, last: hidden[rows, first:last]
+    return lambda rows, first, last: hidden[:, first:last].index_select(0, rows)
 
 
 def leading_matches(
@@ -71,11 +71,13 @@ def leading_matches(
         states = hidden_at(alive, first, last)
         with timer.span("head"):
             drafts = head.argmax(states, multiplier, softcap)
-        matched = (drafts == targets[alive, first:last]).long().cumprod(dim=-1)
+        # A pass starts after the host reads the last one's survivors back, so the device waits while the host
+        # queues it: few, cheap calls (index_select, not indexing; a bool's cumprod counts in int64 itself).
+        matched = (drafts == targets[:, first:last].index_select(0, alive)).cumprod(dim=-1)
         runs.index_add_(0, alive, matched.sum(dim=-1))
         if last == positions:
             break
-        alive = alive[matched[:, -1].bool()]
+        alive = alive.index_select(0, matched[:, -1].nonzero().squeeze(1))
         if alive.numel() == 0:
             break
         first = last
