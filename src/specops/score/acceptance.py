@@ -50,6 +50,7 @@ import torch
 
 from specops.score import block_attention
 from specops.score.drafter import DFlashDrafter
+from specops.score.last_layer_rest import LastLayerRest
 from specops.score.leading_matches import leading_matches
 from specops.score.split_walks import SplitWalks
 from specops.score.step_timer import NoTimer, StepTimer
@@ -327,6 +328,7 @@ class SequenceGroup:
             self.context_len = longest
         self.offsets = torch.arange(1, bs, device=device)
         self.trunk = TrunkGraph(self._trunk)
+        self.rest = LastLayerRest(drafter)
 
     def _trunk(self, anchors: torch.Tensor, starts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """`DFlashDrafter.trunk` for the blocks at starts [B, m] of anchor tokens anchors [B, m]."""
@@ -343,7 +345,7 @@ class SequenceGroup:
         """Leading matches (0..bs-1) of the drafts of the blocks at starts [B, m] against the target.
 
         reach: no block starts after it (known on the host, so no sync); None: anywhere."""
-        drafter, head, timer = self.drafter, self.head, self.timer
+        drafter, head, timer, rest = self.drafter, self.head, self.timer, self.rest
         B, m = starts.shape
         anchors = self.ids.gather(1, starts)
         with timer.span("context"):
@@ -358,10 +360,8 @@ class SequenceGroup:
 
         def draft_states(rows: torch.Tensor, first: int, last: int) -> torch.Tensor:
             with timer.span("last layer"):
-                return drafter.finish(
-                    residual[:, first:last].index_select(0, rows),
-                    mixed[:, first:last].index_select(0, rows),
-                    owned=True,
+                return rest(
+                    residual[:, first:last].index_select(0, rows), mixed[:, first:last].index_select(0, rows)
                 )
 
         targets = self.ids.gather(1, (starts[..., None] + self.offsets).view(B, -1))
