@@ -22,6 +22,10 @@ from transformers.activations import SiLUActivation
 from specops.score import drafter_ops
 from specops.score.drafter import DFlashDrafter, DFlashLayer
 
+# False: every pass through `DFlashDrafter.finish`'s modules (benchmarks/score_real_h200.py measures both,
+# "rest_through_modules").
+DIRECT = True
+
 
 @dataclass(frozen=True)
 class _Weights:
@@ -42,7 +46,8 @@ def _weights(drafter: DFlashDrafter) -> _Weights | None:
     attn, mlp = last.self_attn, last.mlp
     fused = drafter_ops.fused_linears(last._gate_up, (mlp.gate_proj, mlp.up_proj))
     if (
-        not drafter_ops.SUM_IN_PRODUCT
+        not DIRECT
+        or not drafter_ops.SUM_IN_PRODUCT
         or fused is None
         or fused[1] is not None
         or attn.o_proj.bias is not None
