@@ -9,7 +9,14 @@ queues the pass's first kernels. This measures, for passes of several row counts
   - idle_ms: from_idle_ms - gpu_ms, what the walk loses per pass to the host.
 for the engine's pass (`leading_matches` with `DFlashDrafter.finish` and `TargetHead.argmax`) and for a
 lean statement of the same pass (the same products, fewer and cheaper host calls), whose tokens must
-equal the engine's.
+equal the engine's. idle_ms holds the harness's own few calls too (the targets made, the residual copied,
+the final synchronization), so it is an upper bound.
+
+On two H100s on 2026-12-06 (benchmarks/score_pass_host_h100_2026-12-06_8aef59a.json, _bca0284.json) the
+hosts queued a pass in 0.8 and 0.56 ms; passes idled 0.5-0.7 and 0.3-0.4 ms, and the straight line saved
+about 0.2 ms a pass on the slower host, nothing on the faster one. Built into the engine, it changed the
+engine's time by less than the rounds' spread (score_real_h100_2026-12-06_host_calls.json), so the engine
+keeps the modules' path.
 
     PYTHONPATH=src python3 benchmarks/score_pass_host.py --out $OUT/score_pass_host.json
     PYTHONPATH=src python3 benchmarks/score_pass_host.py --smoke      # CPU: tiny shapes, the same code
@@ -35,7 +42,6 @@ from score_h200 import build_models
 from score_real_h200 import REAL, SMOKE
 
 from specops.score import kernels
-from specops.score.last_layer_rest import LastLayerRest
 from specops.score.leading_matches import leading_matches
 
 ROUNDS = 30
@@ -104,27 +110,21 @@ def main() -> None:
         if device == "cuda":
             torch.cuda.synchronize()
 
-    rest = LastLayerRest(drafter)
-
-    def engine_pass(rows: int, width: int, read_back: bool, modules: bool = False):
-        """One pass of `leading_matches` over rows blocks at `width` positions, its states as the engine's
-        group gathers and finishes them (`SequenceGroup.match_runs`); modules: through
-        `DFlashDrafter.finish` and indexing instead (the engine before `LastLayerRest`). read_back: the
-        targets go on after the pass, so it reads the surviving blocks back (the synchronization)."""
+    def engine_pass(rows: int, width: int, read_back: bool):
+        """One pass of `leading_matches` over rows blocks at `width` positions, its states gathered and
+        finished as the engine's group does (`SequenceGroup.match_runs`); read_back: the targets go on after
+        the pass, so it reads the surviving blocks back (the synchronization)."""
         alive_targets = torch.full((rows, 2 * width if read_back else width), -1, device=device)
         res, mix = residual[:rows].clone(), mixed[:rows]
 
         def states(blocks, first, last):
-            if modules:
-                return drafter.finish(res[blocks, first:last], mix[blocks, first:last], owned=True)
-            return rest(
-                res[:, first:last].index_select(0, blocks), mix[:, first:last].index_select(0, blocks)
+            return drafter.finish(
+                res[:, first:last].index_select(0, blocks),
+                mix[:, first:last].index_select(0, blocks),
+                owned=True,
             )
 
         return leading_matches(head, states, alive_targets, positions_per_pass=width)
-
-    def modules_pass(rows: int, width: int, read_back: bool):
-        return engine_pass(rows, width, read_back, modules=True)
 
     def lean(rows: int, width: int, read_back: bool):
         targets = torch.full((rows, 2 * width), -1, device=device)
@@ -165,7 +165,7 @@ def main() -> None:
             runs,
         )
         results["lean_equals_engine"] = bool(torch.equal(runs, expected))
-        for name, fn in (("modules", modules_pass), ("engine", engine_pass), ("lean", lean)):
+        for name, fn in (("engine", engine_pass), ("lean", lean)):
             per_case = {}
             for rows, width in cases:
                 for _ in range(3):

@@ -93,7 +93,6 @@ import specops.score.block_attention as block_attention
 import specops.score.drafter as drafter_module
 import specops.score.drafter_ops as drafter_ops
 import specops.score.kernels as kernels
-import specops.score.last_layer_rest as last_layer_rest
 import specops.score.leading_matches as matching
 import specops.score.streamed_context as streamed_context
 import specops.score.target_head as target_head
@@ -151,8 +150,6 @@ SWITCHED = {
     "leave_at_quarter": (acceptance, "ENDED_SHARE", 1 / 4),
     "min_rows_384": (matching, "MIN_ROWS_PER_PASS", {"cuda": 384}),
     "min_rows_512": (matching, "MIN_ROWS_PER_PASS", {"cuda": 512}),
-    "trunk_after_count": (acceptance, "TRUNK_AHEAD_DEVICES", ()),
-    "rest_through_modules": (last_layer_rest, "DIRECT", False),
 }
 # Switches read when the drafter's weights are laid out (`DFlashDrafter.fuse_projections`), not at each call:
 # the weights are laid out again as the switch is set and again as it is restored.

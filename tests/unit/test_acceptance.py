@@ -12,7 +12,6 @@ import specops.score.streamed_context as streamed_context  # noqa: E402
 from specops.fixtures.train_drafter import greedy_completions  # noqa: E402
 from specops.score.acceptance import (  # noqa: E402
     SequenceAcceptance,
-    SequenceGroup,
     SequenceInput,
     offline_acceptance,
     overall_tau,
@@ -419,24 +418,14 @@ class _RunsByPosition:
         self.longest_prompt = max(prompts)
         self.drafter = type("Drafter", (), {"block_size": block_size})()
         self.rows = torch.arange(len(prompts))
-        self.forwards = self.drafts = 0
+        self.forwards = 0
 
     def select(self, index):
         self.rows, self.lengths = self.rows[index], self.lengths[index]
         self.prompts, self.ids = self.prompts[index], self.ids[index]
 
-    def draft(self, starts, reach=None):
-        """The 'trunk outputs': each batch row's completion and start, [B, 1] each."""
-        self.drafts += 1
-        return self.rows[:, None].clone(), starts.clone()
-
-    def match_runs(self, starts, reach=None, drafted=None):
+    def match_runs(self, starts, reach=None):
         self.forwards += 1
-        if drafted is not None:
-            # Drafted earlier (before a select, maybe): still the rows and starts of this batch.
-            assert torch.equal(drafted[0][:, 0], self.rows) and torch.equal(drafted[1], starts)
-        else:
-            self.draft(starts, reach)
         rows, starts = self.rows.tolist(), starts[:, 0].tolist()
         found = [self.runs_at(row, start) for row, start in zip(rows, starts, strict=True)]
         return torch.tensor(found)[:, None]
@@ -470,13 +459,10 @@ def test_split_walks_keep_the_batch_full_when_completions_differ_in_tau(monkeypa
     assert forwards[True] < slow_steps / 1.7
 
 
-@pytest.mark.parametrize("ahead", [False, True])
 @pytest.mark.parametrize("share", [1 / 16, 1 / 8, 1 / 2])
-def test_ended_walks_leave_the_batch_once_they_are_its_ended_share(share, ahead, monkeypatch):
-    # 16 completions of lengths 40..190, one position a step: a walk ends every 10 forwards. ahead: each
-    # forward's trunk queued before the count of walks going on is read (as on a GPU).
+def test_ended_walks_leave_the_batch_once_they_are_its_ended_share(share, monkeypatch):
+    # 16 completions of lengths 40..190, one position a step: a walk ends every 10 forwards.
     monkeypatch.setattr(acceptance, "SPLIT_DEVICES", ())
-    monkeypatch.setattr(acceptance, "TRUNK_AHEAD_DEVICES", ("cpu",) if ahead else ())
     monkeypatch.setattr(acceptance, "ENDED_SHARE", share)
     n, prompt = 16, 8
     lengths = [40 + 10 * b for b in range(n)]
@@ -490,8 +476,6 @@ def test_ended_walks_leave_the_batch_once_they_are_its_ended_share(share, ahead,
     # Each batch shrank once its ended walks reached the share of it, not before.
     assert batches and all(before - after >= share * before for before, after in batches)
     assert all(before - after < share * before + 1 for before, after in batches)
-    # Drafted ahead, the trunk runs once more than the matching: after the last forward, for nothing.
-    assert group.drafts == group.forwards + ahead == max(lengths) - 1 - prompt + ahead
 
 
 def test_a_step_timer_names_where_the_time_goes_and_changes_no_result(fixture_models, head, greedy_sequences):
@@ -508,21 +492,3 @@ def test_a_step_timer_names_where_the_time_goes_and_changes_no_result(fixture_mo
     assert inside <= parts["steps"]
     # One forward of the trunk a step of the walks in lockstep: the longest walk's steps (one group here).
     assert timer.counts["drafter"] == max(r.steps for r in timed)
-
-
-def test_the_trunk_queued_before_the_count_of_walks_changes_no_walk(
-    trained_drafter, head, greedy_sequences, monkeypatch
-):
-    # The trained drafter's walks end at different forwards; at a sixteenth every ended walk makes the
-    # batch shrink, so the trunk's rows drafted ahead are kept by a select again and again.
-    monkeypatch.setattr(acceptance, "ENDED_SHARE", 1 / 16)
-    drafter = load_drafter(trained_drafter)
-    plain = offline_acceptance(drafter, head, greedy_sequences)
-    selects = []
-    select = SequenceGroup.select
-    monkeypatch.setattr(SequenceGroup, "select", lambda self, index: selects.append(1) or select(self, index))
-    monkeypatch.setattr(acceptance, "TRUNK_AHEAD_DEVICES", ("cpu",))
-    ahead = offline_acceptance(drafter, head, greedy_sequences)
-    assert selects
-    assert [r.accept_lengths for r in ahead] == [r.accept_lengths for r in plain]
-    assert [r.block_starts for r in ahead] == [r.block_starts for r in plain]

@@ -50,7 +50,6 @@ import torch
 
 from specops.score import block_attention
 from specops.score.drafter import DFlashDrafter
-from specops.score.last_layer_rest import LastLayerRest
 from specops.score.leading_matches import leading_matches
 from specops.score.split_walks import SplitWalks
 from specops.score.step_timer import NoTimer, StepTimer
@@ -82,14 +81,6 @@ SPLIT_DEVICES: tuple[str, ...] = ()
 # graph is dropped at the first change of shape (`trunk_graph`). benchmarks/score_real_h200.py measures a
 # sixteenth and a quarter beside it ("leave_at_sixteenth", "leave_at_quarter").
 ENDED_SHARE = 1 / 8
-# Devices where the frontier queues each forward's trunk before it reads back how many walks go on (that read
-# waits for the device), so the device runs the trunk while the host reads: otherwise it idles from the
-# read until the host has queued the trunk. benchmarks/score_real_h200.py measures it ("trunk_after_count").
-TRUNK_AHEAD_DEVICES: tuple[str, ...] = ("cuda",)
-
-
-# A group's trunk outputs for its blocks (`SequenceGroup.draft`): (residual, mixed), each [B, m, bs, ...].
-Drafted = tuple[torch.Tensor, torch.Tensor]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -336,7 +327,6 @@ class SequenceGroup:
             self.context_len = longest
         self.offsets = torch.arange(1, bs, device=device)
         self.trunk = TrunkGraph(self._trunk)
-        self.rest = LastLayerRest(drafter)
 
     def _trunk(self, anchors: torch.Tensor, starts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """`DFlashDrafter.trunk` for the blocks at starts [B, m] of anchor tokens anchors [B, m]."""
@@ -349,26 +339,17 @@ class SequenceGroup:
         self.lengths, self.prompts, self.ids = self.lengths[index], self.prompts[index], self.ids[index]
         self.context.select(index)
 
-    def draft(self, starts: torch.Tensor, reach: int | None = None) -> Drafted:
-        """Queue the trunk of the blocks at starts [B, m] (`DFlashDrafter.trunk`): its (residual, mixed).
-
-        reach: no block starts after it (known on the host, so no sync); None: anywhere."""
-        anchors = self.ids.gather(1, starts)
-        with self.timer.span("context"):
-            self.context.ensure(self.context_len if reach is None else reach)
-        with self.timer.span("drafter"):
-            residual, mixed = self.trunk(anchors, starts, self.context.buffers)
-        return residual, mixed
-
-    def match_runs(
-        self, starts: torch.Tensor, reach: int | None = None, drafted: Drafted | None = None
-    ) -> torch.Tensor:
+    def match_runs(self, starts: torch.Tensor, reach: int | None = None) -> torch.Tensor:
         """Leading matches (0..bs-1) of the drafts of the blocks at starts [B, m] against the target.
 
-        drafted: `draft`'s outputs for these starts, queued earlier; None: drafted here (reach as there)."""
-        drafter, head, timer, rest = self.drafter, self.head, self.timer, self.rest
+        reach: no block starts after it (known on the host, so no sync); None: anywhere."""
+        drafter, head, timer = self.drafter, self.head, self.timer
         B, m = starts.shape
-        residual, mixed = drafted if drafted is not None else self.draft(starts, reach)
+        anchors = self.ids.gather(1, starts)
+        with timer.span("context"):
+            self.context.ensure(self.context_len if reach is None else reach)
+        with timer.span("drafter"):
+            residual, mixed = self.trunk(anchors, starts, self.context.buffers)
         # Draft positions 1..bs-1, one row per block; the rest of the last layer runs per head pass,
         # on the blocks and positions the pass needs.
         # Views: each pass gathers just the rows it needs.
@@ -377,8 +358,10 @@ class SequenceGroup:
 
         def draft_states(rows: torch.Tensor, first: int, last: int) -> torch.Tensor:
             with timer.span("last layer"):
-                return rest(
-                    residual[:, first:last].index_select(0, rows), mixed[:, first:last].index_select(0, rows)
+                return drafter.finish(
+                    residual[:, first:last].index_select(0, rows),
+                    mixed[:, first:last].index_select(0, rows),
+                    owned=True,
                 )
 
         targets = self.ids.gather(1, (starts[..., None] + self.offsets).view(B, -1))
@@ -416,38 +399,6 @@ def group_indices(
     return groups
 
 
-def _reach(group: SequenceGroup, records: list[torch.Tensor]) -> int:
-    """No block of the next forward starts past this: a step moves a walk forward by a block at most (a walk
-    started inside a range exists only after a `select`, which computes the whole context)."""
-    return group.longest_prompt + len(records) * group.drafter.block_size
-
-
-class WalkingCount:
-    """How many walks go on after a forward, read back without waiting for the work queued after it: on a GPU
-    the count is copied into pinned memory behind an event, so that the next forward's trunk can be queued
-    before the host reads it; elsewhere read at once."""
-
-    def __init__(self, device: torch.device):
-        self.cuda = device.type == "cuda"
-        self.value = 0
-        if self.cuda:
-            self.host = torch.empty((), dtype=torch.long, pin_memory=True)
-            self.event = torch.cuda.Event()
-
-    def queue(self, walking: torch.Tensor) -> None:
-        if self.cuda:
-            self.host.copy_(walking.sum(), non_blocking=True)
-            self.event.record()
-        else:
-            self.value = int(walking.sum())
-
-    def read(self) -> int:
-        if self.cuda:
-            self.event.synchronize()
-            return int(self.host)
-        return self.value
-
-
 def _frontier(group: SequenceGroup, ids_of: list[int], results: dict[int, SequenceAcceptance]) -> None:
     """Walk all sequences of the group in lockstep: one block per walk per forward; on devices in
     SPLIT_DEVICES, walks started inside the longest ranges fill the batch as walks end
@@ -460,13 +411,8 @@ def _frontier(group: SequenceGroup, ids_of: list[int], results: dict[int, Sequen
     walking = starts < last
     splits = SplitWalks(starts, group.lengths, group.ids.shape[1]) if device.type in SPLIT_DEVICES else None
     records: list[torch.Tensor] = []
-    # On a GPU each forward's trunk is queued before the host reads how many walks go on (below).
-    ahead = device.type in TRUNK_AHEAD_DEVICES and splits is None
-    count = WalkingCount(device)
-    count.queue(walking)
-    drafted: Drafted | None = None
     while True:
-        n_walking = count.read()
+        n_walking = int(walking.sum())
         if n_walking == 0:
             break
         # Ended walks leave the batch once they are ENDED_SHARE of it.
@@ -480,10 +426,11 @@ def _frontier(group: SequenceGroup, ids_of: list[int], results: dict[int, Sequen
             group.select(index)
             last = group.lengths - 1
             walking = torch.ones_like(starts, dtype=torch.bool)
-            # Each block's trunk rows are its own: those of the walks kept stand.
-            drafted = None if drafted is None else (drafted[0][index], drafted[1][index])
         remaining = last - starts
-        runs = group.match_runs(starts[:, None], _reach(group, records), drafted)[:, 0]
+        # A step moves a block forward by a block at most: no start is past this bound (a walk started
+        # inside a range exists only after a `select`, which computes the whole context).
+        reach = group.longest_prompt + len(records) * group.drafter.block_size
+        runs = group.match_runs(starts[:, None], reach)[:, 0]
         # The accepted drafts and the bonus token, never past the end; none where the walk has ended. In
         # place where it can: the device idles while the host launches these, so the fewer the better.
         a = torch.minimum(runs + 1, remaining).mul_(walking)
@@ -492,11 +439,6 @@ def _frontier(group: SequenceGroup, ids_of: list[int], results: dict[int, Sequen
         walking = walking & (starts < last)
         if splits is not None:
             walking = splits.land(starts, walking)
-        count.queue(walking)
-        # The next forward's trunk, queued while the device still works on this one's last head pass, before
-        # the host waits for the count: the device goes on with it instead of waiting for the host. Wasted
-        # once, after the last forward (one trunk of the last batch).
-        drafted = group.draft(starts[:, None], _reach(group, records)) if ahead else None
     if splits is None:
         walks = walks_in_order(records, len(prompts))
     else:
