@@ -71,8 +71,8 @@ def leading_matches(
         states = hidden_at(alive, first, last)
         with timer.span("head"):
             drafts = head.argmax(states, multiplier, softcap)
-        # A bool's cumprod counts in int64 itself: no conversion kernel. (A pass starts after the host reads the
-        # last one's survivors back; fewer host calls here measured no gain, benchmarks/score_pass_host.py.)
+        # A bool's cumprod counts in int64 itself: no conversion kernel. (Fewer host calls after each
+        # read-back measured no gain in the engine: benchmarks/score_pass_host.py.)
         matched = (drafts == targets[:, first:last].index_select(0, alive)).cumprod(dim=-1)
         runs.index_add_(0, alive, matched.sum(dim=-1))
         if last == positions:
