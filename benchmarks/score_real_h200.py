@@ -48,7 +48,8 @@ Timed on all completions, each stage written to the record as it ends:
     reaches them, the down projection's weight stored row-major instead of column-major, the residual
     sums apart from the products instead of in their epilogues, ended walks leaving the batch at a
     sixteenth or a quarter of it instead of an eighth, head passes widened to 384 or 512 rows instead of
-    256);
+    256), the drafter's attention through FlashAttention with the block merged or through the one-pass
+    Triton kernel (whichever the kernel chooser did not pick);
   - the same with head passes not widened where few blocks are left (leading_matches.MIN_ROWS_PER_PASS),
     and with the first layer's mask rows projected from a strided slice (one 2-row product per block);
   - the same with the head and the last layer over all 15 draft positions of every block, and in
@@ -150,6 +151,8 @@ SWITCHED = {
     "leave_at_quarter": (acceptance, "ENDED_SHARE", 1 / 4),
     "min_rows_384": (matching, "MIN_ROWS_PER_PASS", {"cuda": 384}),
     "min_rows_512": (matching, "MIN_ROWS_PER_PASS", {"cuda": 512}),
+    "attention_flash": (block_attention, "KERNEL", "flash"),
+    "attention_triton": (block_attention, "KERNEL", "triton"),
 }
 # Switches read when the drafter's weights are laid out (`DFlashDrafter.fuse_projections`), not at each call:
 # the weights are laid out again as the switch is set and again as it is restored.
@@ -717,7 +720,7 @@ def main() -> None:
     results, runs["where_needed"] = sorted(repeated, key=lambda run: run[1]["seconds"])[REPEATS // 2]
     runs["where_needed"]["seconds_each"] = [summary["seconds"] for _, summary in repeated]
     head_rows[0] //= REPEATS
-    real_context = block_attention.KERNEL == "flash"
+    real_context = block_attention.KERNEL in block_attention.REAL_CONTEXT_KERNELS
     arithmetic = {
         "engine": flops_per_completion(shape, results, real_context=real_context, positions=head_rows[0]),
         "minimum (up to each first mismatch, real context, mask rows once)": flops_per_completion(
@@ -738,6 +741,7 @@ def main() -> None:
         # What fell back to a slower path in this process (None: nothing), so a figure is read with it.
         fallbacks={
             "flash_unavailable": block_attention.FLASH_UNAVAILABLE,
+            "one_pass_attention_failed": block_attention.ONE_PASS_FAILED,
             "block_merge_failed": block_attention.MERGE_FAILED,
             "triton_elementwise_failed": drafter_ops.TRITON_FAILED,
             "trunk_graph_failed": trunk_graph.GRAPH_FAILED,

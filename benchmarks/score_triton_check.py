@@ -17,6 +17,11 @@ head_dim of 64 and of 96), in bf16 and fp16, through the engine's own entry poin
 - SiLU-and-mul and the q/k norm with RoPE: the largest difference from the reference (which computes
   what the kernel does, in torch: at most 2 units of the dtype's last place at max(|value|, 1)), and from
   eager torch (reported: eager rounds twice where the kernels round once). Times of both.
+- the one-pass attention (`attend_context`): against its reference (at most 4 units in the last place:
+  the online softmax rounds against a running maximum) and one float32 softmax; at the real shape (256
+  sequences, 8 key/value heads of 64 query rows, contexts of 368, 752 and 1,128) timed against
+  FlashAttention's variable-length kernel with the block merged, at each of ONE_PASS_SETTINGS, with the
+  rate at which each reads the context.
 
 Prints a JSON summary (and writes it to --out or $OUT/score_triton_check.json); exits 1 if a check fails.
 """
@@ -73,6 +78,9 @@ def references_as_kernels() -> None:
     sys.modules["specops.score.kernels.silu_mul"] = SimpleNamespace(silu_mul=reference.silu_mul)  # type: ignore[assignment]
     sys.modules["specops.score.kernels.norm_rope"] = SimpleNamespace(norm_rope=reference.norm_rope)  # type: ignore[assignment]
     sys.modules["specops.score.kernels.attend_block"] = SimpleNamespace(attend_block=reference.attend_block)  # type: ignore[assignment]
+    sys.modules["specops.score.kernels.attend_context"] = SimpleNamespace(
+        attend_context=reference.attend_context
+    )  # type: ignore[assignment]
 
 
 def timed_ms(fn, device: str, repeat: int = 10) -> float:
@@ -350,6 +358,130 @@ def attend_block_case(
     return case
 
 
+# The one-pass attention's settings timed at the real shape (the kernel's keys per tile, warps, stages).
+ONE_PASS_SETTINGS = [
+    {"BLOCK_N": n, "NUM_WARPS": w, "NUM_STAGES": st}
+    for n in (32, 64, 128)
+    for w in (4, 8)
+    for st in (2, 3, 4)
+]
+
+
+def attend_context_case(
+    name: str,
+    B: int,
+    groups: int,
+    bs: int,
+    heads: int,
+    d: int,
+    context: int,
+    dtype,
+    device,
+    timing,
+    none_before_first: bool = False,
+) -> dict:
+    """The one-pass attention (kernels.attend_context) against its reference and against one float32 softmax
+    over the context before each start and the block; on CUDA, timed against FlashAttention's
+    variable-length kernel with the block merged (the engine's `flash`), at each of ONE_PASS_SETTINGS."""
+    from specops.score.kernels import attend_context as module
+
+    generator = torch.Generator(device=device).manual_seed(B * bs + d + context)
+
+    def randn(*shape):
+        return torch.randn(*shape, device=device, generator=generator).to(dtype)
+
+    rows, scale, slots = groups * bs, d**-0.5, context + bs
+    q, keys, values = randn(B, rows, heads, d), randn(B, slots, heads, d), randn(B, slots, heads, d)
+    k_blk, v_blk = randn(B, bs, heads, d), randn(B, bs, heads, d)
+    # Starts spread over the last quarter of the context (at least one position before each block).
+    starts = torch.randint(
+        max(1, context - context // 4), context + 1, (B,), device=device, generator=generator
+    )
+    if none_before_first:
+        starts[0] = 0
+
+    def attended(kernel):
+        out = torch.empty(B, bs, heads, groups, d, device=device, dtype=dtype)
+        kernel(q, keys, values, starts, k_blk, v_blk, scale, out.permute(0, 3, 1, 2, 4))
+        return out.permute(0, 3, 1, 2, 4).reshape(B, rows, heads, d)
+
+    found = attended(module.attend_context)
+    expected = attended(reference.attend_context)
+    exact = torch.empty_like(expected, dtype=torch.float32)
+    for b in range(B):
+        k = torch.cat([keys[b, : starts[b]], k_blk[b]]).float()
+        v = torch.cat([values[b, : starts[b]], v_blk[b]]).float()
+        scores = torch.einsum("rhd,thd->hrt", q[b].float(), k) * scale
+        exact[b] = torch.einsum("hrt,thd->rhd", scores.softmax(-1), v)
+    case = {
+        "name": name,
+        "queries": list(q.shape),
+        "block": bs,
+        "context": context,
+        "dtype": str(dtype).removeprefix("torch."),
+        "ulps_vs_reference": ulps(found, expected),
+        "ulps_vs_one_softmax": ulps(found, exact.to(dtype)),
+    }
+    # The online softmax rounds each tile's probabilities against the running maximum, the reference
+    # against the row's: a unit or two apart.
+    case["ok"] = case["ulps_vs_reference"] <= 4
+    if timing and device == "cuda":
+        import specops.score.block_attention as block_attention
+        from specops.score.kernels.attend_block import attend_block
+
+        cu_q, cu_k = block_attention.sequence_offsets(B, rows, slots, q.device)
+        used = starts.to(torch.int32)
+
+        def flash_merged():
+            out, lse = block_attention.varlen_attention(
+                q.view(B * rows, heads, d), keys.view(B * slots, heads, d), values.view(B * slots, heads, d),
+                cu_q, cu_k, rows, slots, scale, used,
+            )  # fmt: skip
+            merged = torch.empty(B, bs, heads, groups, d, device=device, dtype=dtype)
+            lse = block_attention.lse_rows(lse, B, rows, heads)
+            attend_block(
+                q, k_blk, v_blk, out.view(B, rows, heads, d), lse, scale, merged.permute(0, 3, 1, 2, 4)
+            )
+            return merged.permute(0, 3, 1, 2, 4).reshape(B, rows, heads, d)
+
+        case["flash_merged_ulps_vs_one_softmax"] = ulps(flash_merged(), exact.to(dtype))
+        case["flash_merged_ms"] = timed_ms(flash_merged, device)
+        read = 2 * B * heads * d * q.element_size() * float(starts.sum()) / B
+        settings = []
+        for setting in ONE_PASS_SETTINGS:
+            saved = {key: getattr(module, key) for key in setting}
+            try:
+                for key, value in setting.items():
+                    setattr(module, key, value)
+                ms = timed_ms(lambda: attended(module.attend_context), device)
+                settings.append({**setting, "ms": ms, "context_read_tb_per_s": read / ms / 1e9})
+            except Exception as error:  # noqa: BLE001 (a setting this device cannot build: reported)
+                settings.append({**setting, "error": str(error).splitlines()[0][:200]})
+            finally:
+                for key, value in saved.items():
+                    setattr(module, key, value)
+        timed = [t for t in settings if "ms" in t]
+        case["kernel_ms"] = next(t["ms"] for t in timed if all(t[k] == getattr(module, k) for k in saved))
+        case["flash_merged_context_read_tb_per_s"] = read / case["flash_merged_ms"] / 1e9
+        case["settings"] = settings
+        case["fastest_setting"] = min(timed, key=lambda t: t["ms"])
+    return case
+
+
+def attend_context_checks(shape: dict, dtype, device: str, timing: bool) -> dict:
+    groups, kv_heads, d = shape["heads"] // shape["kv_heads"], shape["kv_heads"], shape["head_dim"]
+    checks = [
+        attend_context_case(f"real, context {c}", 256, groups, 16, kv_heads, d, c, dtype, device, timing)
+        for c in (368, 752, 1128)
+    ]
+    checks += [
+        # Rows and a block that are not powers of two; a context of one position; none before the block.
+        attend_context_case("odd", 3, 3, 5, 2, 64, 7, dtype, device, False, none_before_first=True),
+        attend_context_case("one context position", 2, 2, 16, 2, 64, 1, dtype, device, False),
+    ]
+    return {"cases": checks, "ok": all(c["ok"] for c in checks)}
+
+
 def elementwise_checks(shape: dict, dtype, device: str, timing: bool) -> dict:
     n, heads, kv_heads, d = shape["intermediate"], shape["heads"], shape["kv_heads"], shape["head_dim"]
     qkv = (heads + 2 * kv_heads) * d
@@ -400,6 +532,9 @@ def main() -> None:
         "--tie-tolerance", type=float, default=1e-3, help="largest torch logit gap at a mismatch"
     )
     parser.add_argument(
+        "--only", choices=("head", "elementwise", "attend_context"), help="one group of checks alone"
+    )
+    parser.add_argument(
         "--out", help="JSON file to write (default $OUT/score_triton_check.json when OUT is set)"
     )
     args = parser.parse_args()
@@ -425,11 +560,17 @@ def main() -> None:
         for dtype in dtypes:
             name = str(dtype).removeprefix("torch.")
             timing = dtype == torch.bfloat16
-            summary[f"head_{name}"] = head_checks(shape, dtype, device, args.tie_tolerance, timing)
-            summary[f"elementwise_{name}"] = elementwise_checks(shape, dtype, device, timing)
+            if args.only in (None, "head"):
+                summary[f"head_{name}"] = head_checks(shape, dtype, device, args.tie_tolerance, timing)
+            if args.only in (None, "elementwise"):
+                summary[f"elementwise_{name}"] = elementwise_checks(shape, dtype, device, timing)
+            if args.only in (None, "attend_context"):
+                summary[f"attend_context_{name}"] = attend_context_checks(shape, dtype, device, timing)
             if device == "cuda":
                 torch.cuda.empty_cache()
-    summary["ok"] = all(v["ok"] for k, v in summary.items() if k.startswith(("head_", "elementwise_")))
+    summary["ok"] = all(
+        v["ok"] for k, v in summary.items() if k.startswith(("head_", "elementwise_", "attend_context_"))
+    )
     text = json.dumps(summary, indent=2)
     print(text)
     out = args.out or (

@@ -272,6 +272,106 @@ def test_a_merge_kernel_that_fails_to_build_leaves_the_block_keys_in_the_context
     assert calls == [starts[:, 0].tolist(), with_block] + [with_block] * (len(drafter.layers) - 1)
 
 
+def one_pass_on_the_cpu(monkeypatch, kernel=reference.attend_context) -> list:
+    """`triton` applying on the CPU, with kernel (the torch statement) as the Triton kernel; the context
+    token-major (`on_token_major_cpu`). Returns the variable-length kernel's calls (of a fallback)."""
+    calls = on_token_major_cpu(monkeypatch)
+    monkeypatch.setattr(block_attention, "ONE_PASS_FAILED", None)
+    monkeypatch.setattr(
+        block_attention, "_one_pass_applies", lambda *t: block_attention.ONE_PASS_FAILED is None
+    )
+    monkeypatch.setitem(
+        sys.modules, "specops.score.kernels.attend_context", SimpleNamespace(attend_context=kernel)
+    )
+    return calls
+
+
+@pytest.mark.parametrize("rule", RULES)
+@torch.inference_mode()
+def test_the_one_pass_kernel_reads_the_context_before_each_start_and_its_block_and_writes_no_buffer(
+    rule, monkeypatch
+):
+    kernel_calls: list = []
+
+    def statement(queries, keys, values, starts, *rest):
+        kernel_calls.append(starts.tolist())
+        return reference.attend_context(queries, keys, values, starts, *rest)
+
+    calls = one_pass_on_the_cpu(monkeypatch, statement)
+    merge_on_the_cpu(monkeypatch)
+    drafter = build(*RULES[rule])
+    features, blocks, starts = inputs()
+    length = features.shape[1]
+    context = drafter.context_kv(features, block_slots=True)
+    before = [(k.clone(), v.clone()) for k, v in context]
+    attn = drafter.decoder_layers[0].self_attn
+    cos, sin = drafter.rope(starts[..., None] + torch.arange(BLOCK), blocks)
+    q, k_blk, v_blk = attn.qkv(blocks, cos, sin)
+    expected = block_attention.reference(attn, q, k_blk, v_blk, starts, *context[0])
+    got = block_attention.one_pass(attn, q, k_blk, v_blk, starts, *context[0], length)
+    assert torch.allclose(got, expected, atol=1e-5)
+    full = rule == "full"
+    # A layer with a causal rule or a window is FlashAttention's (then the masked kernel's) to run.
+    assert kernel_calls == ([starts[:, 0].tolist()] if full else [])
+    assert calls == []
+    monkeypatch.setattr(block_attention, "KERNEL", "triton")
+    plain = drafter(blocks, starts, drafter.context_kv(features))
+    assert torch.allclose(drafter.finish(*drafter.trunk(blocks, starts, context, length)), plain, atol=1e-5)
+    untouched = [
+        torch.equal(k, k0) and torch.equal(v, v0) for (k, v), (k0, v0) in zip(context, before, strict=True)
+    ]
+    plain_layers = [not a.self_attn.is_causal and a.self_attn.sliding_window is None for a in drafter.layers]
+    assert untouched == plain_layers
+    assert len(kernel_calls) == int(full) + sum(plain_layers)
+    assert block_attention.ONE_PASS_FAILED is None
+
+
+@torch.inference_mode()
+def test_a_one_pass_kernel_that_fails_to_build_leaves_the_attention_to_flash_attention_and_says_so(
+    monkeypatch,
+):
+    def broken(*args):
+        raise ImportError("no C compiler to build the Triton kernel")
+
+    calls = one_pass_on_the_cpu(monkeypatch, broken)
+    merge_on_the_cpu(monkeypatch)
+    drafter = build(*RULES["full"])
+    features, blocks, starts = inputs()
+    context = drafter.context_kv(features, block_slots=True)
+    monkeypatch.setattr(block_attention, "KERNEL", "triton")
+    with pytest.warns(RuntimeWarning, match="no C compiler"):
+        got = drafter.finish(*drafter.trunk(blocks, starts, context, features.shape[1]))
+    assert torch.allclose(got, drafter(blocks, starts, drafter.context_kv(features)), atol=1e-5)
+    assert "no C compiler" in block_attention.ONE_PASS_FAILED
+    # Every layer then went to FlashAttention over the context before each start (the block merged).
+    assert calls == [starts[:, 0].tolist()] * len(drafter.layers)
+
+
+def test_the_one_pass_statement_equals_the_merged_statement():
+    generator = torch.Generator().manual_seed(3)
+    B, R, heads, d, bs, slots = 3, 8, 2, 16, 4, 12
+    queries = torch.randn(B, R, heads, d, generator=generator)
+    keys, values = torch.randn(2, B, slots, heads, d, generator=generator)
+    k_blk, v_blk = torch.randn(2, B, bs, heads, d, generator=generator)
+    starts = torch.tensor([0, 5, 12])
+    got = reference.attend_context(
+        queries, keys, values, starts, k_blk, v_blk, 0.25, torch.empty(B, 2, R // 2, heads, d)
+    )
+    # The same through the context's softmax and its log-sum-exp, merged with the block's keys.
+    o_ctx, lse = torch.zeros(B, R, heads, d), torch.full((B, R, heads), float("inf"))
+    for b, start in enumerate(starts.tolist()):
+        if start:
+            scores = torch.einsum("rhd,khd->hrk", queries[b], keys[b, :start]) * 0.25
+            o_ctx[b] = torch.einsum("hrk,khd->rhd", scores.softmax(-1), values[b, :start])
+            lse[b] = scores.logsumexp(-1).T
+    merged = reference.attend_block(
+        queries, k_blk, v_blk, o_ctx, lse, 0.25, torch.empty(B, 2, R // 2, heads, d)
+    )
+    assert torch.allclose(got, merged, atol=1e-5)
+    # Row r is written at (r // R_inner, r % R_inner).
+    assert torch.equal(got.view(B, R, heads, d)[:, 5], got[:, 1, 1])
+
+
 def test_the_log_sum_exp_is_read_in_either_layout_flash_attention_returns():
     sequences, rows, heads = 3, 4, 2
     lse = torch.arange(sequences * rows * heads, dtype=torch.float32)

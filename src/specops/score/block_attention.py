@@ -29,6 +29,11 @@ The query heads of one key/value head are folded into the query length (g x bs q
 key/value head), so no kernel needs grouped-query support and each key is read once per group. Where
 `flash` is the kernel, the queries are written in that folded order in the first place
 (`query_buffer`), so the kernel reads them without a copy.
+
+- `triton`: the same attention over the real context in one Triton kernel
+  (`specops.score.kernels.attend_context`), the block's own keys included: exactly a key/value head's
+  g x bs query rows a program (FlashAttention's tiles are 128 rows), no log-sum-exp, no merge. It reads
+  the same folded queries and token-major buffers; `flash` runs where it does not apply.
 """
 
 from __future__ import annotations
@@ -66,6 +71,9 @@ Kernel = Callable[..., torch.Tensor]
 # sliding layer, a torch without the kernel) it runs `sdpa-efficient`, which is `sdpa` off CUDA.
 # "reference" forces the plain path everywhere.
 KERNEL = "flash"
+
+# The kernels that read the real context only (the context before each start, no padded scores).
+REAL_CONTEXT_KERNELS = ("flash", "triton")
 
 # Where `flash` attends the block's own keys (module docstring): "merged" where the Triton kernel applies
 # (CUDA, half precision, triton importable), "in_context" elsewhere and when set so.
@@ -230,7 +238,7 @@ def query_buffer(lead: tuple[int, ...], heads: int, groups: int, head_dim: int, 
     them: a view of memory laid out [B, m, groups, bs, kv_heads, head_dim], each kv head's groups x block
     queries one run of rows (the fold in the module docstring); None where the kernel is another or the
     buffers are not token-major (the kernel then permutes as it needs)."""
-    if KERNEL != "flash" or like.device.type not in TOKEN_MAJOR_DEVICES or len(lead) != 3:
+    if KERNEL not in REAL_CONTEXT_KERNELS or like.device.type not in TOKEN_MAJOR_DEVICES or len(lead) != 3:
         return None
     B, m, bs = lead
     folded = torch.empty(B * m, groups, bs, heads, head_dim, dtype=like.dtype, device=like.device)
@@ -356,6 +364,53 @@ def _merge_block(attn: DFlashAttention, queries, k_blk, v_blk, out, lse) -> torc
     return merged.view(B, 1, bs, -1)
 
 
+# Why the one-pass Triton kernel failed here, or None (then `triton` runs `flash`).
+ONE_PASS_FAILED: str | None = None
+
+
+def one_pass(attn: DFlashAttention, q, k_blk, v_blk, starts, ctx_k, ctx_v, context_len):
+    """`triton` (module docstring); `flash` where it does not apply."""
+    B, _, bs, h, g, d = q.shape
+    fits = (
+        not attn.is_causal
+        and attn.sliding_window is None
+        and token_major(ctx_k)
+        and token_major(ctx_v)
+        and _one_pass_applies(q, k_blk, v_blk, ctx_k, ctx_v)
+    )
+    if not fits:
+        return flash(attn, q, k_blk, v_blk, starts, ctx_k, ctx_v, context_len)
+    out = torch.empty(B, 1, bs, h, g, d, dtype=q.dtype, device=q.device)
+    try:
+        from specops.score.kernels.attend_context import attend_context
+
+        attend_context(
+            q[:, 0].permute(0, 3, 1, 2, 4).reshape(B, g * bs, h, d),
+            ctx_k.transpose(1, 2),
+            ctx_v.transpose(1, 2),
+            starts[:, 0],
+            k_blk[:, 0].transpose(1, 2),
+            v_blk[:, 0].transpose(1, 2),
+            attn.scaling,
+            out[:, 0].permute(0, 3, 1, 2, 4),
+        )
+    except Exception as error:  # noqa: BLE001 (any failure to build the kernel: FlashAttention's path)
+        _one_pass_failed(error)
+        return flash(attn, q, k_blk, v_blk, starts, ctx_k, ctx_v, context_len)
+    return out.view(B, 1, bs, -1)
+
+
+def _one_pass_applies(*tensors: torch.Tensor) -> bool:
+    return ONE_PASS_FAILED is None and kernels.applies(*tensors)
+
+
+def _one_pass_failed(error: Exception) -> None:
+    global ONE_PASS_FAILED
+    ONE_PASS_FAILED = kernels.failure(
+        error, "the one-pass Triton attention failed ({}); FlashAttention's variable-length kernel runs"
+    )
+
+
 def _on_backend(backend: SDPBackend) -> Kernel:
     def kernel(attn, q, k_blk, v_blk, starts, ctx_k, ctx_v, context_len):
         if not q.is_cuda:
@@ -372,6 +427,7 @@ KERNELS: dict[str, Kernel] = {
     "sdpa-efficient": _on_backend(SDPBackend.EFFICIENT_ATTENTION),
     "sdpa-cudnn": _on_backend(SDPBackend.CUDNN_ATTENTION),
     "flash": flash,
+    "triton": one_pass,
 }
 
 

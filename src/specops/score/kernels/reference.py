@@ -107,3 +107,30 @@ def attend_block(
         probs.sum(dim=-1) + context_weight
     )[..., None]
     return out.copy_(merged.transpose(1, 2).reshape(out.shape).to(out.dtype))
+
+
+def attend_context(
+    queries: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    starts: torch.Tensor,
+    k_blk: torch.Tensor,
+    v_blk: torch.Tensor,
+    scale: float,
+    out: torch.Tensor,
+) -> torch.Tensor:
+    """Each sequence's queries [B, R, heads, d] against its context before its start (keys, values
+    [B, T', heads, d], rows < starts[b]) and its block's own keys and values [B, bs, heads, d]: scores in
+    float32, the probabilities rounded to the values' dtype before their product (as FlashAttention
+    does), the result rounded once into out, a [B, R_outer, R_inner, heads, d] view taking row r at
+    (r // R_inner, r % R_inner)."""
+    B, R, heads, d = queries.shape
+    for b in range(B):
+        start = int(starts[b])
+        k = torch.cat([keys[b, :start], k_blk[b]]).float().transpose(0, 1)  # [heads, keys, d]
+        v = torch.cat([values[b, :start], v_blk[b]]).transpose(0, 1)
+        scores = queries[b].float().transpose(0, 1) @ k.transpose(1, 2) * scale  # [heads, R, keys]
+        probs = torch.exp(scores - scores.amax(dim=-1, keepdim=True))
+        mixed = probs.to(v.dtype).float() @ v.float() / probs.sum(dim=-1, keepdim=True)
+        out[b].copy_(mixed.transpose(0, 1).reshape(out[b].shape).to(out.dtype))
+    return out
