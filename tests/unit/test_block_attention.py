@@ -218,19 +218,25 @@ def test_the_variable_length_kernel_reads_the_context_before_each_block_and_puts
     assert block_attention.FLASH_UNAVAILABLE is None
 
 
-@pytest.mark.parametrize("rule", RULES)
-@torch.inference_mode()
-def test_the_merged_block_reads_the_context_before_each_start_and_writes_no_buffer(rule, monkeypatch):
-    calls = on_token_major_cpu(monkeypatch)
-    merge_on_the_cpu(monkeypatch)
+def first_layer(rule: str):
+    """A drafter of the rule, its inputs, its context with block slots (and a copy of it), and the first
+    layer's attention with its queries and the block's own keys and values."""
     drafter = build(*RULES[rule])
     features, blocks, starts = inputs()
-    length = features.shape[1]
     context = drafter.context_kv(features, block_slots=True)
     before = [(k.clone(), v.clone()) for k, v in context]
     attn = drafter.decoder_layers[0].self_attn
     cos, sin = drafter.rope(starts[..., None] + torch.arange(BLOCK), blocks)
     q, k_blk, v_blk = attn.qkv(blocks, cos, sin)
+    return drafter, features, blocks, starts, features.shape[1], context, before, attn, q, k_blk, v_blk
+
+
+@pytest.mark.parametrize("rule", RULES)
+@torch.inference_mode()
+def test_the_merged_block_reads_the_context_before_each_start_and_writes_no_buffer(rule, monkeypatch):
+    calls = on_token_major_cpu(monkeypatch)
+    merge_on_the_cpu(monkeypatch)
+    drafter, features, blocks, starts, length, context, before, attn, q, k_blk, v_blk = first_layer(rule)
     # The queries come out already folded as the kernel reads them: each kv head's groups x block rows.
     assert q[:, 0].permute(0, 3, 1, 2, 4).is_contiguous()
     expected = block_attention.reference(attn, q, k_blk, v_blk, starts, *context[0])
@@ -299,14 +305,7 @@ def test_the_one_pass_kernel_reads_the_context_before_each_start_and_its_block_a
 
     calls = one_pass_on_the_cpu(monkeypatch, statement)
     merge_on_the_cpu(monkeypatch)
-    drafter = build(*RULES[rule])
-    features, blocks, starts = inputs()
-    length = features.shape[1]
-    context = drafter.context_kv(features, block_slots=True)
-    before = [(k.clone(), v.clone()) for k, v in context]
-    attn = drafter.decoder_layers[0].self_attn
-    cos, sin = drafter.rope(starts[..., None] + torch.arange(BLOCK), blocks)
-    q, k_blk, v_blk = attn.qkv(blocks, cos, sin)
+    drafter, features, blocks, starts, length, context, before, attn, q, k_blk, v_blk = first_layer(rule)
     expected = block_attention.reference(attn, q, k_blk, v_blk, starts, *context[0])
     got = block_attention.one_pass(attn, q, k_blk, v_blk, starts, *context[0], length)
     assert torch.allclose(got, expected, atol=1e-5)

@@ -26,10 +26,16 @@ NUM_STAGES = 3
 
 
 @triton.jit
-def _scores(q, k, key_in, scale_log2):
-    """A tile's scores in base 2 (exp2 is one instruction), keys outside the tile's range at -inf."""
-    s = tl.dot(q, tl.trans(k)) * scale_log2
-    return tl.where(key_in[None, :], s, float("-inf"))
+def _attend_tile(q, k, v, key_in, top, total, acc, scale_log2):
+    """One tile of keys into the running softmax (row maxima `top`, sums `total`, the mix `acc`): scores in
+    base 2 (exp2 is one instruction), keys outside the tile's range at -inf."""
+    s = tl.where(key_in[None, :], tl.dot(q, tl.trans(k)) * scale_log2, float("-inf"))
+    new_top = tl.maximum(top, tl.max(s, 1))
+    probs = tl.exp2(s - new_top[:, None])
+    kept = tl.exp2(top - new_top)
+    total = total * kept + tl.sum(probs, 1)
+    acc = acc * kept[:, None] + tl.dot(probs.to(v.dtype), v)
+    return new_top, total, acc
 
 
 @triton.jit
@@ -92,14 +98,8 @@ def _attend_context_kernel(
         j = first + n
         key_in = j < start
         k = tl.load(k_base + j[:, None] * k_row_stride + c[None, :], mask=key_in[:, None], other=0.0)
-        s = _scores(q, k, key_in, scale_log2)
-        new_top = tl.maximum(top, tl.max(s, 1))
-        probs = tl.exp2(s - new_top[:, None])
-        kept = tl.exp2(top - new_top)
-        total = total * kept + tl.sum(probs, 1)
         v = tl.load(v_base + j[:, None] * v_row_stride + c[None, :], mask=key_in[:, None], other=0.0)
-        acc = acc * kept[:, None] + tl.dot(probs.to(v.dtype), v)
-        top = new_top
+        top, total, acc = _attend_tile(q, k, v, key_in, top, total, acc, scale_log2)
     # The block's own keys: one tile after the context's.
     j = tl.arange(0, BLOCK_K)
     key_in = j < block
@@ -108,17 +108,12 @@ def _attend_context_kernel(
         mask=key_in[:, None],
         other=0.0,
     )
-    s = _scores(q, kb, key_in, scale_log2)
-    new_top = tl.maximum(top, tl.max(s, 1))
-    probs = tl.exp2(s - new_top[:, None])
-    kept = tl.exp2(top - new_top)
-    total = total * kept + tl.sum(probs, 1)
     vb = tl.load(
         vb_ptr + seq * vb_seq_stride + head * vb_head_stride + j[:, None] * vb_row_stride + c[None, :],
         mask=key_in[:, None],
         other=0.0,
     )
-    acc = acc * kept[:, None] + tl.dot(probs.to(vb.dtype), vb)
+    top, total, acc = _attend_tile(q, kb, vb, key_in, top, total, acc, scale_log2)
     out_at = (r // row_inner) * out_outer_stride + (r % row_inner) * out_inner_stride
     tl.store(
         out_ptr + seq * out_seq_stride + head * out_head_stride + out_at[:, None] + c[None, :],
