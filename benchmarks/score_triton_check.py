@@ -313,6 +313,20 @@ def norm_rope_case(
     return case
 
 
+def attention_case(name: str, q, bs: int, context: int, found, expected, exact) -> dict:
+    """An attention kernel's case: its shape and its distance from its reference and from one float32
+    softmax, in units of the last place of the queries' dtype."""
+    return {
+        "name": name,
+        "queries": list(q.shape),
+        "block": bs,
+        "context": context,
+        "dtype": str(q.dtype).removeprefix("torch."),
+        "ulps_vs_reference": ulps(found, expected),
+        "ulps_vs_one_softmax": ulps(found, exact.to(q.dtype)),
+    }
+
+
 def attend_block_case(
     name: str, B: int, groups: int, bs: int, heads: int, d: int, context: int, dtype, device, timing
 ) -> dict:
@@ -343,15 +357,7 @@ def attend_block_case(
     keys, values = torch.cat([k_ctx, k_blk], 1).float(), torch.cat([v_ctx, v_blk], 1).float()
     whole = torch.einsum("brhd,bthd->bhrt", q.float(), keys) * scale
     exact = torch.einsum("bhrt,bthd->brhd", whole.softmax(-1), values)
-    case = {
-        "name": name,
-        "queries": list(q.shape),
-        "block": bs,
-        "context": context,
-        "dtype": str(dtype).removeprefix("torch."),
-        "ulps_vs_reference": ulps(found, expected),
-        "ulps_vs_one_softmax": ulps(found, exact.to(dtype)),
-    }
+    case = attention_case(name, q, bs, context, found, expected, exact)
     if timing:
         case["kernel_ms"] = timed_ms(lambda: merged(attend_block), device)
     case["ok"] = case["ulps_vs_reference"] <= 2
@@ -413,15 +419,7 @@ def attend_context_case(
         v = torch.cat([values[b, : starts[b]], v_blk[b]]).float()
         scores = torch.einsum("rhd,thd->hrt", q[b].float(), k) * scale
         exact[b] = torch.einsum("hrt,thd->rhd", scores.softmax(-1), v)
-    case = {
-        "name": name,
-        "queries": list(q.shape),
-        "block": bs,
-        "context": context,
-        "dtype": str(dtype).removeprefix("torch."),
-        "ulps_vs_reference": ulps(found, expected),
-        "ulps_vs_one_softmax": ulps(found, exact.to(dtype)),
-    }
+    case = attention_case(name, q, bs, context, found, expected, exact)
     # The online softmax rounds each tile's probabilities against the running maximum, the reference
     # against the row's: a unit or two apart.
     case["ok"] = case["ulps_vs_reference"] <= 4

@@ -218,6 +218,17 @@ def test_the_variable_length_kernel_reads_the_context_before_each_block_and_puts
     assert block_attention.FLASH_UNAVAILABLE is None
 
 
+def untouched_where_plain(drafter, context, before) -> list[bool]:
+    """Asserts that the context's buffers of exactly the layers that see their whole block and the
+    context before it (no causal rule, no window) are as they were; returns which layers those are."""
+    untouched = [
+        torch.equal(k, k0) and torch.equal(v, v0) for (k, v), (k0, v0) in zip(context, before, strict=True)
+    ]
+    plain_layers = [not a.self_attn.is_causal and a.self_attn.sliding_window is None for a in drafter.layers]
+    assert untouched == plain_layers
+    return plain_layers
+
+
 def first_layer(rule: str):
     """A drafter of the rule, its inputs, its context with block slots (and a copy of it), and the first
     layer's attention with its queries and the block's own keys and values."""
@@ -249,11 +260,7 @@ def test_the_merged_block_reads_the_context_before_each_start_and_writes_no_buff
     assert torch.allclose(drafter.finish(*drafter.trunk(blocks, starts, context, length)), plain, atol=1e-5)
     # Nothing was written into the context's buffers, not even into the spare slots, where no kernel fell
     # back to the masked one.
-    untouched = [
-        torch.equal(k, k0) and torch.equal(v, v0) for (k, v), (k0, v0) in zip(context, before, strict=True)
-    ]
-    plain_layers = [not a.self_attn.is_causal and a.self_attn.sliding_window is None for a in drafter.layers]
-    assert untouched == plain_layers
+    untouched_where_plain(drafter, context, before)
     assert block_attention.MERGE_FAILED is None and block_attention.FLASH_UNAVAILABLE is None
 
 
@@ -316,11 +323,7 @@ def test_the_one_pass_kernel_reads_the_context_before_each_start_and_its_block_a
     monkeypatch.setattr(block_attention, "KERNEL", "triton")
     plain = drafter(blocks, starts, drafter.context_kv(features))
     assert torch.allclose(drafter.finish(*drafter.trunk(blocks, starts, context, length)), plain, atol=1e-5)
-    untouched = [
-        torch.equal(k, k0) and torch.equal(v, v0) for (k, v), (k0, v0) in zip(context, before, strict=True)
-    ]
-    plain_layers = [not a.self_attn.is_causal and a.self_attn.sliding_window is None for a in drafter.layers]
-    assert untouched == plain_layers
+    plain_layers = untouched_where_plain(drafter, context, before)
     assert len(kernel_calls) == int(full) + sum(plain_layers)
     assert block_attention.ONE_PASS_FAILED is None
 
