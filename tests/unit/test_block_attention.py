@@ -264,21 +264,29 @@ def test_the_merged_block_reads_the_context_before_each_start_and_writes_no_buff
     assert block_attention.MERGE_FAILED is None and block_attention.FLASH_UNAVAILABLE is None
 
 
+def unbuildable(*args):
+    raise ImportError("no C compiler to build the Triton kernel")
+
+
+def warned_and_equal_without_the_kernel(monkeypatch, kernel: str):
+    """The engine's call through `kernel` while a Triton kernel in its way fails to build: warned once, and
+    the plain forward's result. Returns the drafter and its blocks' starts."""
+    drafter = build(*RULES["full"])
+    features, blocks, starts = inputs()
+    context = drafter.context_kv(features, block_slots=True)
+    monkeypatch.setattr(block_attention, "KERNEL", kernel)
+    with pytest.warns(RuntimeWarning, match="no C compiler"):
+        got = drafter.finish(*drafter.trunk(blocks, starts, context, features.shape[1]))
+    assert torch.allclose(got, drafter(blocks, starts, drafter.context_kv(features)), atol=1e-5)
+    return drafter, starts
+
+
 @torch.inference_mode()
 def test_a_merge_kernel_that_fails_to_build_leaves_the_block_keys_in_the_context_and_says_so(monkeypatch):
     calls = on_token_major_cpu(monkeypatch)
 
-    def broken(*args):
-        raise ImportError("no C compiler to build the Triton kernel")
-
-    merge_on_the_cpu(monkeypatch, broken)
-    drafter = build(*RULES["full"])
-    features, blocks, starts = inputs()
-    context = drafter.context_kv(features, block_slots=True)
-    monkeypatch.setattr(block_attention, "KERNEL", "flash")
-    with pytest.warns(RuntimeWarning, match="no C compiler"):
-        got = drafter.finish(*drafter.trunk(blocks, starts, context, features.shape[1]))
-    assert torch.allclose(got, drafter(blocks, starts, drafter.context_kv(features)), atol=1e-5)
+    merge_on_the_cpu(monkeypatch, unbuildable)
+    drafter, starts = warned_and_equal_without_the_kernel(monkeypatch, "flash")
     assert "no C compiler" in block_attention.MERGE_FAILED
     # The failed call read the context before the start; then every call writes its block in.
     with_block = (starts[:, 0] + BLOCK).tolist()
@@ -332,18 +340,9 @@ def test_the_one_pass_kernel_reads_the_context_before_each_start_and_its_block_a
 def test_a_one_pass_kernel_that_fails_to_build_leaves_the_attention_to_flash_attention_and_says_so(
     monkeypatch,
 ):
-    def broken(*args):
-        raise ImportError("no C compiler to build the Triton kernel")
-
-    calls = one_pass_on_the_cpu(monkeypatch, broken)
+    calls = one_pass_on_the_cpu(monkeypatch, unbuildable)
     merge_on_the_cpu(monkeypatch)
-    drafter = build(*RULES["full"])
-    features, blocks, starts = inputs()
-    context = drafter.context_kv(features, block_slots=True)
-    monkeypatch.setattr(block_attention, "KERNEL", "triton")
-    with pytest.warns(RuntimeWarning, match="no C compiler"):
-        got = drafter.finish(*drafter.trunk(blocks, starts, context, features.shape[1]))
-    assert torch.allclose(got, drafter(blocks, starts, drafter.context_kv(features)), atol=1e-5)
+    drafter, starts = warned_and_equal_without_the_kernel(monkeypatch, "triton")
     assert "no C compiler" in block_attention.ONE_PASS_FAILED
     # Every layer then went to FlashAttention over the context before each start (the block merged).
     assert calls == [starts[:, 0].tolist()] * len(drafter.layers)
