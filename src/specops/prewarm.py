@@ -36,7 +36,7 @@ from specops.extract import (
 )
 from specops.extract.request import REQUEST as EXTRACT_REQUEST
 from specops.schema import Option, Schema
-from specops.stage import StageError, log, serve
+from specops.stage import log, serve
 
 # The batching options are the extraction's own, so the shapes tuned are the ones it runs.
 REQUEST = Schema(
@@ -56,21 +56,13 @@ REQUEST = Schema(
         Option("max_shapes", "int", "Most distinct batch shapes to tune.", default=64),
     ),
 )
-DEFAULTS: dict[str, Any] = REQUEST.defaults
-REQUIRED = REQUEST.required
 READ_CHUNK = 64 << 20
 # Leave this share of the available memory to everything else on the host.
 PAGE_CACHE_SHARE = 0.8
 
 
 def parse_request(request: dict[str, Any]) -> dict[str, Any]:
-    unknown = REQUEST.unknown(request)
-    if unknown:
-        raise StageError(f"unknown request keys {unknown}: the keys are {sorted(REQUEST.names)}")
-    missing = [k for k in REQUIRED if not request.get(k)]
-    if missing:
-        raise StageError(f"missing {missing}: give the target model dir and the completions dir")
-    return {**DEFAULTS, **{k: v for k, v in request.items() if v is not None}}
+    return REQUEST.merged(request, "give the target model dir and the completions dir")
 
 
 def weight_files(target: Path) -> list[Path]:

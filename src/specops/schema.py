@@ -12,6 +12,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from specops.stage import StageError
+
 
 @dataclass(frozen=True)
 class Option:
@@ -56,3 +58,15 @@ class Schema:
 
     def unknown(self, request: Mapping[str, Any]) -> list[str]:
         return sorted(set(request) - set(self.names))
+
+    def merged(self, request: Mapping[str, Any], required_are: str = "") -> dict[str, Any]:
+        """The request over the defaults (a key given as None counts as unset), after refusing keys the
+        stage does not know and required ones left empty; required_are says what those are for."""
+        unknown = self.unknown(request)
+        if unknown:
+            raise StageError(f"unknown request keys {unknown}: the keys are {sorted(self.names)}")
+        missing = [name for name in self.required if not request.get(name)]
+        if missing:
+            for_what = f": {required_are}" if required_are else ""
+            raise StageError(f"missing required keys {missing}{for_what}")
+        return {**self.defaults, **{k: v for k, v in request.items() if v is not None}}

@@ -367,7 +367,7 @@ def test_an_empty_prompts_file_is_refused(tmp_path):
         ({"concurrency": "4"}, "concurrency must be an integer >= 1"),
         ({"timeout": 0}, "timeout must be a number > 0"),
         ({"server_url": "localhost:30000"}, "must start with http://"),
-        ({"temperature": 0.7}, "unknown request key(s) temperature"),
+        ({"temperature": 0.7}, "unknown request keys ['temperature']"),
     ],
 )
 def test_bad_requests_name_the_key_and_the_fix(fixture_models, tmp_path, overrides, problem):
@@ -506,4 +506,4 @@ def test_the_stage_protocol_reports_a_usable_error_with_exit_2(tmp_path):
     )
     assert done.returncode == 2
     result = json.loads(done.stdout.strip().splitlines()[-1])
-    assert result["failed"] is True and "missing required key(s) prompts" in result["msg"]
+    assert result["failed"] is True and "missing required keys ['prompts'" in result["msg"]

@@ -7,6 +7,7 @@ from transformers import AutoConfig
 
 from specops import prewarm
 from specops.extract import Record
+from specops.stage import StageError
 
 
 def record(index: int, tokens: int) -> Record:
@@ -65,5 +66,5 @@ def test_on_the_cpu_the_kernels_are_not_tuned_and_the_reason_is_given(fixture_mo
 
 
 def test_unknown_request_keys_are_refused():
-    with pytest.raises(prewarm.StageError, match="unknown request keys"):
+    with pytest.raises(StageError, match="unknown request keys"):
         prewarm.parse_request({"target": "t", "completions": "c", "batch": 3})

@@ -59,8 +59,6 @@ REQUEST = Schema(
         ),
     ),
 )
-DEFAULTS: dict[str, Any] = REQUEST.defaults
-REQUIRED = REQUEST.required
 
 
 @dataclass(frozen=True)
@@ -82,13 +80,7 @@ def is_int(value: Any) -> bool:
 
 
 def parse_request(request: dict[str, Any]) -> Settings:
-    unknown = REQUEST.unknown(request)
-    if unknown:
-        raise StageError(f"unknown request key(s) {', '.join(unknown)}: expected {', '.join(REQUEST.names)}")
-    missing = [key for key in REQUIRED if not request.get(key)]
-    if missing:
-        raise StageError(f"missing required key(s) {', '.join(missing)}")
-    values = {**DEFAULTS, **{k: v for k, v in request.items() if v is not None}}
+    values = REQUEST.merged(request)
     url = str(values["server_url"]).rstrip("/")
     if not url.startswith(("http://", "https://")):
         raise StageError(

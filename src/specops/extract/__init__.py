@@ -15,14 +15,12 @@ from specops.extract.outputs import finish_manifest, library_versions, stage_res
 from specops.extract.parity import parity_probe
 from specops.extract.pipeline import DeviceTimer, HostCopier, Progress, ShardWriter
 from specops.extract.prepared import Prepared, prepare
-from specops.extract.request import DEFAULTS, REQUIRED, STAGE, parse_request
+from specops.extract.request import STAGE, parse_request
 from specops.extract.shards import STATE_NAME, ResumeState, ShardPlan, plan_shards
 from specops.extract.stage import main, plan, run
 from specops.extract.target import Record, TargetInfo, inspect_target, read_completions
 
 __all__ = [
-    "DEFAULTS",
-    "REQUIRED",
     "STAGE",
     "STATE_NAME",
     "DevicePlan",

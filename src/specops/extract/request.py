@@ -122,18 +122,10 @@ REQUEST = Schema(
         ),
     ),
 )
-DEFAULTS: dict[str, Any] = REQUEST.defaults
-REQUIRED = REQUEST.required
 
 
 def parse_request(request: dict[str, Any]) -> dict[str, Any]:
-    unknown = REQUEST.unknown(request)
-    if unknown:
-        raise StageError(f"unknown request keys {unknown}: the keys are {sorted(REQUEST.names)}")
-    missing = [k for k in REQUIRED if not request.get(k)]
-    if missing:
-        raise StageError(f"missing {missing}: give the target model dir, the completions dir and out_dir")
-    req = {**DEFAULTS, **{k: v for k, v in request.items() if v is not None}}
+    req = REQUEST.merged(request, "give the target model dir, the completions dir and out_dir")
     # No devices listed: "auto", every visible GPU when device is auto (devices.py).
     if req["devices"] is None:
         req["devices"] = "auto"
