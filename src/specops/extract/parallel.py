@@ -23,7 +23,7 @@ from specops.backend import BackendMonitor
 from specops.extract.backend_guard import check_backend
 from specops.extract.capture import LayerCapture, decoder_body
 from specops.extract.devices import DevicePlan, assign_shards, describe_device, truncated_config
-from specops.extract.extraction import ExtractionSettings, extract_shards
+from specops.extract.extraction import extract_shards
 from specops.extract.outputs import stage_result, write_extraction_manifest
 from specops.extract.parity import checked_parity
 from specops.extract.pipeline import Progress
@@ -184,14 +184,7 @@ def run_split(
         f"({prep.dtype_name}); capturing layers {prep.layer_ids}"
     )
     modeling = _modeling_of(model)
-    settings = ExtractionSettings(
-        prep.layer_ids,
-        devices[0],
-        prep.require,
-        prep.req["writer_threads"],
-        fsync=bool(prep.req["fsync"]),
-        progress_log=progress_log,
-    )
+    settings = prep.settings(devices[0], progress_log)
     with (
         BackendMonitor(modeling, force_torch=force_torch) as monitor,
         PlacedCapture(model, prep.layer_ids, devices[0]) as capture,
@@ -247,15 +240,7 @@ def data_worker(task: WorkerTask, results: Any, start: Any = None) -> None:
         load_s = time.perf_counter() - started
         log(f"{task.device}: loaded in {load_s:.1f}s; {len(task.shards)} shards to extract")
         modeling = _modeling_of(model)
-        settings = ExtractionSettings(
-            prep.layer_ids,
-            device,
-            prep.require,
-            prep.req["writer_threads"],
-            fsync=bool(prep.req["fsync"]),
-            progress_log=None,
-            echo=None,
-        )
+        settings = prep.settings(device, echo=None)
         state = ForwardedState(results, task.number)
         with (
             BackendMonitor(modeling, force_torch=task.force_torch) as monitor,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from specops import preflight
 from specops.backend import resolve_require_backend
@@ -21,7 +21,12 @@ from specops.extract.target import (
     tokens_fingerprint,
 )
 from specops.hidden_states import FORMAT_VERSION
-from specops.stage import StageError
+from specops.stage import StageError, log
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    from specops.extract.extraction import ExtractionSettings
 
 
 @dataclass
@@ -47,6 +52,26 @@ class Prepared:
     @property
     def bytes_per_token(self) -> int:
         return len(self.layer_ids) * self.target.hidden_size * self.dtype.itemsize + 8
+
+    def settings(
+        self,
+        device: Any,
+        progress_log: Path | None = None,
+        echo: Callable[[str], None] | None = log,
+    ) -> ExtractionSettings:
+        """The extraction's settings for this request on `device`."""
+        # Imported here: extraction.py imports this module (through backend_guard).
+        from specops.extract.extraction import ExtractionSettings
+
+        return ExtractionSettings(
+            self.layer_ids,
+            device,
+            self.require,
+            self.req["writer_threads"],
+            fsync=bool(self.req["fsync"]),
+            progress_log=progress_log,
+            echo=echo,
+        )
 
 
 def prepare(request: dict[str, Any], problems: list[str] | None = None) -> Prepared:

@@ -30,7 +30,7 @@ from specops.extract.devices import (
     resolve_device_dtype,
     truncated_config,
 )
-from specops.extract.extraction import ExtractionSettings, extract_shards
+from specops.extract.extraction import extract_shards
 from specops.extract.host_memory import plan_host_memory, read_meminfo
 from specops.extract.outputs import stage_result, write_extraction_manifest
 from specops.extract.parity import checked_parity
@@ -244,14 +244,7 @@ def run_single(
         f"capturing layers {prep.layer_ids}"
     )
     modeling = sys.modules.get(type(decoder_body(model)[1][0]).__module__, modeling)
-    settings = ExtractionSettings(
-        prep.layer_ids,
-        prep.device,
-        prep.require,
-        prep.req["writer_threads"],
-        fsync=bool(prep.req["fsync"]),
-        progress_log=progress_log,
-    )
+    settings = prep.settings(prep.device, progress_log)
     with (
         BackendMonitor(modeling, force_torch=force_torch) as monitor,
         LayerCapture(model, prep.layer_ids) as cap,
