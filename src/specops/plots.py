@@ -167,6 +167,14 @@ def render_comparison(summary: Mapping[str, Any], out_dir: str | Path) -> str:
     return rep.PLOT_TAU_BY_DRAFTER
 
 
+def _tau_line(ax: Any, points: Sequence[tuple[int, float, Any]], **style: Any) -> None:
+    """Points (run index, tau, 95% interval or None) joined, each interval as an error bar."""
+    taus = [p[1] for p in points]
+    ax.errorbar(
+        [p[0] for p in points], taus, yerr=_error_bars(taus, [p[2] for p in points]), capsize=3, **style
+    )
+
+
 def render_trend(
     runs: Sequence[Mapping[str, Any]],
     drafters: Sequence[str],
@@ -186,31 +194,14 @@ def render_trend(
             if run["tau"].get(name) is not None
         ]
         if points:
-            taus = [p[1] for p in points]
-            ax.errorbar(
-                [p[0] for p in points],
-                taus,
-                yerr=_error_bars(taus, [p[2] for p in points]),
-                marker="o",
-                capsize=3,
-                label=name,
-            )
+            _tau_line(ax, points, marker="o", label=name)
     references = [
         (i, run["reference_tau"], run.get("reference_interval"))
         for i, run in zip(x, runs, strict=True)
         if run.get("reference_tau") is not None
     ]
     if references:
-        taus = [p[1] for p in references]
-        ax.errorbar(
-            [p[0] for p in references],
-            taus,
-            yerr=_error_bars(taus, [p[2] for p in references]),
-            linestyle="--",
-            color="gray",
-            capsize=3,
-            label="reference",
-        )
+        _tau_line(ax, references, linestyle="--", color="gray", label="reference")
     position = {run["run_id"]: i for i, run in enumerate(runs)}
     for direction in ("up", "down"):
         moved = [c for c in changes if c["direction"] == direction and c["run_id"] in position]
