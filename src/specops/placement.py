@@ -44,9 +44,10 @@ from specops.stage import StageError, serve
 
 STAGE = "placement"
 PLACEMENTS = ("auto", "window", "host", "cpu")
-# One H200 scored 26.3 completions/s of 1,000 tokens at the real shape on 2026-12-04 and 47.4/s on
-# 2026-12-06 (benchmarks/score_real_h200.json), 6.4 TFLOP each by the formula above: about 1.7e14 and
-# 3.0e14 of its FLOPs per second. Other GPUs are slower; the figure is a planning figure kept at the
+# One H200 scored 26.3 completions/s of 1,000 tokens at the real shape on 2026-12-04, 47.4/s on
+# 2026-12-06 (benchmarks/score_real_h200_2026-12-06_38c49d0.json) and 53.1/s on 2026-12-07
+# (benchmarks/score_real_h200.json), 6.4 TFLOP each by the formula above: about 1.7e14, 3.0e14 and
+# 3.4e14 of its FLOPs per second. Other GPUs are slower; the figure is a planning figure kept at the
 # lower rate, and the guard's margin covers a miss.
 GPU_FLOPS = 1.5e14
 # A pass is not all matrix products (the walk, the softmax, the bookkeeping): the measured product rate

@@ -66,15 +66,17 @@ CPU_MEMORY_BUDGET = 2 << 30
 MAX_ANCHORS_PER_FORWARD = 128
 # Where the attention writes no scores, a group's resident memory may take this share of the budget (the
 # rest: one forward's activations, the head's logits, the allocator's slack). At the real shape a group of
-# 256 completions peaked at 33 GiB on the H200 with the models (benchmarks/score_real_h200.json), while
-# halving the budget split it in two on an 80 GB H100 (367 forwards against 185).
+# 256 completions peaked at 33 GiB on the H200 with the models
+# (benchmarks/score_real_h200_2026-12-06_38c49d0.json), while halving the budget split it in two on an
+# 80 GB H100 (367 forwards against 185).
 FUSED_SHARE = 0.8
 # Devices where the frontier fills its batch with walks started inside the longest ranges as walks end
 # (`specops.score.split_walks`). Built for GPUs, where a forward over a few blocks costs nearly what a
-# full one does. Measured on the H200 at the real shape (benchmarks/score_real_h200.json and
-# score_real_h200_2026-12-06.json, "engine, walks_split"): 176 forwards against 185 and no time saved
-# (45.9 against 47.4 completions/s; 40.6 against 40.9), since one group of 256 completions leaves little
-# tail there; so none. A CPU's cost follows its rows, so the steps a split adds would only cost there.
+# full one does. Measured on the H200 at the real shape (benchmarks/score_real_h200.json,
+# score_real_h200_2026-12-06_38c49d0.json and score_real_h200_2026-12-06.json, "engine, walks_split"):
+# 176 forwards against 185 and no time saved (51.7 against 53.1 completions/s; 45.9 against 47.4; 40.6
+# against 40.9), since one group of 256 completions leaves little tail there; so none. A CPU's cost
+# follows its rows, so the steps a split adds would only cost there.
 SPLIT_DEVICES: tuple[str, ...] = ()
 # The frontier's ended walks leave its batch once they are this share of it: a gather of the context K/V
 # costs a fraction of one step, while every ended row in the batch costs a full block; and the trunk's
